@@ -1,0 +1,36 @@
+# Two entry points for a fresh machine with only Python 3.11:
+#   make demo   -- create .venv, install torch 2.13.0 (CPU) and the toolkit, run the end-to-end demo
+#   make test   -- create .venv, install with dev extras, run ruff, mypy and pytest
+PYTHON ?= python3
+VENV   ?= .venv
+PY      = $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: setup demo test lint typecheck pytest clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e ".[dev]"
+	touch $@
+
+setup: $(VENV)/.installed
+
+demo: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pretrain.demo
+
+lint: setup
+	$(VENV)/bin/ruff check pretrain mlm_eval finetune tools tests benchmarks
+	$(VENV)/bin/ruff format --check pretrain mlm_eval finetune tools tests benchmarks
+
+typecheck: setup
+	$(VENV)/bin/mypy
+
+pytest: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+
+test: lint typecheck pytest
+
+clean:
+	rm -rf $(VENV) build *.egg-info

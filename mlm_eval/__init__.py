@@ -1,0 +1,1 @@
+"""mlm_eval package."""

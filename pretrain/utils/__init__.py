@@ -1,0 +1,1 @@
+"""Small shared utilities (errors, atomic files, result records)."""
