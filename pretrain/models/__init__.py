@@ -1,0 +1,1 @@
+"""Models: the transformer shared by GPT and BERT, and their heads."""

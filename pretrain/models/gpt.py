@@ -1,0 +1,115 @@
+"""GPT-2: pre-LN decoder-only transformer with the output layer tied to the word embeddings."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+import torch
+
+from pretrain.config import ModelConfig
+from pretrain.models.base import ShardedModule
+from pretrain.models.language_model import LanguageModel, parallel_lm_logits
+from pretrain.models.transformer import DTYPES
+from pretrain.parallel.state import ParallelState
+from pretrain.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from pretrain.tensor_parallel.layers import VocabParallelEmbedding
+from pretrain.tensor_parallel.mappings import gather_from_tp_region
+from pretrain.tensor_parallel.vocab import padded_vocab_size
+
+_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+
+
+class GPTModel(ShardedModule):
+    """One pipeline stage (or virtual chunk) of GPT.
+
+    * ``pre_process`` (first stage): holds ``language_model.embedding``; ``forward`` takes ids.
+    * ``post_process`` (last stage): holds ``encoder.final_layernorm`` and computes logits with
+      the word embeddings; on a last stage that is not also first, a copy of them lives in
+      ``word_embeddings_for_head`` (kept equal via the embedding group, see pipeline code).
+    * ``layer_numbers``: global indices of the layers here (default: all layers).
+    """
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ps: ParallelState,
+        *,
+        pre_process: bool = True,
+        post_process: bool = True,
+        layer_numbers: Sequence[int] | None = None,
+    ) -> None:
+        super().__init__()
+        cfg.check_tensor_parallel(ps.tp_size)
+        self.cfg, self.ps = cfg, ps
+        self.pre_process, self.post_process = pre_process, post_process
+        self.layer_numbers = tuple(range(cfg.num_layers) if layer_numbers is None else layer_numbers)
+        self.language_model = LanguageModel(
+            cfg, ps, pre_process=pre_process, post_process=post_process, layer_numbers=self.layer_numbers
+        )
+        self.padded_vocab = padded_vocab_size(
+            cfg.vocab_size, tp=ps.tp_size, divisible_by=cfg.make_vocab_size_divisible_by
+        )
+        self.vocab_start = ps.tp_rank * (self.padded_vocab // ps.tp_size)
+        if post_process and not pre_process:
+            self.word_embeddings_for_head = VocabParallelEmbedding(
+                self.padded_vocab, cfg.hidden_size, ps=ps, dtype=DTYPES[cfg.params_dtype]
+            )
+
+    # --- names ---------------------------------------------------------------------------------
+    def canonical_name(self, name: str) -> str:
+        """Map a local parameter name to the layout-independent full-model name.
+
+        Local layer indices become global; ``word_embeddings_for_head`` maps to the word
+        embeddings it copies.
+        """
+        if name.startswith("word_embeddings_for_head."):
+            return "language_model.embedding.word_embeddings." + name.split(".", 1)[1]
+        return _LAYER.sub(
+            lambda m: f"{m.group(1)}layers.{self.layer_numbers[int(m.group(2))]}.", name, count=1
+        )
+
+    def shared_embedding_weight(self) -> torch.Tensor:
+        if self.pre_process:
+            return self.language_model.embedding.word_embeddings.weight
+        return self.word_embeddings_for_head.weight
+
+    # --- compute -------------------------------------------------------------------------------
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        *,
+        hidden_states: torch.Tensor | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """First stage: ``input_ids [b, s]``; later stages: ``hidden_states [b, s, h]``.
+
+        Returns hidden states ``[b, s, h]`` (not last stage), per-token losses ``[b, s]`` (last
+        stage with ``labels``), or vocab-parallel logits ``[b, s, V/t]`` (last stage).
+        """
+        if self.pre_process:
+            assert input_ids is not None, "the first stage needs input_ids"
+            x = self.language_model.embedding(input_ids, position_ids)
+        else:
+            assert hidden_states is not None, "a later stage needs hidden_states"
+            x = hidden_states
+        x = self.language_model.encoder(x)
+        if not self.post_process:
+            return x
+        logits = parallel_lm_logits(
+            x,
+            self.shared_embedding_weight(),
+            ps=self.ps,
+            vocab_start=self.vocab_start,
+            true_vocab=self.cfg.vocab_size,
+        )
+        if labels is None:
+            return logits
+        return vocab_parallel_cross_entropy(
+            logits, labels, vocab_start=self.vocab_start, group=self.ps.tp_group
+        )
+
+    def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
+        """Gather vocab-parallel logits over the TP group and drop padding: ``[b, s, V]``."""
+        return gather_from_tp_region(local_logits, self.ps.tp_group)[..., : self.cfg.vocab_size]

@@ -1,0 +1,99 @@
+"""Embeddings and the language-model trunk shared by GPT and BERT."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pretrain.config import ModelConfig
+from pretrain.models.transformer import DTYPES, TransformerBlock, layer_norm
+from pretrain.parallel.state import ParallelState
+from pretrain.tensor_parallel.cross_entropy import mask_padded_vocab
+from pretrain.tensor_parallel.layers import VocabParallelEmbedding, mark_partition
+from pretrain.tensor_parallel.mappings import copy_to_tp_region
+from pretrain.tensor_parallel.vocab import padded_vocab_size
+
+
+class Embedding(nn.Module):
+    """Word (vocab-parallel ``[V/t, h]``) + learned position (+ token-type) embeddings, dropout.
+
+    Output ``[b, s, h]``, replicated on TP ranks (the word lookup all-reduces over the TP group).
+    """
+
+    def __init__(self, cfg: ModelConfig, ps: ParallelState) -> None:
+        super().__init__()
+        dtype = DTYPES[cfg.params_dtype]
+        padded = padded_vocab_size(
+            cfg.vocab_size, tp=ps.tp_size, divisible_by=cfg.make_vocab_size_divisible_by
+        )
+        self.word_embeddings = VocabParallelEmbedding(padded, cfg.hidden_size, ps=ps, dtype=dtype)
+        self.position_embeddings = nn.Embedding(
+            cfg.max_position_embeddings, cfg.hidden_size, device=ps.device, dtype=dtype
+        )
+        mark_partition(self.position_embeddings.weight, None)
+        if cfg.num_tokentypes > 0:
+            self.tokentype_embeddings = nn.Embedding(
+                cfg.num_tokentypes, cfg.hidden_size, device=ps.device, dtype=dtype
+            )
+        if cfg.post_layernorm:
+            self.layernorm = layer_norm(cfg, ps)
+        self.dropout = cfg.hidden_dropout
+        self.max_positions = cfg.max_position_embeddings
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor | None = None,
+        tokentype_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        s = input_ids.shape[-1]
+        if s > self.max_positions:
+            raise ValueError(f"sequence length {s} exceeds max_position_embeddings {self.max_positions}")
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).expand_as(input_ids)
+        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        if hasattr(self, "tokentype_embeddings"):
+            if tokentype_ids is None:
+                tokentype_ids = torch.zeros_like(input_ids)
+            x = x + self.tokentype_embeddings(tokentype_ids)
+        if hasattr(self, "layernorm"):
+            x = self.layernorm(x)
+        return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
+
+
+class LanguageModel(nn.Module):
+    """``embedding`` (first stage only) and ``encoder`` (this stage's layers)."""
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        ps: ParallelState,
+        *,
+        pre_process: bool,
+        post_process: bool,
+        layer_numbers: Sequence[int],
+    ) -> None:
+        super().__init__()
+        if pre_process:
+            self.embedding = Embedding(cfg, ps)
+        self.encoder = TransformerBlock(cfg, ps, layer_numbers=layer_numbers, final_layernorm=post_process)
+
+
+def parallel_lm_logits(
+    hidden: torch.Tensor,
+    word_embeddings: torch.Tensor,
+    *,
+    ps: ParallelState,
+    vocab_start: int,
+    true_vocab: int,
+) -> torch.Tensor:
+    """Vocab-parallel logits ``[b, s, V/t]`` from ``hidden [b, s, h]`` and the tied ``[V/t, h]`` weight.
+
+    Collective: f on the input (backward all-reduce over the TP group). Padded vocabulary columns
+    are ``-inf``.
+    """
+    logits = F.linear(copy_to_tp_region(hidden, ps.tp_group), word_embeddings)
+    return mask_padded_vocab(logits, vocab_start=vocab_start, true_vocab=true_vocab)

@@ -1,0 +1,1 @@
+"""Rank layout (pure functions) and the :class:`ParallelState` holding process groups."""

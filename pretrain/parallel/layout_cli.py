@@ -1,0 +1,65 @@
+"""``mlm-layout``: print the process groups of a (world, tp, pp, vp) run.
+
+Example::
+
+    mlm-layout --world-size 16 --tp 2 --pp 4
+    mlm-layout --world-size 16 --tp 2 --pp 4 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from rich.console import Console
+from rich.table import Table
+
+from pretrain.parallel.layout import RankLayout, compute_layout
+from pretrain.utils.errors import cli_entry
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mlm-layout", description="Print Megatron's process groups.")
+    p.add_argument("--world-size", type=int, required=True)
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size")
+    p.add_argument("--vp", type=int, default=1, help="virtual pipeline chunks per stage")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    return p
+
+
+def _render(layout: RankLayout, console: Console) -> None:
+    console.print(
+        f"world {layout.world_size} = tp {layout.tp} x dp {layout.dp} x pp {layout.pp}"
+        + (f" (virtual chunks {layout.vp})" if layout.vp > 1 else "")
+    )
+    for kind, groups in layout.as_dict().items():
+        table = Table(title=f"{kind} groups ({len(groups)})", show_header=True)
+        table.add_column("#", justify="right")
+        table.add_column("ranks")
+        for i, g in enumerate(groups):
+            table.add_row(str(i), " ".join(map(str, g)))
+        console.print(table)
+    coords = Table(title="rank coordinates")
+    for col in ("rank", "tp_rank", "dp_rank", "pp_rank"):
+        coords.add_column(col, justify="right")
+    for r in range(layout.world_size):
+        c = layout.coords(r)
+        coords.add_row(str(r), str(c.tp_rank), str(c.dp_rank), str(c.pp_rank))
+    console.print(coords)
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    layout = compute_layout(world_size=args.world_size, tp=args.tp, pp=args.pp, vp=args.vp)
+    if args.json:
+        print(json.dumps(layout.as_dict()))
+    else:
+        _render(layout, Console())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,83 @@
+"""Vocab-parallel cross-entropy: each rank holds logits ``[..., V/t]`` for its vocabulary range.
+
+Only per-token scalars cross the TP group: the running max (all-reduce MAX), the target logit
+(all-reduce SUM; exactly one rank holds it) and the sum of exponentials (all-reduce SUM). The
+``b * s * V`` logits are never gathered. Padded vocabulary columns must already be ``-inf``
+(see :func:`mask_padded_vocab`) so they take no probability mass.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pretrain.tensor_parallel.mappings import ProcessGroup, group_size
+
+
+def _reduce(x: torch.Tensor, group: ProcessGroup | None, op: Any = dist.ReduceOp.SUM) -> torch.Tensor:
+    if group_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def mask_padded_vocab(logits: torch.Tensor, *, vocab_start: int, true_vocab: int) -> torch.Tensor:
+    """Set logits of padded vocabulary rows (global id >= ``true_vocab``) to ``-inf``.
+
+    ``logits``: ``[..., V/t]`` of this rank, whose first column is global id ``vocab_start``.
+    Returns ``logits`` itself when this rank holds no padding.
+    """
+    first_pad = true_vocab - vocab_start
+    if first_pad >= logits.shape[-1]:
+        return logits
+    keep = torch.arange(logits.shape[-1], device=logits.device) < first_pad
+    return logits.masked_fill(~keep, float("-inf"))
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group: ProcessGroup | None
+    ) -> torch.Tensor:
+        logits_max = _reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        shifted = logits - logits_max.unsqueeze(-1)
+        local_v = logits.shape[-1]
+        outside = (target < vocab_start) | (target >= vocab_start + local_v)
+        local_target = (target - vocab_start).masked_fill(outside, 0)
+        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
+        target_logit = _reduce(target_logit.masked_fill(outside, 0.0), group)
+        exp = shifted.exp_()
+        sum_exp = _reduce(exp.sum(dim=-1), group)
+        loss = sum_exp.log() - target_logit
+        exp.div_(sum_exp.unsqueeze(-1))  # softmax, kept for backward
+        ctx.save_for_backward(exp, outside, local_target)
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        softmax, outside, local_target = ctx.saved_tensors
+        grad = softmax.clone()
+        onehot = (~outside).to(grad.dtype).unsqueeze(-1)
+        grad.scatter_add_(-1, local_target.unsqueeze(-1), -onehot)
+        grad.mul_(grad_loss.unsqueeze(-1))
+        return grad, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor, target: torch.Tensor, *, vocab_start: int, group: ProcessGroup | None
+) -> torch.Tensor:
+    """Per-token loss ``[...]`` from vocab-parallel logits ``[..., V/t]`` and global targets ``[...]``.
+
+    Computed in float32 whatever the logits' dtype. Collectives over ``group``: three all-reduces
+    of ``[...]``-shaped scalars per call; backward needs none.
+    """
+    return _VocabParallelCrossEntropy.apply(logits.float(), target, vocab_start, group)
+
+
+def masked_mean(losses: torch.Tensor, loss_mask: torch.Tensor | None) -> torch.Tensor:
+    """Mean of per-token losses over positions where ``loss_mask`` is 1 (all when ``None``)."""
+    if loss_mask is None:
+        return losses.mean()
+    mask = loss_mask.to(losses.dtype)
+    return (losses * mask).sum() / mask.sum().clamp_min(1.0)

@@ -1,0 +1,133 @@
+"""Tensor-parallel layers: column- and row-parallel linear, vocab-parallel embedding.
+
+Each parallel parameter carries ``tp_partition_dim`` (0 or 1; ``None`` for replicated tensors)
+so checkpoint tools and tests can split and re-assemble full tensors without knowing the layer.
+Parameters are created empty; :mod:`pretrain.models.init` fills them from full tensors so that
+every layout starts from the same function.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pretrain.parallel.state import ParallelState
+from pretrain.tensor_parallel.mappings import (
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+    scatter_to_tp_region,
+)
+from pretrain.tensor_parallel.vocab import vocab_range
+
+
+def mark_partition(param: torch.Tensor, dim: int | None) -> Any:
+    param.tp_partition_dim = dim  # type: ignore[attr-defined]
+    return param
+
+
+def partition_dim(param: torch.Tensor) -> int | None:
+    return getattr(param, "tp_partition_dim", None)
+
+
+def _divide(n: int, d: int, what: str) -> int:
+    if n % d:
+        raise ValueError(f"{what} {n} is not divisible by tensor-parallel size {d}")
+    return n // d
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X A + b`` with ``A`` split by columns: weight ``[out/t, in]``, bias ``[out/t]``.
+
+    Input ``[..., in]`` (replicated on TP ranks); output ``[..., out/t]``, or ``[..., out]`` when
+    ``gather_output``. Collectives: f (backward all-reduce of the input grad over the TP group);
+    an all-gather of the output when ``gather_output``.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        ps: ParallelState,
+        bias: bool = True,
+        gather_output: bool = False,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.group = ps.tp_group
+        self.gather_output = gather_output
+        local_out = _divide(output_size, ps.tp_size, "output size")
+        kw: dict[str, Any] = {"device": ps.device, "dtype": dtype}
+        self.weight = mark_partition(nn.Parameter(torch.empty(local_out, input_size, **kw)), 0)
+        self.bias = mark_partition(nn.Parameter(torch.empty(local_out, **kw)), 0) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+        return gather_from_tp_region(y, self.group) if self.gather_output else y
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X A + b`` with ``A`` split by rows: weight ``[out, in/t]``, bias ``[out]`` replicated.
+
+    Input ``[..., in/t]`` (already split, e.g. the output of a column-parallel layer) or full
+    ``[..., in]`` when ``input_is_parallel=False``; output ``[..., out]``. Collectives: g (forward
+    all-reduce over the TP group); the bias is added after the reduction so it is counted once.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        *,
+        ps: ParallelState,
+        bias: bool = True,
+        input_is_parallel: bool = True,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        self.group = ps.tp_group
+        self.input_is_parallel = input_is_parallel
+        local_in = _divide(input_size, ps.tp_size, "input size")
+        kw: dict[str, Any] = {"device": ps.device, "dtype": dtype}
+        self.weight = mark_partition(nn.Parameter(torch.empty(output_size, local_in, **kw)), 1)
+        self.bias = mark_partition(nn.Parameter(torch.empty(output_size, **kw)), None) if bias else None
+
+    def forward_no_bias(self, x: torch.Tensor) -> torch.Tensor:
+        """The reduced output without the bias (for fused bias-dropout-add)."""
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.group)
+        return reduce_from_tp_region(F.linear(x, self.weight), self.group)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.forward_no_bias(x)
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding with the (padded) vocabulary split by rows: weight ``[V/t, h]``.
+
+    Input ids ``[...]``; output ``[..., h]``. Each rank looks up the ids in its range
+    ``[start, end)``, zeroes the others, and the TP group all-reduces (g).
+    """
+
+    def __init__(
+        self, padded_vocab: int, hidden: int, *, ps: ParallelState, dtype: torch.dtype = torch.float32
+    ) -> None:
+        super().__init__()
+        self.group = ps.tp_group
+        self.tp_size = ps.tp_size
+        self.start, self.end = vocab_range(padded_vocab, tp_rank=ps.tp_rank, tp=ps.tp_size)
+        w = torch.empty(self.end - self.start, hidden, device=ps.device, dtype=dtype)
+        self.weight = mark_partition(nn.Parameter(w), 0)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(ids, self.weight)
+        outside = (ids < self.start) | (ids >= self.end)
+        local = (ids - self.start).masked_fill(outside, 0)
+        out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(out, self.group)
