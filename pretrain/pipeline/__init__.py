@@ -1,0 +1,1 @@
+"""Pipeline parallelism: layer partitioning, p2p communication, schedule tables and executor."""
