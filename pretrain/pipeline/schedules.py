@@ -20,7 +20,26 @@ from pretrain.pipeline.p2p import PipelineComm
 from pretrain.pipeline.schedule_table import Action, build_table
 
 Microbatch = dict[str, torch.Tensor]
-LossFn = Callable[[torch.Tensor, Microbatch], torch.Tensor]
+LossFn = Callable[[Any, Microbatch], torch.Tensor]
+ForwardStep = Callable[[ShardedModule, Microbatch, "torch.Tensor | None", bool], Any]
+
+
+def gpt_forward_step(model: ShardedModule, mb: Microbatch, hidden: torch.Tensor | None, is_last: bool) -> Any:
+    """GPT stage forward: ids (first stage) or received hidden states; per-token losses on the last."""
+    kwargs: dict[str, Any] = {"hidden_states": hidden} if hidden is not None else {"input_ids": mb["tokens"]}
+    if "position_ids" in mb:
+        kwargs["position_ids"] = mb["position_ids"]
+    return model(labels=mb["labels"] if is_last else None, **kwargs)
+
+
+def _detach(out: Any) -> Any:
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, (tuple, list)):
+        return type(out)(_detach(o) for o in out)
+    if isinstance(out, dict):
+        return {k: _detach(v) for k, v in out.items()}
+    return out
 
 
 def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
@@ -33,14 +52,15 @@ def _backward(output: torch.Tensor, grad: torch.Tensor | None) -> None:
 class _Executor:
     def __init__(
         self, chunks: Sequence[ShardedModule], ps: ParallelState, mbs: Sequence[Microbatch], loss_fn: LossFn,
-        forward_only: bool, collect_outputs: bool,
+        forward_only: bool, collect_outputs: bool, forward_step: ForwardStep,
     ) -> None:  # fmt: skip
         self.chunks, self.ps, self.mbs, self.loss_fn = chunks, ps, mbs, loss_fn
+        self.forward_step = forward_step
         self.forward_only, self.collect = forward_only, collect_outputs
         self.comm = PipelineComm(ps) if ps.pp_size > 1 else None
         self.saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor]] = {}
         self.losses: list[torch.Tensor] = []
-        self.outputs: list[torch.Tensor] = []
+        self.outputs: list[Any] = []
         self.max_inflight = 0
 
     def _first(self, chunk: int) -> bool:
@@ -60,19 +80,13 @@ class _Executor:
             inp = self.comm.recv(self._hidden_shape(mb), _param_dtype(model), from_next=False)
             inp.requires_grad_(not self.forward_only)
         with torch.set_grad_enabled(not self.forward_only):
-            kwargs: dict[str, Any] = (
-                {"hidden_states": inp} if inp is not None else {"input_ids": mb["tokens"]}
-            )
-            if "position_ids" in mb:
-                kwargs["position_ids"] = mb["position_ids"]
+            out = self.forward_step(model, mb, inp, self._last(a.chunk))
             if self._last(a.chunk):
-                losses = model(labels=mb["labels"], **kwargs)
-                out = self.loss_fn(losses, mb)
-                self.losses.append(out.detach())
                 if self.collect:
-                    self.outputs.append(losses.detach())
+                    self.outputs.append(_detach(out))
+                out = self.loss_fn(out, mb)
+                self.losses.append(out.detach())
             else:
-                out = model(**kwargs)
                 assert self.comm is not None
                 self.comm.send(out, to_next=True, free_after=None if self.forward_only else out)
         if not self.forward_only:
@@ -106,19 +120,21 @@ def forward_backward(
     finalize_grads: Callable[[], None] | None = None,
     microbatch_group_size: int | None = None,
     collect_outputs: bool = False,
-) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Run this rank's schedule; returns ``(losses, per_token_losses)`` on the last stage.
+    forward_step: ForwardStep = gpt_forward_step,
+) -> tuple[list[torch.Tensor], list[Any]]:
+    """Run this rank's schedule; returns ``(losses, outputs)`` on the last stage.
 
-    ``losses`` are the detached ``loss_fn`` values per microbatch (in schedule order, which for
-    the last stage is microbatch order); ``per_token_losses`` are filled when
-    ``collect_outputs``. ``finalize_grads`` (data-parallel and embedding gradient sync) is called
+    ``forward_step(model, mb, received_hidden_or_None, is_last_stage)`` runs one stage (default:
+    GPT, returning per-token losses on the last stage). ``losses`` are the detached ``loss_fn``
+    values per microbatch (microbatch order on the last stage); ``outputs`` are the detached
+    last-stage outputs when ``collect_outputs``. ``finalize_grads`` (data-parallel and embedding gradient sync) is called
     exactly once, after the last backward. Collectives: p2p over the pipeline group.
     """
     table = build_table(
         p=ps.pp_size, r=ps.pp_rank, m=len(microbatches), vp=len(chunks), group=microbatch_group_size,
         train=not forward_only,
     )  # fmt: skip
-    ex = _Executor(chunks, ps, microbatches, loss_fn, forward_only, collect_outputs)
+    ex = _Executor(chunks, ps, microbatches, loss_fn, forward_only, collect_outputs, forward_step)
     for action in table:
         ex.forward(action) if action.kind == "F" else ex.backward(action)
     if ex.comm is not None:
