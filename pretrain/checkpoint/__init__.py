@@ -1,0 +1,1 @@
+"""Megatron-layout checkpoints (legacy ``torch`` format): paths, safe loading, save/load."""

@@ -1,0 +1,159 @@
+"""Save and load this rank's part of a Megatron-layout checkpoint.
+
+Saving is atomic for the whole checkpoint: all ranks write into ``iter_XXXXXXX.tmp``; after a
+barrier, global rank 0 renames it to ``iter_XXXXXXX`` and then updates the tracker file, so a
+crash never leaves a half-written iteration marked as latest. Loading uses
+``torch.load(weights_only=True)``: our files hold only tensors and plain data.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pretrain.checkpoint.layout import (
+    CHECKPOINT_VERSION,
+    MODEL_FILE,
+    flatten,
+    iteration_dir,
+    nest_megatron,
+    rank_dir_name,
+    resolve_iteration,
+    write_tracker,
+)
+from pretrain.models.base import ShardedModule
+from pretrain.parallel.state import ParallelState
+from pretrain.utils.atomic import atomic_open
+from pretrain.utils.errors import UserError
+
+
+def _barrier() -> None:
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def model_state(chunks: Sequence[ShardedModule]) -> dict[str, Any]:
+    """``{"model": nested}`` or ``{"model0": ..., "modelV-1": ...}`` for virtual chunks."""
+    nested = [nest_megatron({k: v.detach().cpu() for k, v in c.state_dict().items()}) for c in chunks]
+    return {"model": nested[0]} if len(chunks) == 1 else {f"model{i}": n for i, n in enumerate(nested)}
+
+
+def rng_state(ps: ParallelState) -> dict[str, Any]:
+    state: dict[str, Any] = {
+        "torch_rng_state": torch.get_rng_state(),
+        "rng_tracker_states": ps.rng.get_states(),
+    }
+    if torch.cuda.is_available() and ps.device.type == "cuda":
+        state["cuda_rng_state"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(ps: ParallelState, state: dict[str, Any]) -> None:
+    torch.set_rng_state(state["torch_rng_state"])
+    if "cuda_rng_state" in state and ps.device.type == "cuda":
+        torch.cuda.set_rng_state(state["cuda_rng_state"])
+    ps.rng.set_states(state["rng_tracker_states"])
+
+
+def save_checkpoint(
+    root: str | Path,
+    iteration: int,
+    chunks: Sequence[ShardedModule],
+    ps: ParallelState,
+    *,
+    args: dict[str, Any],
+    optimizer: dict[str, Any] | None = None,
+    opt_param_scheduler: dict[str, Any] | None = None,
+    extra_files: dict[str, dict[str, Any]] | None = None,
+) -> Path:
+    """Write this rank's shard (DP rank 0 writes the model file); collective over all ranks.
+
+    ``extra_files`` maps file names (e.g. ``distrib_optim.pt``) to states this rank writes into
+    its ``mp_rank`` directory (callers pass them only on the rank that should write them).
+    """
+    final = iteration_dir(root, iteration)
+    tmp = final.with_name(final.name + ".tmp")
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir(parents=True)
+    _barrier()
+    rank_dir = tmp / rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size)
+    if ps.dp_rank == 0:
+        rank_dir.mkdir(exist_ok=True)
+        state = {
+            "iteration": iteration,
+            "checkpoint_version": CHECKPOINT_VERSION,
+            "args": args,
+            **model_state(chunks),
+            "optimizer": optimizer,
+            "opt_param_scheduler": opt_param_scheduler,
+            "rng_state": [rng_state(ps)],
+        }
+        with atomic_open(rank_dir / MODEL_FILE, "wb") as fh:
+            torch.save(state, fh)
+    for name, extra in (extra_files or {}).items():
+        rank_dir.mkdir(exist_ok=True)
+        with atomic_open(rank_dir / name, "wb") as fh:
+            torch.save(extra, fh)
+    _barrier()
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        write_tracker(root, iteration)
+    _barrier()
+    return final
+
+
+def load_rank_file(path: Path) -> dict[str, Any]:
+    """Load one of our checkpoint files safely (tensors and plain data only)."""
+    if not path.exists():
+        raise UserError(f"missing checkpoint shard {path}")
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:  # a corrupt or foreign file: one clear line
+        raise UserError(
+            f"{path}: cannot be loaded safely ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        ) from None
+
+
+def load_checkpoint(
+    root: str | Path,
+    chunks: Sequence[ShardedModule],
+    ps: ParallelState,
+    *,
+    iteration: int | str | None = None,
+) -> dict[str, Any]:
+    """Load this rank's model chunks from a checkpoint saved with the same TP/PP/VP layout.
+
+    Returns the file's other entries (``iteration``, ``args``, ``optimizer``,
+    ``opt_param_scheduler``, ``rng_state``). Other layouts: reshard with ``mlm-convert reshard``.
+    """
+    it_dir = resolve_iteration(root, iteration)
+    path = it_dir / rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size) / MODEL_FILE
+    state = load_rank_file(path)
+    keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
+    for key, chunk in zip(keys, chunks, strict=True):
+        if key not in state:
+            raise UserError(f"{path}: no {key!r} entry (saved with another virtual-pipeline size?)")
+        flat = flatten(state[key])
+        missing = set(chunk.state_dict()) - set(flat)
+        unexpected = set(flat) - set(chunk.state_dict())
+        if missing or unexpected:
+            raise UserError(
+                f"{path}: {key} does not match this layout (missing {sorted(missing)[:3]}, "
+                f"unexpected {sorted(unexpected)[:3]}); reshard it with mlm-convert reshard"
+            )
+        for name, param in chunk.state_dict().items():
+            if flat[name].shape != param.shape:
+                raise UserError(
+                    f"{path}: tensor {name} has shape {tuple(flat[name].shape)}, expected {tuple(param.shape)}"
+                )
+        chunk.load_state_dict(flat, strict=True)
+    return {k: v for k, v in state.items() if not k.startswith("model")}
