@@ -119,3 +119,18 @@ def test_vocab_parallel_cross_entropy_matches_torch(world: int) -> None:
     for r in results:
         torch.testing.assert_close(r["losses"], ref_losses.detach(), rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(r["loss"], ref_loss.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_tp4_with_ranks_holding_only_padding() -> None:
+    # vocab 100 at tp=4 pads to 512: ranks 1..3 hold no real vocabulary row at all.
+    cfg = tiny_config(vocab_size=100, num_attention_heads=4)
+    weights = full_weights(cfg)
+    data = batch(cfg)
+    ref_logits, ref_loss, ref_grads = single_process_reference(cfg, weights, data)
+    results = run_distributed(_tp_step, 4, cfg, weights, data)
+    for r in results:
+        assert r["logits"].shape[-1] == 100
+        torch.testing.assert_close(r["logits"], ref_logits, **TOL)
+        torch.testing.assert_close(r["loss"], ref_loss, **TOL)
+        for name, g in ref_grads.items():
+            torch.testing.assert_close(r["grads"][name], g, **TOL)

@@ -9,12 +9,11 @@ import torch
 
 from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
-from pretrain.models.language_model import LanguageModel, parallel_lm_logits
+from pretrain.models.language_model import LanguageModel, gather_vocab_logits, parallel_lm_logits
 from pretrain.models.transformer import DTYPES
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from pretrain.tensor_parallel.layers import VocabParallelEmbedding
-from pretrain.tensor_parallel.mappings import gather_from_tp_region
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
@@ -111,5 +110,10 @@ class GPTModel(ShardedModule):
         )
 
     def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
-        """Gather vocab-parallel logits over the TP group and drop padding: ``[b, s, V]``."""
-        return gather_from_tp_region(local_logits, self.ps.tp_group)[..., : self.cfg.vocab_size]
+        """Gather vocab-parallel logits ``[b, s, n]`` over the TP group into ``[b, s, V]`` (no padding).
+
+        Collective: one all-gather over the TP group (evaluation only; training never gathers).
+        """
+        return gather_vocab_logits(
+            local_logits, ps=self.ps, padded_vocab=self.padded_vocab, true_vocab=self.cfg.vocab_size
+        )

@@ -11,9 +11,8 @@ from torch import nn
 from pretrain.config import ModelConfig
 from pretrain.models.transformer import DTYPES, TransformerBlock, layer_norm
 from pretrain.parallel.state import ParallelState
-from pretrain.tensor_parallel.cross_entropy import mask_padded_vocab
 from pretrain.tensor_parallel.layers import VocabParallelEmbedding, mark_partition
-from pretrain.tensor_parallel.mappings import copy_to_tp_region
+from pretrain.tensor_parallel.mappings import copy_to_tp_region, gather_from_tp_region
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 
 
@@ -90,10 +89,23 @@ def parallel_lm_logits(
     vocab_start: int,
     true_vocab: int,
 ) -> torch.Tensor:
-    """Vocab-parallel logits ``[b, s, V/t]`` from ``hidden [b, s, h]`` and the tied ``[V/t, h]`` weight.
+    """Vocab-parallel logits ``[b, s, n]`` from ``hidden [b, s, h]`` and the tied ``[V/t, h]`` weight.
 
-    Collective: f on the input (backward all-reduce over the TP group). Padded vocabulary columns
-    are ``-inf``.
+    ``n`` is the number of *real* vocabulary rows on this rank (``V/t`` except on the rank that
+    holds the padding): padded rows are never multiplied, so they cannot take probability mass
+    and cost nothing. Collective: f on the input (backward all-reduce over the TP group).
     """
-    logits = F.linear(copy_to_tp_region(hidden, ps.tp_group), word_embeddings)
-    return mask_padded_vocab(logits, vocab_start=vocab_start, true_vocab=true_vocab)
+    valid = max(0, min(word_embeddings.shape[0], true_vocab - vocab_start))
+    weight = word_embeddings if valid == word_embeddings.shape[0] else word_embeddings[:valid]
+    return F.linear(copy_to_tp_region(hidden, ps.tp_group), weight)
+
+
+def gather_vocab_logits(
+    local_logits: torch.Tensor, *, ps: ParallelState, padded_vocab: int, true_vocab: int
+) -> torch.Tensor:
+    """All-gather ``[..., n]`` logits of every TP rank into ``[..., true_vocab]`` (autograd-aware)."""
+    rows = padded_vocab // ps.tp_size
+    if local_logits.shape[-1] < rows:  # the rank holding the padding: fill to the common width
+        pad = local_logits.new_full((*local_logits.shape[:-1], rows - local_logits.shape[-1]), float("-inf"))
+        local_logits = torch.cat([local_logits, pad], dim=-1)
+    return gather_from_tp_region(local_logits, ps.tp_group)[..., :true_vocab]

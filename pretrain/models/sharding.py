@@ -17,7 +17,7 @@ from pretrain.models.base import ShardedModule
 from pretrain.tensor_parallel.layers import partition_dim
 from pretrain.tensor_parallel.mappings import ProcessGroup, group_size
 
-VOCAB_TENSORS = ("word_embeddings.weight", "word_embeddings_for_head.weight")
+VOCAB_TENSORS = ("word_embeddings.weight", "word_embeddings_for_head.weight", "lm_head.bias")
 
 
 def is_vocab_tensor(name: str) -> bool:

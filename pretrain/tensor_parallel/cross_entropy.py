@@ -2,8 +2,8 @@
 
 Only per-token scalars cross the TP group: the running max (all-reduce MAX), the target logit
 (all-reduce SUM; exactly one rank holds it) and the sum of exponentials (all-reduce SUM). The
-``b * s * V`` logits are never gathered. Padded vocabulary columns must already be ``-inf``
-(see :func:`mask_padded_vocab`) so they take no probability mass.
+``b * s * V`` logits are never gathered. Padded vocabulary columns must either be absent (the
+model computes logits only for real rows) or ``-inf`` (:func:`mask_padded_vocab`).
 """
 
 from __future__ import annotations
@@ -40,7 +40,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, logits: torch.Tensor, target: torch.Tensor, vocab_start: int, group: ProcessGroup | None
     ) -> torch.Tensor:
-        logits_max = _reduce(logits.max(dim=-1).values, group, dist.ReduceOp.MAX)
+        if logits.shape[-1] == 0:  # a TP rank holding only vocabulary padding
+            logits_max = logits.new_full(target.shape, float("-inf"))
+        else:
+            logits_max = logits.max(dim=-1).values
+        logits_max = _reduce(logits_max, group, dist.ReduceOp.MAX)
         shifted = logits - logits_max.unsqueeze(-1)
         local_v = logits.shape[-1]
         outside = (target < vocab_start) | (target >= vocab_start + local_v)

@@ -1,0 +1,564 @@
+"""GPT pretraining samples from indexed datasets: splits, epochs, shuffling, blending, on-disk index maps.
+
+How samples are made (Megatron's construction, numpy-vectorised):
+
+1. **Split.** The documents of each dataset are cut into contiguous train/valid/test ranges by the
+   ratios of ``split`` (``"969,30,1"``), with Megatron's rounding.
+2. **Epochs.** Enough epochs ``E`` are taken that ``E * tokens_per_epoch >= num_samples * seq_length
+   + 1``. The document order is a fresh permutation every epoch (``document_index``, ``E * D``
+   entries) drawn from ``numpy.random.RandomState(seed)``.
+3. **Samples.** The shuffled documents form one token stream; sample ``j`` is the ``seq_length + 1``
+   tokens starting at stream position ``j * seq_length`` (consecutive samples share one token, so
+   every token is a target exactly once). ``sample_index[j] = (position in document_index, offset
+   in that document)``; samples cross document boundaries freely.
+4. **Shuffle.** ``shuffle_index`` permutes the samples. When the last epoch is needed for fewer
+   than 80% of its samples, it is shuffled separately and placed after the others (as Megatron),
+   so the first ``E - 1`` epochs are seen in full before any of the partial last one.
+
+Sample ``i`` is ``sample_index`` entry ``shuffle_index[i]``: a dict of torch tensors
+``tokens`` int64 [s], ``labels`` int64 [s] (tokens shifted by one), ``loss_mask`` float32 [s]
+(0 where the *input* token is eod if ``eod_mask_loss``) and ``position_ids`` int64 [s]. Nothing
+depends on the data-parallel size: :func:`global_batch_indices` cuts the global sample order into
+contiguous per-rank slices.
+
+The three index arrays are cached as ``.npy`` in ``cache_dir`` (Megatron's ``--data-cache-path``)
+under a hash of everything they depend on: the content of the ``.idx`` file, the split's documents,
+``seq_length``, ``seed``, ``num_samples``. Changing any input changes the hash, so stale maps are
+never used. Files are written atomically (temporary + rename, the description file last); ranks
+that build the same maps concurrently write identical bytes. ``cache_dir=None`` keeps them in memory.
+
+Blending (``data_prefix = ("0.3", "a", "0.7", "b")``, as ``--data-path``) uses Megatron's greedy
+rule: sample ``i`` comes from the dataset whose share so far lags its weight the most.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from pretrain.data.indexed_dataset import IndexedDataset, index_file_path
+from pretrain.utils.atomic import atomic_open
+from pretrain.utils.errors import UserError
+
+SPLIT_NAMES = ("train", "valid", "test")
+_INDEX_VERSION = 1  # bump when the construction of the index maps changes
+_BLEND_MARGIN = 1.005  # Megatron builds 0.5% more samples per blended dataset than the weights ask for
+
+
+# --------------------------------------------------------------------------------------------- config
+
+
+def parse_split(split: str) -> tuple[float, float, float]:
+    """``"969,30,1"`` (or ``"969/30/1"``) -> normalised (train, valid, test) fractions."""
+    text = str(split).replace("/", ",")
+    try:
+        parts = [float(p) for p in text.split(",") if p.strip() != ""]
+    except ValueError:
+        raise UserError(f"--split {split!r}: expected up to three numbers like 969,30,1") from None
+    if not parts or len(parts) > 3 or any(p < 0 or not math.isfinite(p) for p in parts) or sum(parts) <= 0:
+        raise UserError(f"--split {split!r}: expected up to three non-negative numbers with a positive sum")
+    parts += [0.0] * (3 - len(parts))
+    total = sum(parts)
+    return (parts[0] / total, parts[1] / total, parts[2] / total)
+
+
+def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, end)`` document ranges of train/valid/test (Megatron's rounding: each
+    split size is rounded, and the rounding surplus is taken from the train split)."""
+    fractions = parse_split(split)
+    bounds = [0]
+    for f in fractions:
+        bounds.append(bounds[-1] + int(round(f * float(num_documents))))
+    diff = bounds[-1] - num_documents
+    bounds = [bounds[0]] + [b - diff for b in bounds[1:]]
+    bounds = [min(max(b, 0), num_documents) for b in bounds]
+    for i in range(1, len(bounds)):
+        bounds[i] = max(bounds[i], bounds[i - 1])
+    return [(bounds[i], bounds[i + 1]) for i in range(3)]
+
+
+def parse_data_prefix(data_prefix: Sequence[str | float]) -> list[tuple[str, float | None]]:
+    """Megatron's ``--data-path``: ``[p1, p2, ...]`` or ``[w1, p1, w2, p2, ...]`` -> [(prefix, weight)]."""
+    items = [str(x) for x in data_prefix]
+    if not items:
+        raise UserError("--data-path: no dataset given")
+    if len(items) == 1:
+        return [(items[0], None)]
+    try:
+        weights = [float(w) for w in items[0::2]]
+    except ValueError:
+        return [(p, None) for p in items]
+    if len(items) % 2:
+        raise UserError(f"--data-path: weights and prefixes must alternate (got {len(items)} items)")
+    if any(w < 0 or not math.isfinite(w) for w in weights) or sum(weights) <= 0:
+        raise UserError(f"--data-path: weights must be non-negative with a positive sum, got {weights}")
+    return [(p, w) for w, p in zip(weights, items[1::2], strict=True)]
+
+
+@dataclass(frozen=True, kw_only=True)
+class GPTDatasetConfig:
+    """Everything GPT samples depend on (the cache key uses all but ``eod_*`` and ``cache_dir``)."""
+
+    seq_length: int
+    data_prefix: tuple[str, ...]  # --data-path: prefixes, optionally "weight prefix" pairs
+    seed: int = 1234
+    split: str = "969,30,1"
+    cache_dir: str | None = None  # --data-cache-path; None keeps index maps in memory only
+    eod_mask_loss: bool = False
+    eod_id: int | None = None
+    blend: tuple[tuple[str, float | None], ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data_prefix, (str, os.PathLike)):
+            object.__setattr__(self, "data_prefix", (os.fspath(self.data_prefix),))
+        object.__setattr__(
+            self,
+            "data_prefix",
+            tuple(os.fspath(p) if isinstance(p, os.PathLike) else str(p) for p in self.data_prefix),
+        )
+        if int(self.seq_length) <= 0:
+            raise UserError(f"--seq-length must be positive, got {self.seq_length}")
+        parse_split(self.split)
+        object.__setattr__(self, "blend", tuple(parse_data_prefix(self.data_prefix)))
+        if self.eod_mask_loss and self.eod_id is None:
+            raise UserError("--eod-mask-loss needs a tokenizer with an end-of-document token")
+        if self.cache_dir is not None:
+            object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
+
+
+# --------------------------------------------------------------------------------------------- caching
+
+_HASH_MEMO: dict[tuple[str, int, int], str] = {}
+
+
+def _file_digest(path: str) -> str:
+    st = os.stat(path)
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
+    if key not in _HASH_MEMO:
+        h = hashlib.blake2b(digest_size=16)
+        with open(path, "rb") as fh:
+            for chunk in iter(lambda: fh.read(8 << 20), b""):
+                h.update(chunk)
+        _HASH_MEMO[key] = h.hexdigest()
+    return _HASH_MEMO[key]
+
+
+def _description_hash(desc: dict[str, Any]) -> str:
+    return hashlib.md5(json.dumps(desc, sort_keys=True).encode(), usedforsecurity=False).hexdigest()
+
+
+class _IndexCache:
+    """``{cache_dir}/{hash}-{kind}-{split}-{name}.npy`` + ``...-description.json`` (written last)."""
+
+    def __init__(
+        self, cache_dir: str | None, kind: str, split: str, desc: dict[str, Any], names: Sequence[str]
+    ):
+        self.desc = desc
+        self.unique = _description_hash(desc)
+        self.names = list(names)
+        self.dir = Path(cache_dir) if cache_dir is not None else None
+        stem = f"{self.unique}-{kind}-{split}"
+        self.paths = {n: self.dir / f"{stem}-{n}.npy" for n in self.names} if self.dir else {}
+        self.desc_path = self.dir / f"{stem}-description.json" if self.dir else None
+
+    def load(self) -> dict[str, np.ndarray] | None:
+        if self.desc_path is None or not self.desc_path.is_file():
+            return None
+        try:
+            if json.loads(self.desc_path.read_text(encoding="utf-8")) != self.desc:
+                return None
+            return {n: np.load(p, mmap_mode="r", allow_pickle=False) for n, p in self.paths.items()}
+        except (OSError, ValueError):  # missing or corrupt: rebuild
+            return None
+
+    def save(self, arrays: dict[str, np.ndarray]) -> None:
+        if self.dir is None or self.desc_path is None:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for name in self.names:
+            with atomic_open(self.paths[name], "wb") as fh:
+                np.save(fh, np.ascontiguousarray(arrays[name]), allow_pickle=False)
+        with atomic_open(self.desc_path, "w", encoding="utf-8") as fh:
+            json.dump(self.desc, fh, indent=2, sort_keys=True)
+            fh.write("\n")
+
+
+# --------------------------------------------------------------------------------------------- index maps
+
+
+def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState) -> np.ndarray:
+    """``num_epochs`` independent permutations of ``documents``, concatenated."""
+    dtype = np.int32 if (documents.size == 0 or int(documents.max()) < 2**31 - 1) else np.int64
+    out = np.empty(num_epochs * documents.size, dtype=dtype)
+    for e in range(num_epochs):
+        perm = documents.astype(dtype, copy=True)
+        rng.shuffle(perm)
+        out[e * documents.size : (e + 1) * documents.size] = perm
+    return out
+
+
+def build_sample_index(doc_lengths: np.ndarray, document_index: np.ndarray, seq_length: int) -> np.ndarray:
+    """int64 [num_samples + 1, 2]: start of sample j (and inclusive end of sample j - 1) as
+    (position in ``document_index``, token offset in that document); num_samples = (T - 1) // s
+    for the T tokens of the stream."""
+    lens = doc_lengths[document_index].astype(np.int64)
+    cum_end = np.cumsum(lens)
+    total = int(cum_end[-1]) if cum_end.size else 0
+    num_samples = max(total - 1, 0) // seq_length
+    positions = np.arange(num_samples + 1, dtype=np.int64) * seq_length
+    if total == 0:
+        return np.zeros((1, 2), dtype=np.int64)
+    k = np.searchsorted(cum_end, positions, side="right")
+    offsets = positions - (cum_end[k] - lens[k])
+    return np.stack([k.astype(np.int64), offsets], axis=1)
+
+
+def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
+    """Permutation of ``[0, num_samples)``, then a separate permutation of ``[num_samples, total_size)``."""
+    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
+    first = np.arange(num_samples, dtype=dtype)
+    rng.shuffle(first)
+    if num_samples == total_size:
+        return first
+    last = np.arange(num_samples, total_size, dtype=dtype)
+    rng.shuffle(last)
+    return np.concatenate([first, last])
+
+
+def _num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int | None) -> int:
+    if num_samples is None:
+        return 1
+    needed = num_samples * seq_length + 1
+    return max(1, -(-needed // tokens_per_epoch))
+
+
+# --------------------------------------------------------------------------------------------- datasets
+
+
+class GPTDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """GPT samples of ``seq_length + 1`` tokens from one split of one indexed dataset.
+
+    ``documents`` are the document ids of the split (default: all). ``len(ds)`` counts every sample
+    of the epochs built (at least ``num_samples``; one epoch if ``num_samples`` is None).
+    """
+
+    def __init__(
+        self,
+        indexed: IndexedDataset | str,
+        config: GPTDatasetConfig,
+        *,
+        documents: np.ndarray | None = None,
+        num_samples: int | None = None,
+        split: str = "train",
+    ) -> None:
+        self.indexed = indexed if isinstance(indexed, IndexedDataset) else IndexedDataset(indexed)
+        self.config = config
+        self.split = split
+        self.seq_length = int(config.seq_length)
+        docs = (
+            np.arange(self.indexed.num_documents, dtype=np.int64)
+            if documents is None
+            else np.asarray(documents)
+        )
+        self.documents = docs.astype(np.int64)
+        self.num_samples = num_samples
+        self._doc_lengths = self.indexed.document_lengths
+        self._doc_offsets = self.indexed.document_offsets
+        self.tokens_per_epoch = int(self._doc_lengths[self.documents].sum()) if self.documents.size else 0
+        if self.tokens_per_epoch == 0 or (num_samples is None and self.tokens_per_epoch <= self.seq_length):
+            raise UserError(
+                f"{index_file_path(self.indexed.prefix)}: the {split} split has {self.documents.size} "
+                f"documents and {self.tokens_per_epoch} tokens, too few for samples of "
+                f"{self.seq_length + 1} tokens"
+            )
+        if self.documents.size and (
+            self.documents.min() < 0 or self.documents.max() >= self.indexed.num_documents
+        ):
+            raise ValueError(f"document ids out of range for {self.indexed.num_documents} documents")
+        desc = {
+            "class": "GPTDataset",
+            "version": _INDEX_VERSION,
+            "index_file_digest": _file_digest(index_file_path(self.indexed.prefix)),
+            "split": split,
+            "documents": self._documents_key(),
+            "seq_length": self.seq_length,
+            "seed": int(config.seed),
+            "num_samples": None if num_samples is None else int(num_samples),
+        }
+        cache = _IndexCache(
+            config.cache_dir, "GPTDataset", split, desc, ("document_index", "sample_index", "shuffle_index")
+        )
+        self.unique_description_hash = cache.unique
+        loaded = cache.load()
+        self.cache_hit = loaded is not None
+        if loaded is None:
+            loaded = self._build_maps()
+            cache.save(loaded)
+        self.cache_paths = dict(cache.paths)
+        self.document_index = loaded["document_index"]
+        self.sample_index = loaded["sample_index"]
+        self.shuffle_index = loaded["shuffle_index"]
+
+    def _documents_key(self) -> Any:
+        d = self.documents
+        if d.size and np.array_equal(d, np.arange(int(d[0]), int(d[0]) + d.size)):
+            return {"range": [int(d[0]), int(d[0]) + int(d.size)]}
+        return {
+            "digest": hashlib.md5(d.astype("<i8").tobytes(), usedforsecurity=False).hexdigest(),
+            "n": int(d.size),
+        }
+
+    def _build_maps(self) -> dict[str, np.ndarray]:
+        s, T, n = self.seq_length, self.tokens_per_epoch, self.num_samples
+        num_epochs = _num_epochs(T, s, n)
+        separate_last_epoch = False
+        if n is not None and num_epochs > 1:
+            sans_last = ((num_epochs - 1) * T - 1) // s
+            from_last = n - sans_last
+            per_epoch = (T - 1) // s
+            separate_last_epoch = from_last < int(0.80 * per_epoch)
+        rng = np.random.RandomState(int(self.config.seed) % 2**32)
+        document_index = build_document_index(self.documents, num_epochs, rng)
+        sample_index = build_sample_index(self._doc_lengths, document_index, s)
+        total = sample_index.shape[0] - 1
+        first = ((num_epochs - 1) * T - 1) // s if separate_last_epoch else total
+        shuffle_index = build_shuffle_index(first, total, rng)
+        return {
+            "document_index": document_index,
+            "sample_index": sample_index,
+            "shuffle_index": shuffle_index,
+        }
+
+    def __len__(self) -> int:
+        return int(self.shuffle_index.shape[0])
+
+    def sample_tokens(self, j: int) -> np.ndarray:
+        """The ``seq_length + 1`` tokens of *unshuffled* sample ``j`` (int64)."""
+        k0, o0 = (int(x) for x in self.sample_index[j])
+        k1, o1 = (int(x) for x in self.sample_index[j + 1])
+        read = self.indexed.read
+        if k0 == k1:
+            doc = int(self.document_index[k0])
+            out = np.array(read(int(self._doc_offsets[doc]) + o0, o1 - o0 + 1), dtype=np.int64)  # a copy
+        else:
+            parts = []
+            doc = int(self.document_index[k0])
+            parts.append(read(int(self._doc_offsets[doc]) + o0, int(self._doc_lengths[doc]) - o0))
+            for k in range(k0 + 1, k1):
+                doc = int(self.document_index[k])
+                parts.append(read(int(self._doc_offsets[doc]), int(self._doc_lengths[doc])))
+            doc = int(self.document_index[k1])
+            parts.append(read(int(self._doc_offsets[doc]), o1 + 1))
+            out = np.concatenate(parts).astype(np.int64)
+        if out.size != self.seq_length + 1:  # pragma: no cover - guards the index construction
+            raise RuntimeError(f"sample {j} has {out.size} tokens, expected {self.seq_length + 1}")
+        return out
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        i = int(idx)
+        if not 0 <= i < len(self):
+            raise IndexError(f"sample {idx} out of range for {len(self)} samples ({self.split})")
+        return make_sample(self.sample_tokens(int(self.shuffle_index[i])), self.config)
+
+    def __repr__(self) -> str:
+        return (
+            f"GPTDataset({self.indexed.prefix!r}, split={self.split}, documents={self.documents.size}, "
+            f"samples={len(self)}, seq_length={self.seq_length})"
+        )
+
+
+def make_sample(tokens: np.ndarray, config: GPTDatasetConfig) -> dict[str, torch.Tensor]:
+    """``seq_length + 1`` tokens -> the sample dict (inputs, shifted labels, loss mask, positions)."""
+    t = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
+    inputs, labels = t[:-1].clone(), t[1:].clone()
+    loss_mask = torch.ones(inputs.shape[0], dtype=torch.float32)
+    if config.eod_mask_loss and config.eod_id is not None:
+        loss_mask[inputs == int(config.eod_id)] = 0.0
+    position_ids = torch.arange(inputs.shape[0], dtype=torch.int64)
+    return {"tokens": inputs, "labels": labels, "loss_mask": loss_mask, "position_ids": position_ids}
+
+
+def collate_samples(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack sample dicts into a batch dict ([b, s] tensors)."""
+    return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
+
+
+def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
+    """Megatron's greedy blending: sample ``i`` comes from the dataset ``d`` maximising
+    ``w_d * max(i, 1) - count_d`` (ties: the lowest ``d``). Returns (dataset_index int16,
+    dataset_sample_index int64)."""
+    w = [float(x) for x in weights]
+    n = len(w)
+    if n > np.iinfo(np.int16).max:
+        raise ValueError("too many datasets to blend")
+    counts = [0] * n
+    ds_index = np.empty(size, dtype=np.int16)
+    ds_sample = np.empty(size, dtype=np.int64)
+    ds_list = [0] * size
+    sample_list = [0] * size
+    rng_n = range(1, n)
+    for i in range(size):
+        x = float(max(i, 1))
+        best = 0
+        best_err = w[0] * x - counts[0]
+        for d in rng_n:
+            err = w[d] * x - counts[d]
+            if err > best_err:
+                best, best_err = d, err
+        ds_list[i] = best
+        sample_list[i] = counts[best]
+        counts[best] += 1
+    ds_index[:] = ds_list
+    ds_sample[:] = sample_list
+    return ds_index, ds_sample
+
+
+class BlendedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """``size`` samples drawn from ``datasets`` in proportion to ``weights`` (normalised)."""
+
+    def __init__(
+        self,
+        datasets: Sequence[GPTDataset],
+        weights: Sequence[float],
+        size: int,
+        config: GPTDatasetConfig,
+        *,
+        split: str = "train",
+    ) -> None:
+        if len(datasets) != len(weights) or not datasets:
+            raise ValueError("need one weight per dataset")
+        total = float(sum(weights))
+        self.datasets = list(datasets)
+        self.weights = [float(w) / total for w in weights]
+        self.size = int(size)
+        self.split = split
+        desc = {
+            "class": "BlendedDataset",
+            "version": _INDEX_VERSION,
+            "datasets": [d.unique_description_hash for d in self.datasets],
+            "weights": self.weights,
+            "size": self.size,
+            "split": split,
+        }
+        cache = _IndexCache(
+            config.cache_dir, "BlendedDataset", split, desc, ("dataset_index", "dataset_sample_index")
+        )
+        loaded = cache.load()
+        self.cache_hit = loaded is not None
+        if loaded is None:
+            ds_index, ds_sample = build_blending_indices(self.weights, self.size)
+            loaded = {"dataset_index": ds_index, "dataset_sample_index": ds_sample}
+            cache.save(loaded)
+        self.cache_paths = dict(cache.paths)
+        self.dataset_index = loaded["dataset_index"]
+        self.dataset_sample_index = loaded["dataset_sample_index"]
+
+    def __len__(self) -> int:
+        return self.size
+
+    def dataset_of(self, idx: int) -> tuple[int, int]:
+        """(dataset number, sample number in it) of blended sample ``idx``."""
+        d = int(self.dataset_index[idx])
+        return d, int(self.dataset_sample_index[idx]) % len(self.datasets[d])
+
+    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
+        i = int(idx)
+        if not 0 <= i < self.size:
+            raise IndexError(f"sample {idx} out of range for {self.size} blended samples ({self.split})")
+        d, j = self.dataset_of(i)
+        return self.datasets[d][j]
+
+
+# --------------------------------------------------------------------------------------------- building
+
+
+def build_gpt_datasets(
+    config: GPTDatasetConfig, train_valid_test_num_samples: Sequence[int | None]
+) -> tuple[
+    GPTDataset | BlendedDataset | None, GPTDataset | BlendedDataset | None, GPTDataset | BlendedDataset | None
+]:
+    """Train, valid and test datasets (``None`` where the split is empty or 0 samples are asked).
+
+    ``train_valid_test_num_samples``: samples each split must supply (``None``: one epoch). With
+    several prefixes, each dataset supplies ``ceil(weight * n * 1.005)`` samples (Megatron's
+    margin); without weights, datasets are weighted by their tokens in the split.
+    """
+    if len(train_valid_test_num_samples) != 3:
+        raise ValueError("train_valid_test_num_samples needs three entries")
+    indexed = {p: IndexedDataset(p) for p, _ in config.blend}
+    out: list[GPTDataset | BlendedDataset | None] = []
+    for s, name in enumerate(SPLIT_NAMES):
+        n = train_valid_test_num_samples[s]
+        if n is not None and int(n) <= 0:
+            out.append(None)
+            continue
+        parts = []
+        for prefix, weight in config.blend:
+            if weight == 0:
+                continue
+            lo, hi = split_document_ranges(config.split, indexed[prefix].num_documents)[s]
+            parts.append((prefix, weight, np.arange(lo, hi, dtype=np.int64)))
+        if all(docs.size == 0 for _, _, docs in parts):
+            if n is None:
+                out.append(None)
+                continue
+            raise UserError(
+                f"--split {config.split}: the {name} split of {', '.join(p for p, _, _ in parts)} has no "
+                f"documents, but {n} {name} samples are needed"
+            )
+        if len(parts) == 1:
+            prefix, _, docs = parts[0]
+            out.append(GPTDataset(indexed[prefix], config, documents=docs, num_samples=n, split=name))
+            continue
+        empty = [p for p, _, docs in parts if docs.size == 0]
+        if empty:
+            raise UserError(f"--split {config.split}: the {name} split of {empty[0]} has no documents")
+        if parts[0][1] is None:
+            weights = [float(indexed[p].document_lengths[docs].sum()) for p, _, docs in parts]
+        else:
+            weights = [float(w) for _, w, _ in parts]  # type: ignore[arg-type]
+        total = sum(weights)
+        weights = [w / total for w in weights]
+        if n is None:
+            components = [
+                GPTDataset(indexed[p], config, documents=docs, num_samples=None, split=name)
+                for p, _, docs in parts
+            ]
+            size = sum(len(c) for c in components)
+        else:
+            size = int(n)
+            components = [
+                GPTDataset(
+                    indexed[p],
+                    config,
+                    documents=docs,
+                    num_samples=math.ceil(w * size * _BLEND_MARGIN),
+                    split=name,
+                )
+                for (p, _, docs), w in zip(parts, weights, strict=True)
+            ]
+        out.append(BlendedDataset(components, weights, size, config, split=name))
+    return out[0], out[1], out[2]
+
+
+def global_batch_indices(iteration: int, global_batch: int, dp_rank: int, dp_size: int) -> np.ndarray:
+    """Sample indices (into the dataset's global order) that data-parallel rank ``dp_rank`` uses in
+    ``iteration`` (0-based): the global batch ``[iteration * global_batch, (iteration + 1) *
+    global_batch)`` cut into ``dp_size`` contiguous slices. Which samples make up a global batch
+    does not depend on ``dp_size``."""
+    if dp_size <= 0 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank {dp_rank} out of range for dp_size {dp_size}")
+    if global_batch <= 0 or global_batch % dp_size:
+        raise ValueError(f"global batch {global_batch} is not divisible by the data-parallel size {dp_size}")
+    per_rank = global_batch // dp_size
+    start = iteration * global_batch + dp_rank * per_rank
+    return np.arange(start, start + per_rank, dtype=np.int64)

@@ -1,0 +1,216 @@
+"""Canonical full BERT state dict <-> Hugging Face ``BertForPreTraining`` / ``MegatronBertForPreTraining``.
+
+A pure tensor mapping (no model code), used by tests and ``mlm-convert``:
+
+* post-LN (``cfg.post_layernorm``, original BERT) <-> ``BertForPreTraining``: ``embeddings.LayerNorm``
+  -> ``embedding.layernorm``; ``attention.output.LayerNorm`` -> ``post_attention_layernorm``;
+  ``output.LayerNorm`` -> ``post_mlp_layernorm``; no final LayerNorm.
+* pre-LN (Megatron's default) <-> ``MegatronBertForPreTraining``: ``attention.ln`` ->
+  ``input_layernorm``; ``ln`` -> ``post_attention_layernorm``; ``encoder.ln`` ->
+  ``final_layernorm``; no embedding LayerNorm.
+* Both: HF's separate query/key/value ``[h, h]`` become our fused ``query_key_value [3h, h]`` with
+  rows ordered ``[heads][3][head_dim]``; ``cls.predictions.transform.{dense,LayerNorm}`` ->
+  ``lm_head.{dense,layernorm}``; ``cls.predictions.bias`` -> ``lm_head.bias``;
+  ``cls.seq_relationship`` -> ``binary_head``; ``bert.pooler.dense`` -> ``language_model.pooler.dense``.
+  Without pooler and binary head the same names serve ``Bert(MegatronBert)ForMaskedLM``.
+
+HF's ``cls.predictions.decoder.{weight,bias}`` are tied to the word embeddings and to
+``cls.predictions.bias``: they are written as copies and, on import, must equal their tie.
+Vocabulary tensors are unpadded ``[vocab_size, ...]`` on both sides.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from pretrain.config import ModelConfig
+from pretrain.utils.errors import UserError
+
+LM = "language_model."
+_HF_ACT = {"gelu": "erf", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+_TIED = {  # HF key -> the HF key it is tied to
+    "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
+    "cls.predictions.decoder.bias": "cls.predictions.bias",
+}
+_IGNORED_HF = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids")
+
+
+def hf_architecture(cfg: ModelConfig) -> str:
+    """``BertForPreTraining`` for post-LN configs, ``MegatronBertForPreTraining`` for pre-LN."""
+    return "BertForPreTraining" if cfg.post_layernorm else "MegatronBertForPreTraining"
+
+
+def _pairs(a: str, b: str) -> list[tuple[str, str]]:
+    return [(f"{a}.weight", f"{b}.weight"), (f"{a}.bias", f"{b}.bias")]
+
+
+def _layer_pairs(cfg: ModelConfig, i: int) -> list[tuple[str, str]]:
+    """(canonical, HF) names of layer ``i`` except the fused QKV."""
+    ours, hf = f"{LM}encoder.layers.{i}.", f"bert.encoder.layer.{i}."
+    pairs = _pairs(ours + "self_attention.dense", hf + "attention.output.dense")
+    pairs += _pairs(ours + "mlp.dense_h_to_4h", hf + "intermediate.dense")
+    pairs += _pairs(ours + "mlp.dense_4h_to_h", hf + "output.dense")
+    if cfg.post_layernorm:
+        pairs += _pairs(ours + "post_attention_layernorm", hf + "attention.output.LayerNorm")
+        pairs += _pairs(ours + "post_mlp_layernorm", hf + "output.LayerNorm")
+    else:
+        pairs += _pairs(ours + "input_layernorm", hf + "attention.ln")
+        pairs += _pairs(ours + "post_attention_layernorm", hf + "ln")
+    return pairs
+
+
+def name_pairs(cfg: ModelConfig, *, binary_head: bool = True) -> list[tuple[str, str]]:
+    """Every one-to-one (canonical name, HF name) pair of the architecture (QKV and ties excluded)."""
+    emb = f"{LM}embedding."
+    pairs = [
+        (emb + "word_embeddings.weight", "bert.embeddings.word_embeddings.weight"),
+        (emb + "position_embeddings.weight", "bert.embeddings.position_embeddings.weight"),
+        (emb + "tokentype_embeddings.weight", "bert.embeddings.token_type_embeddings.weight"),
+    ]
+    if cfg.post_layernorm:
+        pairs += _pairs(emb + "layernorm", "bert.embeddings.LayerNorm")
+    for i in range(cfg.num_layers):
+        pairs += _layer_pairs(cfg, i)
+    if not cfg.post_layernorm:
+        pairs += _pairs(f"{LM}encoder.final_layernorm", "bert.encoder.ln")
+    pairs += _pairs("lm_head.dense", "cls.predictions.transform.dense")
+    pairs += _pairs("lm_head.layernorm", "cls.predictions.transform.LayerNorm")
+    pairs.append(("lm_head.bias", "cls.predictions.bias"))
+    if binary_head:
+        pairs += _pairs(f"{LM}pooler.dense", "bert.pooler.dense")
+        pairs += _pairs("binary_head", "cls.seq_relationship")
+    return pairs
+
+
+def _qkv_names(i: int, kind: str) -> tuple[str, list[str]]:
+    hf = f"bert.encoder.layer.{i}.attention.self."
+    ours = f"{LM}encoder.layers.{i}.self_attention.query_key_value.{kind}"
+    return ours, [f"{hf}{p}.{kind}" for p in ("query", "key", "value")]
+
+
+def fuse_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int) -> torch.Tensor:
+    """Separate ``[h, ...]`` q/k/v -> fused ``[3h, ...]`` with rows ``[heads][3][head_dim]``."""
+    parts = [t.reshape(heads, t.shape[0] // heads, *t.shape[1:]) for t in (q, k, v)]
+    return torch.stack(parts, dim=1).reshape(3 * q.shape[0], *q.shape[1:]).clone()
+
+
+def split_qkv(qkv: torch.Tensor, heads: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_qkv`: fused ``[3h, ...]`` -> q, k, v ``[h, ...]``."""
+    h = qkv.shape[0] // 3
+    grouped = qkv.reshape(heads, 3, h // heads, *qkv.shape[1:])
+    q, k, v = (grouped[:, j].reshape(h, *qkv.shape[1:]).clone() for j in range(3))
+    return q, k, v
+
+
+def _check_keys(what: str, given: Mapping[str, Any], expected: set[str], ignored: tuple[str, ...]) -> None:
+    missing = sorted(expected - set(given))
+    unexpected = sorted(set(given) - expected - set(ignored))
+    if missing or unexpected:
+        parts = []
+        if missing:
+            parts.append(f"missing {len(missing)} tensor(s): {', '.join(missing[:8])}")
+        if unexpected:
+            parts.append(f"unexpected {len(unexpected)} tensor(s): {', '.join(unexpected[:8])}")
+        raise UserError(f"{what}: {'; '.join(parts)}")
+
+
+def canonical_to_hf(
+    full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, include_tied: bool = True
+) -> dict[str, torch.Tensor]:
+    """Canonical full BERT tensors -> the state dict of :func:`hf_architecture` (``cfg``).
+
+    The binary head (pooler + ``cls.seq_relationship``) is exported when present in ``full``.
+    ``include_tied`` adds the tied ``cls.predictions.decoder.*`` copies (``load_state_dict``
+    with ``strict=True`` expects them; safetensors writers usually drop them).
+    """
+    binary = "binary_head.weight" in full
+    pairs = name_pairs(cfg, binary_head=binary)
+    qkv = [_qkv_names(i, kind) for i in range(cfg.num_layers) for kind in ("weight", "bias")]
+    _check_keys("BERT checkpoint -> Hugging Face", full, {o for o, _ in pairs} | {o for o, _ in qkv}, ())
+    out = {hf: full[ours].detach().clone() for ours, hf in pairs}
+    for ours, hf_names in qkv:
+        for name, t in zip(hf_names, split_qkv(full[ours].detach(), cfg.num_attention_heads)):
+            out[name] = t
+    if include_tied:
+        for key, tie in _TIED.items():
+            out[key] = out[tie].clone()
+    return out
+
+
+def hf_to_canonical(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A ``BertForPreTraining`` (post-LN ``cfg``) or ``MegatronBertForPreTraining`` (pre-LN) state
+    dict -> canonical full tensors. ``*ForMaskedLM`` state dicts (no pooler or
+    ``cls.seq_relationship``) give a model without the binary head. Raises :class:`UserError` on
+    missing or unexpected tensors, and on an untied decoder."""
+    binary = "cls.seq_relationship.weight" in hf
+    pairs = name_pairs(cfg, binary_head=binary)
+    qkv = [_qkv_names(i, kind) for i in range(cfg.num_layers) for kind in ("weight", "bias")]
+    expected = {h for _, h in pairs} | {n for _, names in qkv for n in names}
+    what = f"Hugging Face {hf_architecture(cfg)} -> BERT checkpoint"
+    _check_keys(what, hf, expected, (*_IGNORED_HF, *_TIED))
+    for key, tie in _TIED.items():
+        if key in hf and not torch.equal(hf[key], hf[tie]):
+            raise UserError(f"{what}: {key} differs from {tie}; only a tied decoder can be imported")
+    out = {ours: hf[name].detach().clone() for ours, name in pairs}
+    for ours, hf_names in qkv:
+        q, k, v = (hf[n].detach() for n in hf_names)
+        out[ours] = fuse_qkv(q, k, v, cfg.num_attention_heads)
+    return out
+
+
+def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
+    """Our :class:`ModelConfig` from a HF ``BertConfig`` (post-LN) or ``MegatronBertConfig`` (pre-LN).
+
+    Copies ``layer_norm_eps``; ``hidden_act`` ``gelu`` -> erf GeLU, ``gelu_new`` /
+    ``gelu_pytorch_tanh`` -> tanh. ``overrides`` (e.g. ``make_vocab_size_divisible_by``) win.
+    """
+    model_type = getattr(hf_config, "model_type", None)
+    if model_type not in ("bert", "megatron-bert"):
+        raise UserError(f"Hugging Face config: model_type {model_type!r} is not 'bert' or 'megatron-bert'")
+    act = getattr(hf_config, "hidden_act", None)
+    if act not in _HF_ACT:
+        raise UserError(f"Hugging Face config: hidden_act {act!r} is not one of {', '.join(_HF_ACT)}")
+    pos = getattr(hf_config, "position_embedding_type", "absolute")
+    if pos not in (None, "absolute"):
+        raise UserError(f"Hugging Face config: position_embedding_type {pos!r} is not supported (absolute only)")
+    kw: dict[str, Any] = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=hf_config.num_attention_heads,
+        vocab_size=hf_config.vocab_size,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        ffn_hidden_size=hf_config.intermediate_size,
+        hidden_dropout=hf_config.hidden_dropout_prob,
+        attention_dropout=hf_config.attention_probs_dropout_prob,
+        layernorm_epsilon=hf_config.layer_norm_eps,
+        init_method_std=hf_config.initializer_range,
+        gelu=_HF_ACT[act],
+        bidirectional=True,
+        num_tokentypes=hf_config.type_vocab_size,
+        post_layernorm=model_type == "bert",
+    )
+    kw.update(overrides)
+    return ModelConfig(**kw)
+
+
+def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+    """Keyword arguments for HF ``BertConfig`` (post-LN) / ``MegatronBertConfig`` (pre-LN) of ``cfg``."""
+    if not cfg.bidirectional:
+        raise UserError("only bidirectional (BERT) model configs export to Hugging Face BERT")
+    return dict(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.hidden_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        intermediate_size=cfg.ffn_size,
+        hidden_act="gelu" if cfg.gelu == "erf" else "gelu_new",
+        hidden_dropout_prob=cfg.hidden_dropout,
+        attention_probs_dropout_prob=cfg.attention_dropout,
+        max_position_embeddings=cfg.max_position_embeddings,
+        type_vocab_size=cfg.num_tokentypes,
+        initializer_range=cfg.init_method_std,
+        layer_norm_eps=cfg.layernorm_epsilon,
+    )

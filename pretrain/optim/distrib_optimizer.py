@@ -1,0 +1,194 @@
+"""ZeRO-1 distributed optimizer (Megatron-LM's ``DistributedOptimizer``).
+
+Every gradient buffer bucket is split into ``d`` equal contiguous shards (see
+:mod:`pretrain.distributed.grad_buffer`); data-parallel rank k owns shard k. For each parameter
+overlapping its shard the rank records three ranges, as Megatron does:
+
+* ``world``: the overlap in buffer coordinates;
+* ``local``: the same elements in this rank's flat shard (its bucket shards concatenated);
+* ``param``: the same elements in the flattened parameter.
+
+The rank keeps fp32 main params, fp32 grads (views when the buffer is fp32) and Adam state for
+those elements only. A step: gradients are reduce-scattered by DDP (``finish_grad_sync``), the
+shard is unscaled/clipped/stepped, updated values are written into the flat parameter buffer and
+all-gathered over ``ps.dp_group``. Norms and the overflow flag combine over the DP group and the
+model-parallel group (each rank holds disjoint pieces).
+
+Checkpoints: :meth:`DistributedOptimizer.sharded_state_dict` is one rank's ``distrib_optim.pt``
+(flat fp32 ``param``/``exp_avg``/``exp_avg_sq`` of its shard per buffer, plus the index map);
+:func:`reassemble_full_state` turns all ranks' shards into the non-distributed
+:meth:`MixedPrecisionOptimizer.full_state` form.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pretrain.distributed.grad_buffer import GradBuffer, Range
+from pretrain.optim.clip_grads import counts_for_norm
+from pretrain.optim.optimizer import MainParam, MixedPrecisionOptimizer, make_main_param
+from pretrain.optim.param_groups import uses_weight_decay
+
+FLAT_STATES = ("param", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class ShardRanges:
+    """Where one parameter's owned elements live (Megatron's ``world``/``local``/``param``)."""
+
+    world: Range
+    local: Range
+    param: Range
+
+
+def buffer_shard_ranges(buf: GradBuffer, dp_rank: int, dp_size: int) -> dict[int, ShardRanges]:
+    """``id(param) -> ShardRanges`` for the parameters of ``buf`` overlapping ``dp_rank``'s shard."""
+    out: dict[int, ShardRanges] = {}
+    local_offset = 0
+    for bucket in buf.buckets:
+        shard = bucket.shard_range(dp_rank, dp_size)
+        for p in bucket.params:
+            r = buf.index[id(p)]
+            start, end = max(r.start, shard.start), min(r.end, shard.end)
+            if start < end:
+                world = Range(start, end)
+                local = Range(local_offset + start - shard.start, local_offset + end - shard.start)
+                out[id(p)] = ShardRanges(world, local, Range(start - r.start, end - r.start))
+        local_offset += shard.size
+    return out
+
+
+class DistributedOptimizer(MixedPrecisionOptimizer):
+    """ZeRO-1: optimizer state and fp32 main params for this DP rank's shard only."""
+
+    def _build_mains(self) -> list[MainParam]:
+        names = {id(p): (key, name) for key, name, p in self._named_params()}
+        self._local: list[list[tuple[MainParam, ShardRanges]]] = []  # per buffer, in buffer order
+        mains: list[MainParam] = []
+        for d in self.ddps:
+            for buf in d.buffers:
+                ranges = buffer_shard_ranges(buf, self.ps.dp_rank, self.ps.dp_size)
+                entries = []
+                for p in reversed(buf.params):
+                    if id(p) not in ranges:
+                        continue
+                    key, name = names[id(p)]
+                    pr = ranges[id(p)].param
+                    m = make_main_param(
+                        key,
+                        p,
+                        p.data.view(-1)[pr.start : pr.end],
+                        p.main_grad.view(-1)[pr.start : pr.end],  # type: ignore[attr-defined]
+                        decay=uses_weight_decay(name, p),
+                        counted=counts_for_norm(name, p, self.ps),
+                    )
+                    entries.append((m, ranges[id(p)]))
+                    mains.append(m)
+                self._local.append(entries)
+        return mains
+
+    def _norm_groups(self) -> list[dist.ProcessGroup | None]:
+        return [self.ps.dp_group, self.ps.mp_group]
+
+    def _copy_main_to_model(self) -> None:
+        super()._copy_main_to_model()  # into this rank's shard of the flat param buffers
+        for d in self.ddps:
+            d.all_gather_params()
+
+    # --- state ----------------------------------------------------------------------------------
+    def _buffers(self) -> list[GradBuffer]:
+        return [buf for d in self.ddps for buf in d.buffers]
+
+    def sharded_state_dict(self) -> dict[str, Any]:
+        """This rank's shard: per buffer flat fp32 ``param``/``exp_avg``/``exp_avg_sq`` of length
+        ``numel / d`` (padding zero), with the buffer's index map so shards can be reassembled
+        without the model. Scalars (step, lr, scaler) are identical on every DP rank."""
+        keys = {id(p): key for key, _, p in self._named_params()}
+        buffers = []
+        for buf, entries in zip(self._buffers(), self._local, strict=True):
+            shard_numel = buf.numel // self.ps.dp_size
+            flat = {k: torch.zeros(shard_numel, dtype=torch.float32) for k in FLAT_STATES}
+            for m, r in entries:
+                st = self.adam.state[m.main]
+                for k, t in (("param", m.main), ("exp_avg", st["exp_avg"]), ("exp_avg_sq", st["exp_avg_sq"])):
+                    flat[k][r.local.start : r.local.end] = t.detach().cpu()
+            index = [
+                (keys[id(p)], tuple(p.shape), buf.index[id(p)].start, buf.index[id(p)].end)
+                for p in buf.params
+            ]
+            buffers.append(
+                {
+                    "numel": buf.numel,
+                    "buckets": [(b.start, b.end) for b in buf.buckets],
+                    "index": index,
+                    **flat,
+                }
+            )
+        common = self.state_dict_common()
+        return {"dp_rank": self.ps.dp_rank, "dp_size": self.ps.dp_size, "buffers": buffers, **common}
+
+    def state_dict_common(self) -> dict[str, Any]:
+        return {
+            "step": self.adam_step_count(),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.adam.param_groups],
+            "grad_scaler": None if self.scaler is None else self.scaler.state_dict(),
+        }
+
+    def state_dict(self) -> dict[str, Any]:
+        """Not available per rank: use :meth:`sharded_state_dict` and :func:`reassemble_full_state`."""
+        raise NotImplementedError("DistributedOptimizer state is sharded: use sharded_state_dict()")
+
+    def full_state(self) -> dict[str, dict[str, torch.Tensor]]:
+        raise NotImplementedError("DistributedOptimizer state is sharded: use reassemble_full_state()")
+
+    @torch.no_grad()
+    def load_sharded_state_dict(self, state: dict[str, Any]) -> None:
+        """Load this rank's shard (saved with the same layout and d), then all-gather params.
+
+        Collective over the DP group (the parameter all-gather)."""
+        if state["dp_size"] != self.ps.dp_size or state["dp_rank"] != self.ps.dp_rank:
+            raise ValueError(
+                f"shard is for dp rank {state['dp_rank']}/{state['dp_size']}, this is "
+                f"{self.ps.dp_rank}/{self.ps.dp_size}: reassemble and reshard it instead"
+            )
+        for buf, entries, saved in zip(self._buffers(), self._local, state["buffers"], strict=True):
+            if saved["numel"] != buf.numel:
+                raise ValueError(f"buffer size {saved['numel']} in the shard != {buf.numel} in the model")
+            for m, r in entries:
+                sl = slice(r.local.start, r.local.end)
+                self._load_main(
+                    m, saved["param"][sl], saved["exp_avg"][sl], saved["exp_avg_sq"][sl], state["step"]
+                )
+        self._load_common(state)
+        self._copy_main_to_model()
+
+
+def reassemble_full_state(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Combine every DP rank's :meth:`DistributedOptimizer.sharded_state_dict` (any order) into
+    the non-distributed form: ``{"params": {key: {"param", "exp_avg", "exp_avg_sq"}}, "step",
+    "param_groups", "grad_scaler"}`` with tensors shaped like the parameters. Pure function."""
+    shards = sorted(shards, key=lambda s: s["dp_rank"])
+    d = shards[0]["dp_size"]
+    if [s["dp_rank"] for s in shards] != list(range(d)):
+        raise ValueError(f"need the shards of all {d} DP ranks, got ranks {[s['dp_rank'] for s in shards]}")
+    params: dict[str, dict[str, torch.Tensor]] = {}
+    for b, meta in enumerate(shards[0]["buffers"]):
+        for k in FLAT_STATES:
+            full = torch.zeros(meta["numel"], dtype=torch.float32)
+            offset = 0
+            for start, end in meta["buckets"]:
+                per = (end - start) // d
+                for rank, s in enumerate(shards):
+                    full[start + rank * per : start + (rank + 1) * per] = s["buffers"][b][k][
+                        offset : offset + per
+                    ]
+                offset += per
+            for key, shape, start, end in meta["index"]:
+                params.setdefault(key, {})[k] = full[start:end].view(shape).clone()
+    common = {k: shards[0][k] for k in ("step", "param_groups", "grad_scaler")}
+    return {"params": params, **common}

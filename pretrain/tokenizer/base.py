@@ -1,0 +1,90 @@
+"""The one small tokenizer interface every model, dataset and tool uses."""
+
+from __future__ import annotations
+
+import abc
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+from pretrain.utils.errors import UserError
+
+
+class Tokenizer(abc.ABC):
+    """Text <-> token ids, plus the ids of the special tokens (``None`` where a vocabulary has none).
+
+    ``tokenize`` never adds special tokens (no BOS/CLS/SEP/EOD): callers append what they need, e.g.
+    ``mlm-preprocess --append-eod`` appends :attr:`eod` after each document.
+    """
+
+    #: Megatron's name of the tokenizer type (``--tokenizer-type``).
+    tokenizer_type: str = ""
+
+    @abc.abstractmethod
+    def tokenize(self, text: str) -> list[int]:
+        """Token ids of ``text`` (no special tokens added)."""
+
+    @abc.abstractmethod
+    def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of ``ids``; exact inverse of :meth:`tokenize` for byte-level BPE."""
+
+    @property
+    @abc.abstractmethod
+    def vocab_size(self) -> int:
+        """Number of ids (every id produced is ``< vocab_size``), before any padding for TP."""
+
+    @property
+    def eod(self) -> int | None:
+        """End-of-document id appended between documents (GPT); ``None`` if absent."""
+        return None
+
+    @property
+    def cls(self) -> int | None:
+        return None
+
+    @property
+    def sep(self) -> int | None:
+        return None
+
+    @property
+    def pad(self) -> int | None:
+        return None
+
+    @property
+    def mask(self) -> int | None:
+        return None
+
+    def offsets(self, text: str) -> list[tuple[int, int]]:
+        """Character span ``(start, end)`` in ``text`` of each token of ``tokenize(text)``."""
+        raise NotImplementedError(f"{type(self).__name__} does not provide offsets")
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of one vocabulary entry, ``None`` if it is not in the vocabulary."""
+        raise NotImplementedError(f"{type(self).__name__} does not provide token_to_id")
+
+    def id_to_token(self, token_id: int) -> str:
+        """The vocabulary entry of one id."""
+        raise NotImplementedError(f"{type(self).__name__} does not provide id_to_token")
+
+    def special_ids(self) -> dict[str, int | None]:
+        """``{"eod": ..., "cls": ..., "sep": ..., "pad": ..., "mask": ...}``."""
+        return {"eod": self.eod, "cls": self.cls, "sep": self.sep, "pad": self.pad, "mask": self.mask}
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(vocab_size={self.vocab_size}, special={self.special_ids()})"
+
+
+def require_file(
+    path: str | os.PathLike[str] | None, flag: str, what: str, *, directory: bool = False
+) -> Path:
+    """``path`` as a :class:`Path` if it names an existing file (or directory); else :class:`UserError`
+    naming the flag and the path."""
+    if path is None or str(path) == "":
+        raise UserError(f"{flag} is required ({what})")
+    p = Path(path)
+    if directory:
+        if not p.is_dir():
+            raise UserError(f"{flag} {p}: {what} directory not found")
+    elif not p.is_file():
+        raise UserError(f"{flag} {p}: {what} not found" + (" (it is a directory)" if p.is_dir() else ""))
+    return p
