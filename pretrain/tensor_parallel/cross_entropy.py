@@ -49,8 +49,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         local_v = logits.shape[-1]
         outside = (target < vocab_start) | (target >= vocab_start + local_v)
         local_target = (target - vocab_start).masked_fill(outside, 0)
-        target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1)
-        target_logit = _reduce(target_logit.masked_fill(outside, 0.0), group)
+        if local_v == 0:
+            target_logit = torch.zeros_like(logits_max)
+        else:
+            target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+        target_logit = _reduce(target_logit, group)
         exp = shifted.exp_()
         sum_exp = _reduce(exp.sum(dim=-1), group)
         loss = sum_exp.log() - target_logit
@@ -62,8 +65,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
         softmax, outside, local_target = ctx.saved_tensors
         grad = softmax.clone()
-        onehot = (~outside).to(grad.dtype).unsqueeze(-1)
-        grad.scatter_add_(-1, local_target.unsqueeze(-1), -onehot)
+        if grad.shape[-1] > 0:
+            onehot = (~outside).to(grad.dtype).unsqueeze(-1)
+            grad.scatter_add_(-1, local_target.unsqueeze(-1), -onehot)
         grad.mul_(grad_loss.unsqueeze(-1))
         return grad, None, None, None
 

@@ -44,6 +44,7 @@ TASK_METRICS: dict[str, dict[str, bool]] = {
     "qnli": {"accuracy": False},
     "rte": {"accuracy": False},
     "wnli": {"accuracy": False},
+    "contamination": {"share": True, "unique_share": True},
 }
 
 

@@ -1,0 +1,1 @@
+"""Helpers for the data-hygiene tools (``mlm-dedup``, ``mlm-filter``)."""

@@ -1,0 +1,59 @@
+"""Reading JSON-lines corpora one raw line at a time, with errors that name the file and line."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pretrain.utils.errors import UserError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Document:
+    """One parsed JSON-lines document: its 1-based line number, text, id and title (if any)."""
+
+    line: int
+    text: str
+    doc_id: Any = None
+    title: str | None = None
+
+
+def iter_raw_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """Yield ``(line_number, raw_line)`` for every non-blank line; bytes so they can be copied verbatim."""
+    if not path.is_file():
+        raise UserError(f"{path}: input file not found")
+    with open(path, "rb") as fh:
+        for number, raw in enumerate(fh, start=1):
+            if raw.strip():
+                yield number, raw
+
+
+def parse_document(
+    raw: bytes | str,
+    *,
+    line: int,
+    source: str,
+    text_key: str,
+    id_key: str | None = None,
+    title_key: str | None = None,
+) -> Document:
+    """Parse one JSON line; raise :class:`UserError` naming ``source:line`` and the field when it is bad."""
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise UserError(f"{source}:{line}: not valid JSON ({exc})") from None
+    if not isinstance(record, dict):
+        raise UserError(f"{source}:{line}: expected a JSON object, got {type(record).__name__}")
+    text = record.get(text_key)
+    if not isinstance(text, str):
+        raise UserError(f"{source}:{line}: field {text_key!r} missing or not a string (see --text-key)")
+    title = record.get(title_key) if title_key else None
+    return Document(
+        line=line,
+        text=text,
+        doc_id=record.get(id_key) if id_key else None,
+        title=title if isinstance(title, str) else None,
+    )

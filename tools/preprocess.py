@@ -1,0 +1,385 @@
+"""mlm-preprocess: tokenize text into Megatron indexed datasets (``.bin`` + ``.idx``).
+
+Usage (flags as Megatron's ``tools/preprocess_data.py``)::
+
+    mlm-preprocess --input corpus.jsonl --output-prefix data/corpus \\
+        --tokenizer-type GPT2BPETokenizer --vocab-file vocab.json --merge-file merges.txt \\
+        --append-eod --workers 4
+    # -> data/corpus_text_document.bin / .idx   (use --data-path data/corpus_text_document)
+
+    mlm-preprocess --input wiki.jsonl --output-prefix data/wiki --json-keys text \\
+        --tokenizer-type BertWordPieceLowerCase --vocab-file vocab.txt --split-sentences
+    # -> data/wiki_text_sentence.bin / .idx     (one sequence per sentence, grouped by document)
+
+Input (``--input``, one or more files; ``--input-format`` overrides the choice by file name):
+
+* ``.jsonl`` / ``.json`` / ``.ndjson`` files are JSON lines: one JSON object per line, the text
+  under ``--json-keys`` (default ``text``). Several keys give one dataset each,
+  ``PREFIX_KEY_document`` (``PREFIX_KEY_sentence`` with ``--split-sentences``), aligned document
+  by document. Blank lines are ignored.
+* anything else is plain text, one document per line (``--input-format text``); with
+  ``--input-format text-blocks`` documents are separated by blank lines and keep their inner
+  newlines. Blank lines are never documents. The single ``--json-keys`` value names the output.
+
+Every input record becomes one document, in input order, whatever ``--workers`` is (the output is
+byte-identical for any number of workers). A record whose text tokenizes to nothing becomes an
+empty document (as Megatron), so document ``i`` is always the ``i``-th record. ``--append-eod``
+appends the tokenizer's end-of-document id to each non-empty document. ``--split-sentences``
+cuts documents into sentences with a small built-in rule (a ``.``, ``!`` or ``?`` (+ closing
+quotes/brackets) followed by whitespace and a capital letter, digit or opening quote, except after
+common abbreviations and initials; blank lines always end a sentence); it does not use nltk, so
+results do not depend on what is installed.
+
+Token ids are stored as uint16 when the vocabulary has fewer than 65500 entries, else int32.
+
+Malformed records (invalid UTF-8, invalid JSON, not an object, a missing or non-string key) stop
+the run with ``error: FILE:LINE: reason`` and exit status 2; nothing is written (outputs appear
+only at the very end, by atomic rename, so an earlier dataset at the same prefix is kept intact).
+``--skip-bad-lines`` reports each such line as a warning, skips it and counts it instead. The run
+ends with a one-line summary on stdout: documents, tokens, skipped lines and the outputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import re
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from pretrain.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
+from pretrain.tokenizer.base import Tokenizer
+from pretrain.tokenizer.factory import TokenizerConfig, add_tokenizer_arguments, build_tokenizer
+from pretrain.utils.errors import UserError, cli_entry
+
+JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
+INPUT_FORMATS = ("auto", "jsonl", "text", "text-blocks")
+_MAX_WARNINGS = 20
+
+# --------------------------------------------------------------------------------------------- sentences
+
+_ABBREVIATIONS = frozenset([
+    "mr", "mrs", "ms", "dr", "prof", "sr", "jr", "st", "vs", "etc", "e.g", "i.e", "cf", "al", "inc",
+    "ltd", "co", "corp", "no", "nos", "fig", "figs", "eq", "approx", "dept", "est", "gen", "gov", "lt",
+    "col", "sgt", "capt", "mt", "jan", "feb", "mar", "apr", "jun", "jul", "aug", "sep", "sept", "oct",
+    "nov", "dec",
+])  # fmt: skip
+_BOUNDARY = re.compile(r"[.!?]+[\"'\u201d\u2019)\]]*(?=\s+[\"'\u201c\u2018(\[]?[A-Z0-9\u00c0-\u00de])")
+_PARAGRAPH = re.compile(r"\n[ \t\r\f\v]*\n")
+
+
+def split_sentences(text: str) -> list[str]:
+    """Split ``text`` into sentences (see the module docstring for the rule); strips whitespace."""
+    sentences: list[str] = []
+    for para in _PARAGRAPH.split(text):
+        start = 0
+        for m in _BOUNDARY.finditer(para):
+            before = para[start : m.start()]
+            word = before.rsplit(None, 1)[-1] if before.strip() else ""
+            bare = word.lstrip("\"'([\u201c\u2018").lower()
+            if m.group(0)[0] == "." and (bare in _ABBREVIATIONS or (len(bare) == 1 and bare.isalpha())):
+                continue
+            piece = para[start : m.end()].strip()
+            if piece:
+                sentences.append(piece)
+            start = m.end()
+        tail = para[start:].strip()
+        if tail:
+            sentences.append(tail)
+    return sentences
+
+
+# --------------------------------------------------------------------------------------------- encoding
+
+
+@dataclass(frozen=True)
+class EncodeSpec:
+    tokenizer: TokenizerConfig
+    keys: tuple[str, ...]
+    split_sentences: bool
+    append_eod: bool
+
+
+class _Bad(Exception):
+    pass
+
+
+def encode_record(
+    raw: bytes, fmt: str, spec: EncodeSpec, tok: Tokenizer
+) -> list[tuple[np.ndarray, list[int]]]:
+    """One input record -> per key (tokens, sequence lengths); raises :class:`_Bad` with a reason."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _Bad(f"invalid UTF-8 (byte 0x{raw[exc.start]:02x} at byte offset {exc.start})") from None
+    if fmt == "jsonl":
+        try:
+            obj = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise _Bad(f"invalid JSON ({exc.msg} at column {exc.colno})") from None
+        if not isinstance(obj, dict):
+            raise _Bad(f"expected a JSON object, got {type(obj).__name__}")
+        values = []
+        for key in spec.keys:
+            if key not in obj:
+                raise _Bad(f"missing key {key!r}")
+            if not isinstance(obj[key], str):
+                raise _Bad(f"key {key!r} is not a string (got {type(obj[key]).__name__})")
+            values.append(obj[key])
+    else:
+        values = [text]
+    out = []
+    for value in values:
+        pieces = split_sentences(value) if spec.split_sentences else [value]
+        seqs = [ids for ids in (tok.tokenize(p) for p in pieces) if ids]
+        if seqs and spec.append_eod:
+            seqs[-1].append(tok.eod)  # type: ignore[arg-type]
+        lengths = [len(s) for s in seqs]
+        flat = np.fromiter((t for s in seqs for t in s), dtype=np.int64, count=sum(lengths))
+        out.append((flat, lengths))
+    return out
+
+
+_WORKER_STATE: tuple[EncodeSpec, Tokenizer] | None = None
+
+
+def _init_worker(spec: EncodeSpec) -> None:
+    global _WORKER_STATE
+    _WORKER_STATE = (spec, build_tokenizer(spec.tokenizer))
+
+
+Record = tuple[int, int, str, bytes]  # (file number, line number, format, raw bytes)
+
+
+def _encode_job(item: Record) -> tuple[int, int, int, Any]:
+    file_no, lineno, fmt, raw = item
+    assert _WORKER_STATE is not None
+    spec, tok = _WORKER_STATE
+    try:
+        return file_no, lineno, len(raw), encode_record(raw, fmt, spec, tok)
+    except _Bad as bad:
+        return file_no, lineno, len(raw), str(bad)
+
+
+# --------------------------------------------------------------------------------------------- reading
+
+
+def _format_of(path: Path, requested: str) -> str:
+    if requested != "auto":
+        return requested
+    return "jsonl" if path.name.lower().endswith(JSON_SUFFIXES) else "text"
+
+
+def _records(paths: list[Path], formats: list[str]) -> Iterator[Record]:
+    for file_no, (path, fmt) in enumerate(zip(paths, formats, strict=True)):
+        with open(path, "rb") as fh:
+            if fmt == "text-blocks":
+                block: list[bytes] = []
+                first = 0
+                for lineno, line in enumerate(fh, 1):
+                    if line.strip():
+                        if not block:
+                            first = lineno
+                        block.append(line)
+                    elif block:
+                        yield file_no, first, fmt, b"".join(block).rstrip(b"\r\n")
+                        block = []
+                if block:
+                    yield file_no, first, fmt, b"".join(block).rstrip(b"\r\n")
+                continue
+            for lineno, line in enumerate(fh, 1):
+                if lineno == 1 and line.startswith(b"\xef\xbb\xbf"):
+                    line = line[3:]  # UTF-8 byte-order mark
+                if not line.strip():
+                    continue
+                yield file_no, lineno, fmt, (line if fmt == "jsonl" else line.rstrip(b"\r\n"))
+
+
+# --------------------------------------------------------------------------------------------- CLI
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="mlm-preprocess",
+        description="Tokenize JSON lines or plain text into Megatron indexed datasets (.bin + .idx).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("input data")
+    g.add_argument("--input", nargs="+", required=True, help="input file(s): JSON lines or plain text")
+    g.add_argument(
+        "--input-format",
+        choices=INPUT_FORMATS,
+        default="auto",
+        help="auto: .jsonl/.json/.ndjson are JSON lines, other files plain text with one document per line",
+    )
+    g.add_argument("--json-keys", nargs="+", default=["text"], help="keys to extract; one dataset per key")
+    g.add_argument("--split-sentences", action="store_true", help="one sequence per sentence (for BERT)")
+    g.add_argument(
+        "--keep-newlines", action="store_true", help=argparse.SUPPRESS
+    )  # accepted for compatibility
+    g.add_argument(
+        "--skip-bad-lines", action="store_true", help="skip and count malformed lines instead of failing"
+    )
+    add_tokenizer_arguments(p)
+    g = p.add_argument_group("output data")
+    g.add_argument("--output-prefix", required=True, help="writes PREFIX_KEY_document.bin/.idx per key")
+    g.add_argument("--dataset-impl", choices=["mmap"], default="mmap", help="only Megatron's mmap format")
+    g.add_argument(
+        "--append-eod", action="store_true", help="append the end-of-document token to each document"
+    )
+    g = p.add_argument_group("runtime")
+    g.add_argument("--workers", type=int, default=1, help="tokenizer processes")
+    g.add_argument("--log-interval", type=int, default=100, help="documents between progress reports")
+    return p
+
+
+def _check_args(args: argparse.Namespace) -> tuple[list[Path], list[str]]:
+    if args.workers < 1:
+        raise UserError(f"--workers must be at least 1, got {args.workers}")
+    if args.log_interval < 1:
+        raise UserError(f"--log-interval must be at least 1, got {args.log_interval}")
+    if len(set(args.json_keys)) != len(args.json_keys):
+        raise UserError(f"--json-keys has duplicates: {' '.join(args.json_keys)}")
+    for key in args.json_keys:
+        if not key or "/" in key or key.startswith("."):
+            raise UserError(f"--json-keys {key!r}: a key must be a non-empty name usable in a file name")
+    paths = [Path(p) for p in args.input]
+    formats = []
+    for path in paths:
+        if not path.is_file():
+            raise UserError(f"--input {path}: file not found")
+        fmt = _format_of(path, args.input_format)
+        if fmt != "jsonl" and len(args.json_keys) != 1:
+            raise UserError(
+                f"--input {path}: plain text has one field, but --json-keys names {len(args.json_keys)}"
+            )
+        formats.append(fmt)
+    out_dir = Path(args.output_prefix).parent
+    if out_dir.exists() and not out_dir.is_dir():
+        raise UserError(f"--output-prefix {args.output_prefix}: {out_dir} is not a directory")
+    return paths, formats
+
+
+class _Progress:
+    """tqdm bar over input bytes on a terminal; plain log lines every ``interval`` documents otherwise."""
+
+    def __init__(self, total_bytes: int, interval: int) -> None:
+        from tqdm import tqdm
+
+        self.interval = interval
+        self.start = time.monotonic()
+        self.docs = 0
+        self.bytes = 0
+        self.bar = tqdm(
+            total=total_bytes, unit="B", unit_scale=True, desc="tokenizing", disable=None, file=sys.stderr
+        )
+        self.plain = bool(self.bar.disable)
+
+    def update(self, nbytes: int) -> None:
+        self.docs += 1
+        self.bytes += nbytes
+        self.bar.update(nbytes)
+        if self.plain and self.docs % self.interval == 0:
+            elapsed = max(time.monotonic() - self.start, 1e-9)
+            print(
+                f"processed {self.docs} documents ({self.docs / elapsed:.1f} docs/s, "
+                f"{self.bytes / elapsed / 1e6:.2f} MB/s)",
+                file=sys.stderr,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        self.bar.close()
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    args = get_parser().parse_args(argv)
+    paths, formats = _check_args(args)
+    tok_cfg = TokenizerConfig.from_args(args)
+    tokenizer = build_tokenizer(tok_cfg)
+    if args.append_eod and tokenizer.eod is None:
+        raise UserError(f"--append-eod: tokenizer {tok_cfg.tokenizer_type} has no end-of-document token")
+    spec = EncodeSpec(tok_cfg, tuple(args.json_keys), bool(args.split_sentences), bool(args.append_eod))
+    level = "sentence" if args.split_sentences else "document"
+    dtype = optimal_dtype(tokenizer.vocab_size)
+    prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
+
+    builders: list[IndexedDatasetBuilder] = []
+    out_dir = Path(args.output_prefix).absolute().parent
+    missing_dirs = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # removed again on failure
+    progress = _Progress(sum(p.stat().st_size for p in paths), args.log_interval)
+    pool = None
+    committed = False
+    docs = tokens = empty = skipped = 0
+    try:
+        builders = [IndexedDatasetBuilder(prefix, dtype=dtype) for prefix in prefixes]
+        records = _records(paths, formats)
+        if args.workers == 1:
+            _init_worker(spec)
+            results: Iterator[tuple[int, int, int, Any]] = map(_encode_job, records)
+        else:
+            ctx = multiprocessing.get_context("spawn")
+            pool = ctx.Pool(args.workers, initializer=_init_worker, initargs=(spec,))
+            results = pool.imap(_encode_job, records, chunksize=32)
+        for file_no, lineno, nbytes, result in results:
+            progress.update(nbytes)
+            if isinstance(result, str):
+                where = f"{paths[file_no]}:{lineno}"
+                if not args.skip_bad_lines:
+                    raise UserError(f"{where}: {result} (use --skip-bad-lines to skip such lines)")
+                skipped += 1
+                if skipped <= _MAX_WARNINGS:
+                    progress.bar.write(f"warning: {where}: {result} (skipped)", file=sys.stderr)
+                elif skipped == _MAX_WARNINGS + 1:
+                    progress.bar.write(
+                        "warning: more bad lines skipped; see the count at the end", file=sys.stderr
+                    )
+                continue
+            docs += 1
+            if all(flat.size == 0 for flat, _ in result):
+                empty += 1
+            for builder, (flat, lengths) in zip(builders, result, strict=True):
+                builder.add_document(flat, lengths)
+                tokens += int(flat.size)
+        if docs == 0:
+            raise UserError(
+                f"--input {' '.join(map(str, paths))}: no documents"
+                + (f" ({skipped} bad lines skipped)" if skipped else "")
+            )
+        for builder in builders:
+            builder.close()
+        outputs = [builder.commit() for builder in builders]
+        committed = True
+    finally:
+        progress.close()
+        if pool is not None:
+            pool.terminate()
+            pool.join()
+        if not committed:
+            for builder in builders:
+                builder.abort()
+            for d in missing_dirs:
+                with contextlib.suppress(OSError):
+                    d.rmdir()  # only if still empty
+    names = ", ".join(f"{os.path.splitext(b)[0]}.{{bin,idx}}" for b, _ in outputs)
+    print(
+        f"mlm-preprocess: {docs} documents"
+        + (f" ({empty} empty)" if empty else "")
+        + f", {tokens} tokens, {skipped} bad lines skipped -> {names}",
+        flush=True,
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
