@@ -7,7 +7,8 @@ Pure functions, no processes. One executor (:mod:`pretrain.pipeline.schedules`) 
 * interleaved 1F1B (V chunks): microbatches visited in groups of ``g`` (default p): for each
   group, for chunk 0..V-1, for each microbatch of the group; backward visits chunks in reverse;
   warmup ``min((p - r - 1) * 2 + (V - 1) * g, m V)``;
-* forward-only: every forward in order (evaluation).
+* forward-only: every forward in order (evaluation);
+* all-forward-then-all-backward (GPipe), for comparison of stored activations.
 """
 
 from __future__ import annotations
@@ -77,6 +78,12 @@ def interleaved(*, p: int, r: int, m: int, vp: int, group: int | None = None) ->
     for k in range(total - w):
         table += [Action("F", *fwd[w + k]), Action("B", *bwd[k])]
     return table + [Action("B", *bwd[k]) for k in range(total - w, total)]
+
+
+def all_forward_all_backward(*, m: int, vp: int = 1, group: int | None = None, p: int = 1) -> list[Action]:
+    """GPipe-style F-then-B: every forward, then every backward (stores all m activations)."""
+    fwd = forward_only(m=m, vp=vp, group=group, p=p)
+    return fwd + [Action("B", a.microbatch, vp - 1 - a.chunk) for a in fwd]
 
 
 def forward_only(*, m: int, vp: int = 1, group: int | None = None, p: int = 1) -> list[Action]:

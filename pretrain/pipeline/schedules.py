@@ -121,6 +121,8 @@ def forward_backward(
     microbatch_group_size: int | None = None,
     collect_outputs: bool = False,
     forward_step: ForwardStep = gpt_forward_step,
+    schedule: str = "1f1b",
+    stats: dict[str, Any] | None = None,
 ) -> tuple[list[torch.Tensor], list[Any]]:
     """Run this rank's schedule; returns ``(losses, outputs)`` on the last stage.
 
@@ -128,11 +130,13 @@ def forward_backward(
     GPT, returning per-token losses on the last stage). ``losses`` are the detached ``loss_fn``
     values per microbatch (microbatch order on the last stage); ``outputs`` are the detached
     last-stage outputs when ``collect_outputs``. ``finalize_grads`` (data-parallel and embedding gradient sync) is called
-    exactly once, after the last backward. Collectives: p2p over the pipeline group.
+    exactly once, after the last backward. ``schedule`` is ``1f1b`` (interleaved when several
+    chunks) or ``fthenb``; ``stats`` receives ``max_inflight`` (peak stored activations).
+    Collectives: p2p over the pipeline group.
     """
     table = build_table(
         p=ps.pp_size, r=ps.pp_rank, m=len(microbatches), vp=len(chunks), group=microbatch_group_size,
-        train=not forward_only,
+        train=not forward_only, kind=schedule,
     )  # fmt: skip
     ex = _Executor(chunks, ps, microbatches, loss_fn, forward_only, collect_outputs, forward_step)
     for action in table:
@@ -141,4 +145,6 @@ def forward_backward(
         ex.comm.wait_all()
     if not forward_only and finalize_grads is not None:
         finalize_grads()
+    if stats is not None:
+        stats["max_inflight"] = ex.max_inflight
     return ex.losses, ex.outputs
