@@ -23,14 +23,17 @@ Input (``--input``, one or more files; ``--input-format`` overrides the choice b
 
 Every input record becomes one document, in input order, whatever ``--workers`` is (the output is
 byte-identical for any number of workers). A record whose text tokenizes to nothing becomes an
-empty document (as Megatron), so document ``i`` is always the ``i``-th record. ``--append-eod``
+empty document (as Megatron), so document ``i`` is always the ``i``-th (well-formed) record. ``--append-eod``
 appends the tokenizer's end-of-document id to each non-empty document. ``--split-sentences``
 cuts documents into sentences with a small built-in rule (a ``.``, ``!`` or ``?`` (+ closing
 quotes/brackets) followed by whitespace and a capital letter, digit or opening quote, except after
 common abbreviations and initials; blank lines always end a sentence); it does not use nltk, so
-results do not depend on what is installed.
+results do not depend on what is installed. Newlines inside a sentence are kept (Megatron's
+``--keep-newlines`` is accepted and has nothing more to do).
 
 Token ids are stored as uint16 when the vocabulary has fewer than 65500 entries, else int32.
+``--workers N`` tokenizes in N processes (``spawn``); a progress bar over input bytes shows on a
+terminal, otherwise a line every ``--log-interval`` documents goes to stderr.
 
 Malformed records (invalid UTF-8, invalid JSON, not an object, a missing or non-string key) stop
 the run with ``error: FILE:LINE: reason`` and exit status 2; nothing is written (outputs appear

@@ -486,7 +486,9 @@ def build_gpt_datasets(
 ) -> tuple[
     GPTDataset | BlendedDataset | None, GPTDataset | BlendedDataset | None, GPTDataset | BlendedDataset | None
 ]:
-    """Train, valid and test datasets (``None`` where the split is empty or 0 samples are asked).
+    """Train, valid and test datasets; ``None`` where 0 samples are asked or where a valid/test split
+    has no documents (as Megatron; ``"969,30,1"`` of 300 documents leaves test empty). An empty
+    train split with samples requested is a :class:`UserError`.
 
     ``train_valid_test_num_samples``: samples each split must supply (``None``: one epoch). With
     several prefixes, each dataset supplies ``ceil(weight * n * 1.005)`` samples (Megatron's
@@ -508,8 +510,8 @@ def build_gpt_datasets(
             lo, hi = split_document_ranges(config.split, indexed[prefix].num_documents)[s]
             parts.append((prefix, weight, np.arange(lo, hi, dtype=np.int64)))
         if all(docs.size == 0 for _, _, docs in parts):
-            if n is None:
-                out.append(None)
+            if name != "train" or n is None:
+                out.append(None)  # as Megatron: no documents, no dataset (e.g. no test set)
                 continue
             raise UserError(
                 f"--split {config.split}: the {name} split of {', '.join(p for p, _, _ in parts)} has no "
