@@ -113,7 +113,13 @@ def main() -> None:
         "hf_peak_fraction": tps["hf"] * flops_per_token / peak,
         "matmul_peak_gflops": peak / 1e9,
         "same_weights": same,
-        "shape": {"layers": args.layers, "hidden": args.hidden, "heads": args.heads, "seq": args.seq, "batch": args.batch},
+        "shape": {
+            "layers": args.layers,
+            "hidden": args.hidden,
+            "heads": args.heads,
+            "seq": args.seq,
+            "batch": args.batch,
+        },
         "threads": torch.get_num_threads(),
     }
     print(f"{'model':<8}{'tokens/s':>12}{'peak frac':>12}")

@@ -121,3 +121,11 @@ def test_partition_virtual_and_uneven() -> None:
     for bad in (dict(num_layers=7, pp=2), dict(num_layers=8, pp=2, vp=3), dict(num_layers=8, pp=3, first=3)):
         with pytest.raises(UserError):
             stage_layer_numbers(**bad)  # type: ignore[arg-type]
+
+
+def test_fthenb_table_and_simulation() -> None:
+    t = build_table(p=4, r=1, m=8, kind="fthenb")
+    assert t == [Action("F", i) for i in range(8)] + [Action("B", i) for i in range(8)]
+    assert _inflight_max(t) == 8
+    with pytest.raises(UserError):
+        build_table(p=2, r=0, m=2, kind="gpipe-ish")

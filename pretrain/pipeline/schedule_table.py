@@ -94,9 +94,13 @@ def forward_only(*, m: int, vp: int = 1, group: int | None = None, p: int = 1) -
 
 
 def build_table(
-    *, p: int, r: int, m: int, vp: int = 1, group: int | None = None, train: bool = True
+    *, p: int, r: int, m: int, vp: int = 1, group: int | None = None, train: bool = True, kind: str = "1f1b"
 ) -> list[Action]:
-    """The table the executor runs on pipeline rank ``r``."""
+    """The table the executor runs on pipeline rank ``r`` (``kind``: ``1f1b`` or ``fthenb``)."""
     if not train:
         return forward_only(m=m, vp=vp, group=group, p=p)
+    if kind == "fthenb":
+        return all_forward_all_backward(m=m, vp=vp, group=group, p=p)
+    if kind != "1f1b":
+        raise UserError(f"unknown pipeline schedule {kind!r} (expected 1f1b or fthenb)")
     return one_f_one_b(p=p, r=r, m=m) if vp == 1 else interleaved(p=p, r=r, m=m, vp=vp, group=group)
