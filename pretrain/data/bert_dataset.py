@@ -4,10 +4,11 @@ Each sequence of the indexed dataset is one sentence (``mlm-preprocess --split-s
 
 1. **Sample map** (Megatron's ``build_mapping``): documents are walked in order, epoch after
    epoch, until ``num_samples`` samples exist (one epoch when None). Documents with fewer than
-   ``min_sentences`` sentences (2 with the sentence-order head, else 1) or with a sentence longer
-   than 512 tokens are skipped. Consecutive sentences are gathered until their length reaches a
-   target length, and at least 2 sentences remain in the document (the tail joins the last
-   sample). The target is ``seq_length - 3`` (room for [CLS], [SEP], [SEP]), or with probability
+   ``min_sentences`` sentences (2 with the sentence-order head, else 1), and documents of several
+   sentences one of which is longer than 512 tokens, are skipped. Consecutive sentences are
+   gathered into a sample until their tokens reach a target length, provided the sample has
+   ``min_sentences`` and more than one sentence of the document remains (else the tail joins
+   this sample); the document's end closes the last sample. The target is ``seq_length - 3`` (room for [CLS], [SEP], [SEP]), or with probability
    ``short_seq_prob`` (one draw in ``round(1 / short_seq_prob)``) a length uniform in
    ``[2, seq_length - 3]``. Map rows ``(first sentence, end sentence, target length)`` are
    shuffled with ``RandomState(seed + 1)``. The random stream is numpy's, not Megatron's C++
@@ -104,7 +105,10 @@ def build_sample_map(
     usable = []
     for d in documents:
         lo, hi = int(document_indices[d]), int(document_indices[d + 1])
-        if hi - lo >= min_sentences and (hi == lo or int(sentence_lengths[lo:hi].max()) <= LONG_SENTENCE_LEN):
+        # As Megatron, the long-sentence rule applies to multi-sentence documents only (a lone
+        # sentence is simply truncated).
+        too_long = hi - lo > 1 and int(sentence_lengths[lo:hi].max()) > LONG_SENTENCE_LEN
+        if hi - lo >= min_sentences and not too_long:
             usable.append((lo, hi))
     rows: list[tuple[int, int, int]] = []
     while True:
@@ -130,7 +134,9 @@ def build_sample_map(
 # --------------------------------------------------------------------------------------------- sample
 
 
-def _split_segments(sentences: list[list[int]], rng: np.random.RandomState) -> tuple[list[int], list[int], bool]:
+def _split_segments(
+    sentences: list[list[int]], rng: np.random.RandomState
+) -> tuple[list[int], list[int], bool]:
     """A = sentences before a random split point, B = the rest; swapped with probability 0.5."""
     a_end = int(rng.randint(1, len(sentences))) if len(sentences) >= 3 else 1
     a = [t for s in sentences[:a_end] for t in s]
@@ -204,7 +210,10 @@ def pad_sample(
 def _documents_key(docs: np.ndarray) -> Any:
     if docs.size and np.array_equal(docs, np.arange(int(docs[0]), int(docs[0]) + docs.size)):
         return {"range": [int(docs[0]), int(docs[0]) + int(docs.size)]}
-    return {"digest": hashlib.md5(docs.astype("<i8").tobytes(), usedforsecurity=False).hexdigest(), "n": int(docs.size)}
+    return {
+        "digest": hashlib.md5(docs.astype("<i8").tobytes(), usedforsecurity=False).hexdigest(),
+        "n": int(docs.size),
+    }
 
 
 class BertDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
@@ -221,7 +230,9 @@ class BertDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
         self.indexed = indexed if isinstance(indexed, IndexedDataset) else IndexedDataset(indexed)
         self.config, self.vocab, self.split = config, vocab, split
         n_docs = self.indexed.num_documents
-        docs = np.arange(n_docs, dtype=np.int64) if documents is None else np.asarray(documents, dtype=np.int64)
+        docs = (
+            np.arange(n_docs, dtype=np.int64) if documents is None else np.asarray(documents, dtype=np.int64)
+        )
         if docs.size and (docs.min() < 0 or docs.max() >= n_docs):
             raise ValueError(f"document ids out of range for {n_docs} documents")
         desc = {

@@ -73,7 +73,9 @@ class BertVocab:
         ids = {n: getattr(tokenizer, n) for n in ("cls", "sep", "pad", "mask")}
         missing = [f"[{n.upper()}]" for n, v in ids.items() if v is None]
         if missing:
-            raise UserError(f"tokenizer {tokenizer!r} has no {', '.join(missing)}: BERT needs a WordPiece vocab")
+            raise UserError(
+                f"tokenizer {tokenizer!r} has no {', '.join(missing)}: BERT needs a WordPiece vocab"
+            )
         size = int(tokenizer.vocab_size)
         flags = np.array([tokenizer.id_to_token(i).startswith("##") for i in range(size)], dtype=bool)
         return cls(**{n: int(v) for n, v in ids.items()}, size=size, continuation=flags)

@@ -22,12 +22,11 @@ from torch import nn
 
 from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
-from pretrain.models.language_model import LanguageModel, parallel_lm_logits
+from pretrain.models.language_model import LanguageModel, gather_vocab_logits, parallel_lm_logits
 from pretrain.models.transformer import DTYPES, layer_norm
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from pretrain.tensor_parallel.layers import VocabParallelEmbedding, mark_partition
-from pretrain.tensor_parallel.mappings import gather_from_tp_region
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.errors import UserError
 
@@ -61,7 +60,9 @@ class BertLanguageModel(LanguageModel):
         self, cfg: ModelConfig, ps: ParallelState, *, pre_process: bool, post_process: bool,
         layer_numbers: Sequence[int], add_pooler: bool,
     ) -> None:  # fmt: skip
-        super().__init__(cfg, ps, pre_process=pre_process, post_process=post_process, layer_numbers=layer_numbers)
+        super().__init__(
+            cfg, ps, pre_process=pre_process, post_process=post_process, layer_numbers=layer_numbers
+        )
         if add_pooler:
             self.pooler = Pooler(cfg, ps)
 
@@ -69,8 +70,9 @@ class BertLanguageModel(LanguageModel):
 class BertLMHead(nn.Module):
     """dense -> GeLU -> LayerNorm -> tied decoder + vocab-parallel bias.
 
-    ``hidden [b, s, h]`` -> logits ``[b, s, V/t]`` (padded columns ``-inf``). Collective: f on
-    the decoder input (backward all-reduce over the TP group).
+    ``hidden [b, s, h]`` -> logits ``[b, s, n]``, ``n`` = the real (unpadded) vocabulary rows of
+    this rank, as :func:`parallel_lm_logits`. Collective: f on the decoder input (backward
+    all-reduce over the TP group).
     """
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState, padded_vocab: int, vocab_start: int) -> None:
@@ -88,8 +90,8 @@ class BertLMHead(nn.Module):
         logits = parallel_lm_logits(
             x, word_embeddings, ps=self.ps, vocab_start=self.vocab_start, true_vocab=self.true_vocab
         )
-        # Padded columns are already -inf and stay so: the bias is finite (its padded rows are 0).
-        return logits + self.bias
+        # Padded vocabulary rows are never multiplied: use the bias entries of the real rows only.
+        return logits + self.bias[: logits.shape[-1]]
 
 
 def padding_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -172,7 +174,7 @@ class BertModel(ShardedModule):
         Returns hidden states ``[b, s, h]`` (not last stage) or ``(lm_output, sop_logits)``:
         ``lm_output`` is per-token MLM losses ``[b, s]`` with ``lm_labels`` (positions whose label
         is outside the vocabulary, e.g. -1, give finite values to be masked out by the loss mask),
-        else vocab-parallel logits ``[b, s, V/t]``; ``sop_logits [b, 2]`` or None without the
+        else vocab-parallel logits ``[b, s, n]`` (this rank's real vocabulary rows); ``sop_logits [b, 2]`` or None without the
         binary head. Collectives: TP all-reduces of the layers and the vocab-parallel head.
         """
         mask = None if attention_mask is None else padding_attention_mask(attention_mask)
@@ -199,8 +201,13 @@ class BertModel(ShardedModule):
         return losses, sop_logits
 
     def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
-        """Gather vocab-parallel logits over the TP group and drop padding: ``[b, s, V]``."""
-        return gather_from_tp_region(local_logits, self.ps.tp_group)[..., : self.cfg.vocab_size]
+        """Gather vocab-parallel logits ``[b, s, n]`` over the TP group into ``[b, s, V]``.
+
+        Collective: one all-gather over the TP group (evaluation only; training never gathers).
+        """
+        return gather_vocab_logits(
+            local_logits, ps=self.ps, padded_vocab=self.padded_vocab, true_vocab=self.cfg.vocab_size
+        )
 
 
 def bert_model_provider(*, add_binary_head: bool = True) -> Callable[..., ShardedModule]:
@@ -230,7 +237,9 @@ def bert_forward_step(model: ShardedModule, mb: dict[str, torch.Tensor], hidden:
     return model(lm_labels=mb["labels"] if is_last else None, **kwargs)
 
 
-def bert_loss_terms(output: BertOutput, mb: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor | None]:
+def bert_loss_terms(
+    output: BertOutput, mb: dict[str, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Unnormalised sums for one microbatch: (masked MLM loss sum, SOP loss sum or None), fp32."""
     lm_losses, sop_logits = output
     mlm_sum = (lm_losses.float() * mb["loss_mask"].float()).sum()

@@ -175,7 +175,9 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         raise UserError(f"Hugging Face config: hidden_act {act!r} is not one of {', '.join(_HF_ACT)}")
     pos = getattr(hf_config, "position_embedding_type", "absolute")
     if pos not in (None, "absolute"):
-        raise UserError(f"Hugging Face config: position_embedding_type {pos!r} is not supported (absolute only)")
+        raise UserError(
+            f"Hugging Face config: position_embedding_type {pos!r} is not supported (absolute only)"
+        )
     kw: dict[str, Any] = dict(
         num_layers=hf_config.num_hidden_layers,
         hidden_size=hf_config.hidden_size,
