@@ -1,0 +1,159 @@
+"""``mlm-eval wikitext103``: WikiText-103 perplexity, the paper's method or lm-eval's.
+
+Example::
+
+    mlm-eval wikitext103 --hf-model ./gpt2-small --data wiki.test.tokens --seq-length 1024 --overlap 32
+    mlm-eval wikitext103 --hf-model ./gpt2-small --data builtin:wikitext_sample.tokens --method lm-eval
+
+Also holds the output plumbing shared with ``mlm-eval lambada`` (table, result JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mlm_eval.builtin import resolve_data_path
+from mlm_eval.model_loading import LoadedModel, add_model_arguments, load_scorer
+from mlm_eval.wikitext import evaluate_wikitext_lm_eval, evaluate_wikitext_paper, read_wikitext
+from pretrain.utils.errors import UserError
+from pretrain.utils.results import make_result, write_result
+
+
+@dataclass(frozen=True, kw_only=True)
+class WikitextArgs:
+    """The task flags of ``mlm-eval wikitext103``."""
+
+    data: Path
+    seq_length: int
+    overlap: int
+    method: str
+    batch_size: int
+
+
+def register(subparsers: Any) -> None:
+    """Add the ``wikitext103`` subcommand."""
+    parser = subparsers.add_parser("wikitext103", help="WikiText-103 perplexity (paper or lm-eval method)")
+    parser.add_argument(
+        "--data", required=True, help="raw wiki.test.tokens (or builtin:wikitext_sample.tokens)"
+    )
+    parser.add_argument("--seq-length", type=int, default=1024, help="window length in tokens (default 1024)")
+    parser.add_argument(
+        "--overlap", type=int, default=32, help="stride between windows, paper method (default 32)"
+    )
+    parser.add_argument("--method", choices=("paper", "lm-eval"), default="paper")
+    add_common_arguments(parser)
+    parser.set_defaults(func=run)
+
+
+def add_common_arguments(parser: argparse.ArgumentParser) -> None:
+    """Batch size, output and model flags shared by the evaluation subcommands."""
+    parser.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (default 8)")
+    parser.add_argument(
+        "--out", metavar="PATH", help="result JSON path (default: RESULTS_DIR/TASK-METHOD-MODEL.json)"
+    )
+    parser.add_argument(
+        "--results-dir", default="results", help="where results go without --out (default results/)"
+    )
+    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_model_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Evaluate, print the table, write the result."""
+    task = WikitextArgs(
+        data=resolve_data_path(args.data),
+        seq_length=positive(args.seq_length, "--seq-length"),
+        overlap=positive(args.overlap, "--overlap"),
+        method=args.method,
+        batch_size=positive(args.batch_size, "--batch-size"),
+    )
+    raw_text = read_wikitext(task.data)
+    loaded = load_scorer(args)
+    started = time.perf_counter()
+    progress = not args.no_progress
+    if task.method == "paper":
+        metrics = evaluate_wikitext_paper(
+            loaded.scorer,
+            loaded.tokenizer,
+            raw_text,
+            seq_length=task.seq_length,
+            overlap=task.overlap,
+            batch_size=task.batch_size,
+            progress=progress,
+        )
+    else:
+        metrics = evaluate_wikitext_lm_eval(
+            loaded.scorer,
+            loaded.tokenizer,
+            raw_text,
+            seq_length=task.seq_length,
+            batch_size=task.batch_size,
+            progress=progress,
+        )
+    emit_result(
+        args, loaded, task="wikitext103", method=task.method, metrics=metrics, data=task.data, started=started
+    )
+    return 0
+
+
+def positive(value: int, flag: str) -> int:
+    """Reject a non-positive integer flag with a one-line error."""
+    if value < 1:
+        raise UserError(f"{flag} must be >= 1, got {value}")
+    return value
+
+
+def emit_result(
+    args: argparse.Namespace,
+    loaded: LoadedModel,
+    *,
+    task: str,
+    method: str,
+    metrics: dict[str, float | int],
+    data: Path,
+    started: float,
+) -> Path:
+    """Print the metrics as a table and write the result record; returns its path."""
+    details = {
+        "data": str(data),
+        "data_sha256": _sha256(data),
+        "elapsed_s": round(time.perf_counter() - started, 3),
+        "vocab_size": loaded.scorer.vocab_size,
+        "batch_size": args.batch_size,
+    }
+    record = make_result(
+        kind="eval", task=task, method=method, model=loaded.info, metrics=metrics, details=details
+    )
+    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(loaded.info.get("name") or "model"))
+    path = Path(args.out) if args.out else Path(args.results_dir) / f"{task}-{method}-{name}.json"
+    write_result(path, record)
+    print_table(f"{task} ({method}) - {loaded.info.get('name')}", metrics)
+    print(f"wrote {path}")
+    return path
+
+
+def print_table(title: str, metrics: dict[str, float | int]) -> None:
+    """A two-column rich table of the metrics."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in metrics.items():
+        table.add_row(key, f"{value:.6g}" if isinstance(value, float) else str(value))
+    Console().print(table)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
