@@ -9,11 +9,13 @@ crash never leaves a half-written iteration marked as latest. Loading uses
 from __future__ import annotations
 
 import os
+import random
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -55,6 +57,12 @@ def rng_state(ps: ParallelState) -> dict[str, Any]:
 
 
 def restore_rng_state(ps: ParallelState, state: dict[str, Any]) -> None:
+    if "random_rng_state" in state:
+        version, internal, gauss = state["random_rng_state"]
+        random.setstate((version, tuple(internal), gauss))
+    if "np_rng_state" in state:
+        name, keys, *rest = state["np_rng_state"]
+        np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
     torch.set_rng_state(state["torch_rng_state"])
     if "cuda_rng_state" in state and ps.device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda_rng_state"])

@@ -1,0 +1,135 @@
+"""What each rank file of a layout holds: local names, canonical names, split dims, shard shapes.
+
+The plan is read off our own model classes built on the ``meta`` device (no memory, no
+communication), so resharding, upstream reading and the models can never disagree about names
+or about which tensors are split along which dimension.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.models.base import ShardedModule
+from pretrain.models.sharding import is_vocab_tensor
+from pretrain.parallel.layout import compute_layout
+from pretrain.parallel.state import ParallelState
+from pretrain.pipeline.partition import StageLayers, stage_layer_numbers
+from pretrain.tensor_parallel.layers import partition_dim
+from pretrain.utils.errors import UserError
+
+MODEL_KINDS = ("gpt", "bert")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelSpec:
+    """Which model a checkpoint holds: ``kind`` (gpt or bert), its config, BERT's binary head."""
+
+    kind: str
+    cfg: ModelConfig
+    add_binary_head: bool = True
+
+    def __post_init__(self) -> None:
+        if self.kind not in MODEL_KINDS:
+            raise UserError(f"unknown model kind {self.kind!r} (expected one of {MODEL_KINDS})")
+
+
+@dataclass(frozen=True)
+class Slot:
+    """One tensor of one rank file: local name, canonical name, TP split dim, shard shape."""
+
+    local: str
+    canonical: str
+    dim: int | None
+    shape: tuple[int, ...]
+    vocab: bool  # rows are the padded vocabulary
+
+
+def meta_chunk(
+    spec: ModelSpec, *, tp: int, pre_process: bool, post_process: bool, layer_numbers: Sequence[int]
+) -> ShardedModule:
+    """A model chunk of the given layout on the meta device (shapes and names only)."""
+    ps = ParallelState(layout=compute_layout(world_size=tp, tp=tp, pp=1), rank=0, device=torch.device("meta"))
+    kw = dict(pre_process=pre_process, post_process=post_process, layer_numbers=list(layer_numbers))
+    if spec.kind == "gpt":
+        from pretrain.models.gpt import GPTModel
+
+        return GPTModel(spec.cfg, ps, **kw)  # type: ignore[arg-type]
+    from pretrain.models.bert import BertModel
+
+    return BertModel(spec.cfg, ps, add_binary_head=spec.add_binary_head, **kw)  # type: ignore[arg-type]
+
+
+def chunk_slots(
+    spec: ModelSpec, *, tp: int, pre_process: bool, post_process: bool, layer_numbers: Sequence[int]
+) -> list[Slot]:
+    """The tensors of one chunk at tensor-parallel size ``tp`` (same on every TP rank)."""
+    chunk = meta_chunk(
+        spec, tp=tp, pre_process=pre_process, post_process=post_process, layer_numbers=layer_numbers
+    )
+    return [
+        Slot(name, chunk.canonical_name(name), partition_dim(p), tuple(p.shape), is_vocab_tensor(name))
+        for name, p in chunk.named_parameters()
+    ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class LayoutPlan:
+    """Layers and tensors of every ``[stage][chunk]`` of a layout."""
+
+    spec: ModelSpec
+    tp: int
+    pp: int
+    vp: int
+    layers: StageLayers
+
+    @classmethod
+    def for_parallel(cls, spec: ModelSpec, parallel: ParallelConfig) -> LayoutPlan:
+        spec.cfg.check_tensor_parallel(parallel.tp)
+        layers = stage_layer_numbers(
+            spec.cfg.num_layers,
+            pp=parallel.pp,
+            vp=parallel.vp,
+            first=parallel.num_layers_in_first_stage,
+            last=parallel.num_layers_in_last_stage,
+        )
+        return cls(spec=spec, tp=parallel.tp, pp=parallel.pp, vp=parallel.vp, layers=layers)
+
+    def is_pre(self, stage: int, chunk: int) -> bool:
+        return stage == 0 and chunk == 0
+
+    def is_post(self, stage: int, chunk: int) -> bool:
+        return stage == self.pp - 1 and chunk == self.vp - 1
+
+    def slots(self, stage: int, chunk: int) -> list[Slot]:
+        return chunk_slots(
+            self.spec,
+            tp=self.tp,
+            pre_process=self.is_pre(stage, chunk),
+            post_process=self.is_post(stage, chunk),
+            layer_numbers=self.layers[stage][chunk],
+        )
+
+    def chunk_keys(self) -> list[str]:
+        """``model`` or ``model0 .. modelV-1``: the entries of a rank file holding chunks."""
+        return ["model"] if self.vp == 1 else [f"model{c}" for c in range(self.vp)]
+
+
+def layers_from_counts(counts: list[list[int]]) -> StageLayers:
+    """Global layer numbers from per-``[stage][chunk]`` layer counts.
+
+    Layers run chunk-major across stages (chunk 0 of every stage, then chunk 1, ...), which is
+    Megatron's interleaved assignment and, for one chunk, plain consecutive (possibly uneven)
+    stages.
+    """
+    pp, vp = len(counts), len(counts[0])
+    out: StageLayers = [[[] for _ in range(vp)] for _ in range(pp)]
+    start = 0
+    for c in range(vp):
+        for s in range(pp):
+            out[s][c] = list(range(start, start + counts[s][c]))
+            start += counts[s][c]
+    return out

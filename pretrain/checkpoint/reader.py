@@ -1,0 +1,380 @@
+"""Open any Megatron-layout checkpoint directory and stream its canonical full tensors.
+
+:func:`open_checkpoint` accepts our checkpoints and upstream Megatron-LM ones of every era
+(legacy ``torch`` format, checkpoint_version 0 to 3.0, old and megatron-core names, ``release``
+directories, pipeline stages and virtual chunks) and ``torch_dist`` directories. Rank files are
+loaded with ``torch.load(mmap=True)`` through the restricted unpickler, so opening costs little
+memory and :meth:`LegacyReader.tensor` materialises one full tensor at a time.
+
+:func:`load_canonical` is the one-call entry for in-memory use (e.g. ``mlm-eval``): canonical
+full tensors, the ``ModelSpec`` (kind + ``ModelConfig``) and the checkpoint's description.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from pretrain.checkpoint.layout import (
+    MODEL_FILE,
+    TRACKER,
+    flatten,
+    iteration_dir,
+    list_rank_dirs,
+    read_tracker,
+)
+from pretrain.checkpoint.plan import ModelSpec, Slot, chunk_slots, layers_from_counts
+from pretrain.checkpoint.safe_unpickle import load_untrusted
+from pretrain.checkpoint.upstream_args import (
+    model_kind,
+    our_model_config,
+    true_vocab_size,
+    upstream_model_config,
+)
+from pretrain.checkpoint.upstream_names import is_qkv, qkv_to_canonical, to_local_name
+from pretrain.utils.errors import UserError
+
+_CHUNK_KEY = re.compile(r"^model(\d*)$")
+_LOCAL_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    """What ``mlm-convert inspect`` reports about a checkpoint."""
+
+    path: str
+    format: str  # "torch" (legacy) or "torch_dist"
+    iteration: int | str | None
+    checkpoint_version: float
+    kind: str
+    tp: int
+    pp: int
+    vp: int
+    vocab_size: int
+    vocab_source: str
+    padded_vocab_size: int
+    num_parameters: int
+    dtypes: tuple[str, ...]
+    ours: bool  # written by mlm-toolkit
+
+
+class CanonicalSource(Protocol):
+    """Anything that yields canonical full tensors (a checkpoint reader, an HF model, ...)."""
+
+    spec: ModelSpec
+
+    def names(self) -> list[str]: ...
+
+    def tensor(self, name: str) -> torch.Tensor: ...
+
+
+@dataclass
+class _Entry:
+    slot: Slot
+    parts: list[tuple[int, str, str]]  # per TP rank: (file index, chunk key, flat key)
+
+
+@dataclass
+class LegacyReader:
+    """A legacy-format checkpoint, opened lazily (see :func:`open_checkpoint`)."""
+
+    spec: ModelSpec
+    info: CheckpointInfo
+    files: list[Path]
+    states: list[dict[str, Any]]
+    flats: list[dict[str, dict[str, torch.Tensor]]]  # per file: chunk key -> flat tensors
+    entries: dict[str, _Entry]
+    head_copies: dict[str, _Entry] = field(default_factory=dict)
+
+    @property
+    def args(self) -> dict[str, Any]:
+        return dict(self.states[0].get("args") or {})
+
+    def names(self) -> list[str]:
+        return list(self.entries)
+
+    def _part(self, ref: tuple[int, str, str]) -> torch.Tensor:
+        i, chunk, key = ref
+        return self.flats[i][chunk][key]
+
+    def _assemble(self, name: str, entry: _Entry) -> torch.Tensor:
+        cfg, slot, tp = self.spec.cfg, entry.slot, self.info.tp
+        parts = [self._part(ref) for ref in entry.parts]
+        for ref, part in zip(entry.parts, parts, strict=True):
+            want = list(slot.shape)
+            if slot.vocab:
+                want[0] = self.info.padded_vocab_size // tp
+            if list(part.shape) != want:
+                raise UserError(
+                    f"{self.files[ref[0]]}: tensor {ref[2]} ({name}) has shape {tuple(part.shape)}, "
+                    f"expected {tuple(want)}"
+                )
+        if is_qkv(slot.local) and self.info.checkpoint_version < 2.0:
+            heads = cfg.num_attention_heads // tp
+            v = self.info.checkpoint_version
+            parts = [qkv_to_canonical(p, version=v, heads=heads, head_dim=cfg.head_dim) for p in parts]
+        if slot.dim is None:
+            for ref, part in zip(entry.parts[1:], parts[1:], strict=True):
+                if not torch.equal(part, parts[0]):
+                    raise UserError(
+                        f"tensor {name}: replicated copies differ between {self.files[entry.parts[0][0]]} "
+                        f"and {self.files[ref[0]]}"
+                    )
+            full = parts[0]
+        else:
+            full = torch.cat(parts, dim=slot.dim) if len(parts) > 1 else parts[0]
+        return full[: cfg.vocab_size] if slot.vocab else full
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The canonical full tensor ``name`` (vocab rows trimmed), checked across shards."""
+        if name not in self.entries:
+            raise UserError(f"{self.info.path}: no tensor {name!r}")
+        full = self._assemble(name, self.entries[name])
+        if name in self.head_copies:
+            head = self._assemble(name, self.head_copies[name])
+            if not torch.equal(head, full):
+                where = self.files[self.head_copies[name].parts[0][0]]
+                raise UserError(
+                    f"{where}: the output layer (word_embeddings_for_head) differs from {name}; "
+                    "untied output layers are not supported"
+                )
+        return full
+
+    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name in self.entries:
+            yield name, self.tensor(name)
+
+
+def _find_iteration_dir(root: Path, iteration: int | str | None) -> tuple[Path, int | str | None]:
+    if not root.is_dir():
+        raise UserError(f"{root}: no such checkpoint directory")
+    if (root / TRACKER).exists() or iteration is not None:
+        it = read_tracker(root) if iteration is None else iteration
+        path = iteration_dir(root, it)
+        if not path.is_dir():
+            raise UserError(f"{root}: iteration directory {path.name} does not exist")
+        return path, it
+    if any(root.glob("mp_rank_*")) or (root / "metadata.json").exists() or (root / ".metadata").exists():
+        name = root.name
+        return root, (int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else name)
+    raise UserError(f"{root}: not a Megatron checkpoint directory (no {TRACKER}, no mp_rank_* shards)")
+
+
+def _rank_grid(it_dir: Path, args: dict[str, Any]) -> tuple[int, int, dict[tuple[int, int], Path]]:
+    dirs = list_rank_dirs(it_dir)
+    tp = max(max(t for t, _ in dirs) + 1, int(args.get("tensor_model_parallel_size") or 1))
+    pp = max(max(p for _, p in dirs) + 1, int(args.get("pipeline_model_parallel_size") or 1))
+    pp_named = any(p.name.count("_") == 3 for p in dirs.values())
+    missing = [(t, p) for p in range(pp) for t in range(tp) if (t, p) not in dirs]
+    if missing:
+        names = [f"mp_rank_{t:02d}_{p:03d}" if pp > 1 or pp_named else f"mp_rank_{t:02d}" for t, p in missing]
+        raise UserError(f"{it_dir}: missing shard directories {', '.join(names)} (tp={tp}, pp={pp})")
+    return tp, pp, dirs
+
+
+def _chunk_keys(state: dict[str, Any], path: Path) -> list[str]:
+    keys = [k for k in state if _CHUNK_KEY.match(k) and isinstance(state[k], dict)]
+    if not keys:
+        raise UserError(f"{path}: no model state (no 'model' or 'model0' entry)")
+    if keys == ["model"]:
+        return keys
+    keys = sorted((k for k in keys if k != "model"), key=lambda k: int(k[5:]))
+    if [int(k[5:]) for k in keys] != list(range(len(keys))):
+        raise UserError(f"{path}: virtual chunks {keys} are not model0..model{len(keys) - 1}")
+    return keys
+
+
+def _local_names(flat: dict[str, torch.Tensor]) -> dict[str, str]:
+    """Our local name -> the file's flat key, for one model chunk."""
+    out: dict[str, str] = {}
+    for key in flat:
+        local = to_local_name(key)
+        if local is not None:
+            out[local] = key
+    return out
+
+
+def _layer_count(names: dict[str, str]) -> int:
+    found = [int(m.group(1)) for n in names if (m := _LOCAL_LAYER.search(n))]
+    return max(found) + 1 if found else 0
+
+
+def _model_spec(
+    states: list[dict[str, Any]],
+    first_flat: dict[str, torch.Tensor],
+    locals_: dict[tuple[int, int, int], dict[str, str]],
+    counts: list[list[int]],
+    tp: int,
+    *,
+    vocab_size: int | None,
+    tokenizer_dir: str | Path | None,
+    source: str,
+) -> tuple[ModelSpec, int, str]:
+    args = dict(states[0].get("args") or {})
+    pp, vp = len(counts), len(counts[0])
+    first = {n: first_flat[k] for n, k in locals_[(0, 0, 0)].items()}
+    last_names = locals_[(0, pp - 1, vp - 1)]
+    kind = model_kind(args, set(first) | set(last_names))
+    emb = first.get("language_model.embedding.word_embeddings.weight")
+    if emb is None:
+        raise UserError(f"{source}: the first stage has no word embeddings")
+    padded = emb.shape[0] * tp
+    vocab, how = true_vocab_size(args, padded, override=vocab_size, tokenizer_dir=tokenizer_dir)
+    layers = sum(map(sum, counts))
+    if isinstance(args.get("mlm_toolkit"), dict):
+        cfg = our_model_config(args, vocab_size=vocab, source=source)
+    else:
+        cfg = upstream_model_config(
+            args, first, kind=kind, tp=tp, vocab_size=vocab, num_layers=layers, source=source
+        )
+    if cfg.num_layers != layers:
+        raise UserError(f"{source}: args say {cfg.num_layers} layers, the shards hold {layers}")
+    binary = any(n.startswith("binary_head.") for n in last_names)
+    return ModelSpec(kind=kind, cfg=cfg, add_binary_head=binary), padded, how
+
+
+def _index(
+    spec: ModelSpec,
+    locals_: dict[tuple[int, int, int], dict[str, str]],
+    file_index: dict[tuple[int, int], int],
+    chunk_keys: list[str],
+    counts: list[list[int]],
+    tp: int,
+    files: list[Path],
+) -> tuple[dict[str, _Entry], dict[str, _Entry]]:
+    pp, vp = len(counts), len(counts[0])
+    layers = layers_from_counts(counts)
+    entries: dict[str, _Entry] = {}
+    heads: dict[str, _Entry] = {}
+    for s in range(pp):
+        for c in range(vp):
+            pre, post = s == 0 and c == 0, s == pp - 1 and c == vp - 1
+            slots = chunk_slots(spec, tp=tp, pre_process=pre, post_process=post, layer_numbers=layers[s][c])
+            expected = {slot.local for slot in slots}
+            for t in range(tp):
+                have, path = locals_[(t, s, c)], files[file_index[(t, s)]]
+                missing = sorted(expected - set(have))
+                extra = sorted(set(have) - expected - {"word_embeddings_for_head.weight"})
+                if missing or extra:
+                    what = f"missing {missing[:3]}" if missing else f"unexpected {extra[:3]}"
+                    raise UserError(f"{path}: {chunk_keys[c]} does not match a {spec.kind} chunk ({what})")
+            for slot in slots:
+                refs = [
+                    (file_index[(t, s)], chunk_keys[c], locals_[(t, s, c)][slot.local]) for t in range(tp)
+                ]
+                target = heads if slot.local.startswith("word_embeddings_for_head.") else entries
+                target[slot.canonical] = _Entry(slot, refs)
+            if pre and post and "word_embeddings_for_head.weight" in locals_[(0, s, c)]:
+                emb = next(x for x in slots if x.local == "language_model.embedding.word_embeddings.weight")
+                head_key = "word_embeddings_for_head.weight"
+                refs = [(file_index[(t, s)], chunk_keys[c], locals_[(t, s, c)][head_key]) for t in range(tp)]
+                heads[emb.canonical] = _Entry(emb, refs)
+    return entries, heads
+
+
+def _num_params(spec: ModelSpec, entries: dict[str, _Entry], tp: int) -> int:
+    total = 0
+    for e in entries.values():
+        shape = list(e.slot.shape)
+        if e.slot.dim is not None:
+            shape[e.slot.dim] *= tp
+        if e.slot.vocab:
+            shape[0] = spec.cfg.vocab_size
+        total += int(torch.Size(shape).numel())
+    return total
+
+
+def open_legacy(
+    it_dir: Path,
+    iteration: int | str | None,
+    *,
+    vocab_size: int | None = None,
+    tokenizer_dir: str | Path | None = None,
+) -> LegacyReader:
+    """Open a legacy-format iteration directory (all rank files mmap'd, nothing materialised)."""
+    probe_dirs = list_rank_dirs(it_dir)
+    first_state = load_untrusted(next(iter(probe_dirs.values())) / MODEL_FILE)
+    tp, pp, dirs = _rank_grid(it_dir, dict(first_state.get("args") or {}))
+    files = [dirs[(t, p)] / MODEL_FILE for p in range(pp) for t in range(tp)]
+    file_index = {(t, p): p * tp + t for p in range(pp) for t in range(tp)}
+    states = [
+        first_state if f.parent == next(iter(probe_dirs.values())) else load_untrusted(f) for f in files
+    ]
+    chunk_keys = _chunk_keys(states[0], files[0])
+    for f, st in zip(files, states, strict=True):
+        if _chunk_keys(st, f) != chunk_keys:
+            raise UserError(f"{f}: holds chunks {_chunk_keys(st, f)}, {files[0]} holds {chunk_keys}")
+    vp = len(chunk_keys)
+    flats = [{ck: flatten(st[ck]) for ck in chunk_keys} for st in states]
+    locals_ = {
+        (t, p, c): _local_names(flats[file_index[(t, p)]][ck])
+        for (t, p) in dirs
+        for c, ck in enumerate(chunk_keys)
+    }
+    counts = [[_layer_count(locals_[(0, p, c)]) for c in range(vp)] for p in range(pp)]
+    source = str(it_dir)
+    spec, padded, how = _model_spec(
+        states,
+        flats[0][chunk_keys[0]],
+        locals_,
+        counts,
+        tp,
+        vocab_size=vocab_size,
+        tokenizer_dir=tokenizer_dir,
+        source=source,
+    )
+    entries, heads = _index(spec, locals_, file_index, chunk_keys, counts, tp, files)
+    dtypes = sorted(
+        {str(t.dtype).removeprefix("torch.") for flat in flats for t in flat[chunk_keys[0]].values()}
+    )
+    args = states[0].get("args")
+    info = CheckpointInfo(
+        path=source,
+        format="torch",
+        iteration=states[0].get("iteration", iteration),
+        checkpoint_version=float(states[0].get("checkpoint_version", 0) or 0),
+        kind=spec.kind,
+        tp=tp,
+        pp=pp,
+        vp=vp,
+        vocab_size=spec.cfg.vocab_size,
+        vocab_source=how,
+        padded_vocab_size=padded,
+        num_parameters=_num_params(spec, entries, tp),
+        dtypes=tuple(dtypes),
+        ours=isinstance(args, dict) and isinstance(args.get("mlm_toolkit"), dict),
+    )
+    return LegacyReader(
+        spec=spec, info=info, files=files, states=states, flats=flats, entries=entries, head_copies=heads
+    )
+
+
+def open_checkpoint(
+    path: str | Path,
+    *,
+    iteration: int | str | None = None,
+    vocab_size: int | None = None,
+    tokenizer_dir: str | Path | None = None,
+) -> Any:
+    """Open a checkpoint root (with the tracker file) or one iteration directory, any format."""
+    it_dir, it = _find_iteration_dir(Path(path), iteration)
+    if (it_dir / "metadata.json").exists() or (it_dir / ".metadata").exists():
+        from pretrain.checkpoint.torch_dist import open_torch_dist
+
+        return open_torch_dist(it_dir, it, vocab_size=vocab_size, tokenizer_dir=tokenizer_dir)
+    return open_legacy(it_dir, it, vocab_size=vocab_size, tokenizer_dir=tokenizer_dir)
+
+
+def load_canonical(
+    path: str | Path, *, iteration: int | str | None = None, vocab_size: int | None = None,
+    tokenizer_dir: str | Path | None = None,
+) -> tuple[dict[str, torch.Tensor], ModelSpec, CheckpointInfo]:  # fmt: skip
+    """Canonical full tensors (cloned into memory), the model spec and info of any checkpoint."""
+    reader = open_checkpoint(path, iteration=iteration, vocab_size=vocab_size, tokenizer_dir=tokenizer_dir)
+    full = {name: reader.tensor(name).clone() for name in reader.names()}
+    return full, reader.spec, reader.info

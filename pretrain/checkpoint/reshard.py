@@ -1,0 +1,157 @@
+"""Write canonical full tensors as a checkpoint of any TP/PP/VP layout, one rank file at a time.
+
+The source is anything with ``spec``, ``names()`` and ``tensor(name)`` (a checkpoint reader, a
+Hugging Face model converted to canonical names): each target rank file is assembled from the
+source's (mmap'd) tensors, written atomically, and dropped before the next one, so memory stays
+near one target shard plus one full tensor. The whole output directory is built under a
+temporary sibling and renamed at the end: a failure never leaves a half-written ``--save``.
+Vocabulary padding is recomputed for the target TP; the last stage gets its
+``word_embeddings_for_head`` copy of the tied embeddings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pretrain.checkpoint.args import checkpoint_args
+from pretrain.checkpoint.layout import (
+    CHECKPOINT_VERSION,
+    MODEL_FILE,
+    iteration_dir,
+    nest_megatron,
+    rank_dir_name,
+    write_tracker,
+)
+from pretrain.checkpoint.plan import LayoutPlan, Slot
+from pretrain.checkpoint.reader import CanonicalSource
+from pretrain.config import ParallelConfig
+from pretrain.models.sharding import shard_tensor
+from pretrain.tensor_parallel.vocab import padded_vocab_size
+from pretrain.utils.atomic import atomic_directory, atomic_open
+from pretrain.utils.errors import UserError
+
+OPTIM_STATES = ("param", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True, kw_only=True)
+class WriteOptions:
+    """What goes into every target rank file besides the model."""
+
+    iteration: int | str = "release"
+    opt_param_scheduler: dict[str, Any] | None = None
+    extra_args: dict[str, Any] | None = None  # merged into args["mlm_toolkit"]
+
+
+def check_output_dir(save: Path, *, sources: tuple[Path, ...] = ()) -> None:
+    """Refuse a non-empty ``--save`` and one that is (inside) a source directory."""
+    save = save.resolve()
+    for src in sources:
+        src = src.resolve()
+        if save == src or src in save.parents:
+            raise UserError(f"--save {save}: must not be the source directory {src} or inside it")
+    if save.exists() and (not save.is_dir() or any(save.iterdir())):
+        raise UserError(f"--save {save}: exists and is not empty (choose a new directory)")
+
+
+def _shard(full: torch.Tensor, slot: Slot, *, tp_rank: int, tp: int, padded: int) -> torch.Tensor:
+    if slot.vocab and full.shape[0] > padded:
+        raise UserError(
+            f"tensor {slot.canonical}: {full.shape[0]} rows exceed the padded vocabulary {padded}"
+        )
+    out = shard_tensor(full, dim=slot.dim, tp_rank=tp_rank, tp=tp, pad_rows_to=padded if slot.vocab else None)
+    if tuple(out.shape) != slot.shape:
+        raise UserError(
+            f"tensor {slot.canonical}: target shard shape {tuple(out.shape)} != expected {slot.shape} "
+            f"(source full shape {tuple(full.shape)})"
+        )
+    return out.contiguous()
+
+
+def _chunk_state(
+    source: CanonicalSource, slots: list[Slot], *, tp_rank: int, tp: int, padded: int
+) -> dict[str, torch.Tensor]:
+    flat = {}
+    for slot in slots:
+        flat[slot.local] = _shard(source.tensor(slot.canonical), slot, tp_rank=tp_rank, tp=tp, padded=padded)
+    return flat
+
+
+def _target_args(source: CanonicalSource, target: ParallelConfig, options: WriteOptions) -> dict[str, Any]:
+    spec = source.spec
+    extra = {"add_binary_head": spec.add_binary_head, **(options.extra_args or {})}
+    return checkpoint_args(spec.cfg, target, model_type=spec.kind, extra=extra)
+
+
+def write_layout(
+    source: CanonicalSource,
+    save: str | Path,
+    target: ParallelConfig,
+    *,
+    options: WriteOptions = WriteOptions(),
+    optimizer: Callable[[int, int, list[list[Slot]]], dict[str, Any] | None] | None = None,
+    progress: Callable[[str], None] | None = None,
+    extra_files: Callable[[Path], object] | None = None,
+) -> Path:
+    """Write ``source`` at layout ``target`` into the new directory ``save``; returns ``save``.
+
+    ``optimizer(tp_rank, pp_rank, slots_per_chunk)`` may supply each rank file's ``optimizer``
+    entry. ``progress`` is called with each rank directory name after it is written;
+    ``extra_files(tmp_dir)`` may add files (e.g. the tokenizer) before the directory is renamed.
+    """
+    plan = LayoutPlan.for_parallel(source.spec, target)
+    cfg = source.spec.cfg
+    padded = padded_vocab_size(cfg.vocab_size, tp=target.tp, divisible_by=cfg.make_vocab_size_divisible_by)
+    args = _target_args(source, target, options)
+    save = Path(save)
+    with atomic_directory(save) as tmp:
+        it_dir = iteration_dir(tmp, options.iteration)
+        for pp_rank in range(target.pp):
+            slots = [plan.slots(pp_rank, c) for c in range(target.vp)]
+            for tp_rank in range(target.tp):
+                name = rank_dir_name(tp_rank, pp_rank, target.pp)
+                state: dict[str, Any] = {
+                    "iteration": options.iteration,
+                    "checkpoint_version": CHECKPOINT_VERSION,
+                    "args": args,
+                }
+                for key, chunk_slots in zip(plan.chunk_keys(), slots, strict=True):
+                    flat = _chunk_state(source, chunk_slots, tp_rank=tp_rank, tp=target.tp, padded=padded)
+                    state[key] = nest_megatron(flat)
+                state["optimizer"] = optimizer(tp_rank, pp_rank, slots) if optimizer else None
+                state["opt_param_scheduler"] = options.opt_param_scheduler
+                with atomic_open(it_dir / name / MODEL_FILE, "wb") as fh:
+                    torch.save(state, fh)
+                del state
+                if progress is not None:
+                    progress(name)
+        write_tracker(tmp, options.iteration)
+        if extra_files is not None:
+            extra_files(tmp)
+    return save
+
+
+@dataclass
+class DictSource:
+    """Canonical full tensors held in memory (e.g. converted from Hugging Face)."""
+
+    spec: Any
+    full: dict[str, torch.Tensor]
+
+    def names(self) -> list[str]:
+        return list(self.full)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.full:
+            raise UserError(f"source has no tensor {name!r}")
+        return self.full[name]
+
+
+def with_vocab(source_spec: Any, vocab_size: int) -> Any:
+    """The spec with another true vocabulary size (the config is frozen)."""
+    return dataclasses.replace(source_spec, cfg=dataclasses.replace(source_spec.cfg, vocab_size=vocab_size))

@@ -1,0 +1,202 @@
+"""Load upstream Megatron-LM checkpoint files without trusting their pickles.
+
+Upstream pickles an ``argparse.Namespace`` in ``args`` (and sometimes megatron enums or
+Transformer-Engine ``io.BytesIO`` extra states), so ``torch.load(weights_only=True)`` refuses
+the files and ``weights_only=False`` would run whatever the pickle names. :func:`load_untrusted`
+uses ``torch.load`` with a restricted ``pickle_module``:
+
+* allowed: tensor and parameter rebuild functions, storages, ``OrderedDict``, torch dtypes,
+  ``torch.device``, ``torch.Size``, numpy arrays/dtypes/scalars (RNG states), plain containers;
+* ``argparse.Namespace`` becomes a plain ``dict``;
+* any other *class* (a CamelCase name outside the dangerous modules, e.g.
+  ``megatron.core.enums.ModelType``) becomes an inert :class:`Placeholder` that only records its
+  name and arguments;
+* everything else (``os.system``, ``builtins.eval``, ``subprocess.Popen``, any function) is
+  refused with :class:`UnsafePickleError` before it can run.
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import types
+import zipfile
+from pathlib import Path
+from typing import IO, Any
+
+import torch
+
+from pretrain.utils.errors import UserError
+
+# (module, name) pairs returned as the real object.
+_ALLOWED: dict[tuple[str, str], Any] = {
+    ("collections", "OrderedDict"): collections.OrderedDict,
+    ("torch._utils", "_rebuild_tensor"): torch._utils._rebuild_tensor,
+    ("torch._utils", "_rebuild_tensor_v2"): torch._utils._rebuild_tensor_v2,
+    ("torch._utils", "_rebuild_parameter"): torch._utils._rebuild_parameter,
+    ("torch._utils", "_rebuild_parameter_with_state"): torch._utils._rebuild_parameter_with_state,
+    ("torch._tensor", "_rebuild_from_type_v2"): torch._tensor._rebuild_from_type_v2,
+    ("torch", "Size"): torch.Size,
+    ("torch", "device"): torch.device,
+    ("torch", "Tensor"): torch.Tensor,
+    ("torch.nn.parameter", "Parameter"): torch.nn.Parameter,
+    ("builtins", "set"): set,
+    ("builtins", "frozenset"): frozenset,
+    ("builtins", "complex"): complex,
+    ("builtins", "slice"): slice,
+    ("builtins", "bytearray"): bytearray,
+    ("__builtin__", "set"): set,
+}
+# numpy pickles its bytes with ``_codecs.encode(str, "latin1")`` under protocol 2.
+_ALLOWED_CODECS = {("_codecs", "encode"), ("codecs", "encode")}
+_NUMPY_MODULES = ("numpy", "numpy.core.multiarray", "numpy._core.multiarray", "numpy.dtypes")
+_NUMPY_NAMES = {"ndarray", "dtype", "_reconstruct", "scalar"}
+# Modules whose members can run code, touch files or import: refused outright, even classes.
+_DANGEROUS_ROOTS = {
+    "builtins", "__builtin__", "os", "posix", "nt", "subprocess", "sys", "importlib", "pickle",
+    "_pickle", "marshal", "shutil", "socket", "runpy", "types", "code", "codeop", "ctypes", "pty",
+    "webbrowser", "functools", "operator", "platform", "multiprocessing", "threading", "asyncio",
+    "pdb", "timeit", "tempfile", "pathlib", "io", "_io", "torch", "numpy", "copyreg", "inspect",
+    "signal", "glob", "zipimport", "pkgutil", "cProfile", "profile", "trace", "dill", "cloudpickle",
+}  # fmt: skip
+_INERT_CLASSES = {("io", "BytesIO"), ("_io", "BytesIO")}  # Transformer Engine ``_extra_state``
+
+
+class UnsafePickleError(pickle.UnpicklingError):
+    """The pickle names a global that is not on the allow-list."""
+
+
+class Placeholder:
+    """An inert stand-in for a class we do not import (e.g. a megatron enum member)."""
+
+    qualname = "?"
+
+    args: tuple[Any, ...]
+    state: Any
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> Placeholder:  # pickle's NEWOBJ skips __init__
+        obj = super().__new__(cls)
+        obj.args, obj.state = args, None
+        return obj
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __setstate__(self, state: Any) -> None:
+        self.state = state
+
+    def __reduce__(self) -> Any:  # never re-pickle as the foreign class
+        return (str, (repr(self),))
+
+    def __repr__(self) -> str:
+        args = ", ".join(repr(a) for a in self.args)
+        return f"<{self.qualname}({args})>"
+
+
+class NamespaceDict(dict):  # type: ignore[type-arg]
+    """What an ``argparse.Namespace`` unpickles into (later converted to a plain dict)."""
+
+    def __setstate__(self, state: Any) -> None:
+        self.update(state if isinstance(state, dict) else {})
+
+
+def _placeholder(module: str, name: str) -> type[Placeholder]:
+    return type(name, (Placeholder,), {"qualname": f"{module}.{name}"})
+
+
+def _is_torch_dtype(module: str, name: str) -> bool:
+    return module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+
+
+def resolve_global(module: str, name: str) -> Any:
+    """The object a pickle may reference as ``module.name`` (or raise :class:`UnsafePickleError`)."""
+    if (module, name) in _ALLOWED:
+        return _ALLOWED[(module, name)]
+    if _is_torch_dtype(module, name):
+        return getattr(torch, name)
+    if (module, name) in _ALLOWED_CODECS:
+        import codecs
+
+        return codecs.encode
+    if module in _NUMPY_MODULES and name in _NUMPY_NAMES:
+        import importlib
+
+        return getattr(importlib.import_module(module), name)
+    if module.startswith("numpy") and name.endswith("DType"):  # numpy 2 dtype classes
+        import numpy
+
+        return getattr(numpy.dtypes, name, None) or _placeholder(module, name)
+    if (module, name) == ("argparse", "Namespace"):
+        return NamespaceDict
+    if (module, name) in _INERT_CLASSES:
+        return _placeholder(module, name)
+    root = module.split(".")[0]
+    if root not in _DANGEROUS_ROOTS and name[:1].isupper() and name.isidentifier():
+        return _placeholder(module, name)
+    raise UnsafePickleError(f"refusing to unpickle global {module}.{name} (not on the allow-list)")
+
+
+class Unpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` whose ``find_class`` only resolves allowed globals."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        return resolve_global(module, name)
+
+
+def load(file: IO[bytes], **kwargs: Any) -> Any:
+    """``pickle.load`` with the restricted unpickler (used by torch for legacy files)."""
+    return Unpickler(file, **kwargs).load()
+
+
+def loads(data: bytes, **kwargs: Any) -> Any:
+    import io
+
+    return load(io.BytesIO(data), **kwargs)
+
+
+def _pickle_module() -> types.ModuleType:
+    """The ``pickle_module`` handed to ``torch.load``: restricted ``Unpickler``/``load``."""
+    module = types.ModuleType("pretrain_restricted_pickle")
+    module.Unpickler = Unpickler  # type: ignore[attr-defined]
+    module.UnpicklingError = pickle.UnpicklingError  # type: ignore[attr-defined]
+    module.load = load  # type: ignore[attr-defined]
+    module.loads = loads  # type: ignore[attr-defined]
+    return module
+
+
+PICKLE_MODULE = _pickle_module()
+
+
+def plain(value: Any) -> Any:
+    """Namespaces -> dicts and placeholders -> strings, recursively (tensors kept as they are)."""
+    if isinstance(value, dict):
+        out = {k: plain(v) for k, v in value.items()}
+        return out if type(value) in (dict, NamespaceDict) else type(value)(out)
+    if isinstance(value, list | tuple) and not hasattr(value, "_fields"):
+        return type(value)(plain(v) for v in value)
+    if isinstance(value, Placeholder):
+        return repr(value)
+    return value
+
+
+def load_untrusted(path: Path, *, mmap: bool = True) -> dict[str, Any]:
+    """Load an upstream (or our) checkpoint file with the restricted unpickler.
+
+    ``mmap`` applies to zip-format files (torch >= 1.6): tensors stay on disk until touched.
+    Every failure is a one-line :class:`UserError` naming the file.
+    """
+    if not path.exists():
+        raise UserError(f"missing checkpoint shard {path}")
+    use_mmap = mmap and zipfile.is_zipfile(path)
+    try:
+        state = torch.load(
+            path, map_location="cpu", weights_only=False, pickle_module=PICKLE_MODULE, mmap=use_mmap
+        )
+    except UnsafePickleError as exc:
+        raise UserError(f"{path}: unsafe checkpoint file: {exc}") from None
+    except Exception as exc:  # truncated or foreign file: one clear line
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise UserError(f"{path}: cannot be read ({type(exc).__name__}: {first})") from None
+    if not isinstance(state, dict):
+        raise UserError(f"{path}: expected a dict at the top level, found {type(state).__name__}")
+    return plain(state)

@@ -1,0 +1,112 @@
+"""Training checkpoints: model (Megatron layout), optimizer (full or ZeRO-1 shards), scheduler, RNG.
+
+Non-distributed optimizer: its full state for this (tp, pp) rank's parameters goes into
+``model_optim_rng.pt`` (identical on all DP ranks; DP rank 0 writes). Distributed optimizer:
+every DP rank's shard is gathered to DP rank 0 and written beside it as ``distrib_optim.pt``
+(``{"shards": [...]}`` in DP-rank order, like Megatron's file); ``optimizer`` holds the common
+scalars only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch.distributed as dist
+
+from pretrain.checkpoint.args import parallel_config_from_args
+from pretrain.checkpoint.io import load_checkpoint, load_rank_file, restore_rng_state, save_checkpoint
+from pretrain.checkpoint.layout import (
+    DISTRIB_OPTIM_FILE,
+    MODEL_FILE,
+    list_rank_dirs,
+    rank_dir_name,
+    resolve_iteration,
+)
+from pretrain.models.base import ShardedModule
+from pretrain.optim.distrib_optimizer import DistributedOptimizer
+from pretrain.optim.lr_schedule import LRScheduler
+from pretrain.optim.optimizer import MixedPrecisionOptimizer
+from pretrain.parallel.state import ParallelState
+from pretrain.training.config import TrainingConfig
+from pretrain.utils.errors import UserError
+
+
+def _gather_to_dp0(obj: Any, ps: ParallelState) -> list[Any] | None:
+    """Collect one object per DP rank on DP rank 0 (collective over the DP group)."""
+    if ps.dp_group is None:
+        return [obj]
+    out: list[Any] | None = [None] * ps.dp_size if ps.dp_rank == 0 else None
+    dist.gather_object(obj, out, dst=ps.dp_ranks[0], group=ps.dp_group)
+    return out
+
+
+def save_training_checkpoint(
+    root: str | Path, iteration: int, chunks: Sequence[ShardedModule], ps: ParallelState,
+    optimizer: MixedPrecisionOptimizer, scheduler: LRScheduler, args: dict[str, Any],
+) -> Path:  # fmt: skip
+    """Save everything needed to resume; collective over all ranks."""
+    extra: dict[str, dict[str, Any]] = {}
+    if isinstance(optimizer, DistributedOptimizer):
+        shards = _gather_to_dp0(optimizer.sharded_state_dict(), ps)
+        if ps.dp_rank == 0:
+            extra[DISTRIB_OPTIM_FILE] = {"shards": shards}
+        opt_state: dict[str, Any] = {"distributed": True, **optimizer.state_dict_common()}
+    else:
+        opt_state = optimizer.state_dict()
+    return save_checkpoint(root, iteration, chunks, ps, args=args, optimizer=opt_state,
+                           opt_param_scheduler=scheduler.state_dict(), extra_files=extra)  # fmt: skip
+
+
+def check_layout(root: str | Path, ps: ParallelState, it_dir: Path, *, model_type: str) -> None:
+    """Fail with both layouts and the resharding command when the checkpoint's layout differs."""
+    first = next(iter(list_rank_dirs(it_dir).values()))
+    state = load_rank_file(first / MODEL_FILE)
+    args = state.get("args") or {}
+    saved = parallel_config_from_args(args)
+    if args.get("model_type", model_type) != model_type:
+        raise UserError(f"{root}: checkpoint holds a {args.get('model_type')} model, not {model_type}")
+    here = (ps.tp_size, ps.pp_size, ps.vp_size)
+    if (saved.tp, saved.pp, saved.vp) != here:
+        raise UserError(
+            f"{root}: checkpoint was saved with tp={saved.tp} pp={saved.pp} vp={saved.vp}, this run uses "
+            f"tp={here[0]} pp={here[1]} vp={here[2]}; reshard it first: mlm-convert reshard --load {root} "
+            f"--save NEW_DIR --target-tp {here[0]} --target-pp {here[1]} --target-vp {here[2]}"
+        )
+
+
+def load_training_checkpoint(
+    root: str | Path, chunks: Sequence[ShardedModule], ps: ParallelState, optimizer: MixedPrecisionOptimizer,
+    scheduler: LRScheduler, cfg: TrainingConfig, *, model_type: str,
+) -> int:  # fmt: skip
+    """Load model (and unless told otherwise optimizer, scheduler, RNG); return the start iteration."""
+    it_dir = resolve_iteration(root, None)
+    check_layout(root, ps, it_dir, model_type=model_type)
+    rest = load_checkpoint(root, chunks, ps)
+    if cfg.finetune:
+        return 0
+    if not cfg.no_load_optim:
+        _load_optimizer(it_dir, ps, optimizer, rest.get("optimizer"))
+        if rest.get("opt_param_scheduler"):
+            scheduler.load_state_dict(rest["opt_param_scheduler"])
+    if not cfg.no_load_rng and rest.get("rng_state"):
+        restore_rng_state(ps, rest["rng_state"][0])
+    it = rest.get("iteration", 0)
+    return 0 if it == "release" else int(it)
+
+
+def _load_optimizer(it_dir: Path, ps: ParallelState, optimizer: MixedPrecisionOptimizer, state: Any) -> None:
+    rank_dir = it_dir / rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size)
+    if isinstance(optimizer, DistributedOptimizer):
+        path = rank_dir / DISTRIB_OPTIM_FILE
+        shards = load_rank_file(path).get("shards") or []
+        if len(shards) != ps.dp_size:
+            raise UserError(
+                f"{path}: holds {len(shards)} optimizer shards, this run has data-parallel size {ps.dp_size}"
+            )
+        optimizer.load_sharded_state_dict(shards[ps.dp_rank])
+        return
+    if not state or state.get("distributed"):
+        raise UserError(f"{rank_dir / MODEL_FILE}: no (non-distributed) optimizer state; use --no-load-optim")
+    optimizer.load_state_dict(state)

@@ -1,0 +1,228 @@
+"""``mlm-pretrain gpt|bert``: Megatron-style flags parsed into config dataclasses at the edge.
+
+Single process::
+
+    mlm-pretrain gpt --num-layers 2 --hidden-size 64 --num-attention-heads 4 --seq-length 64 \\
+        --micro-batch-size 4 --global-batch-size 8 --train-iters 100 --lr 1e-3 \\
+        --data-path data/corpus_text_document --tokenizer-type GPT2BPETokenizer \\
+        --vocab-file tok/vocab.json --merge-file tok/merges.txt --save ckpt
+
+Parallel (tp=2, pp=2, gloo on CPU / NCCL on GPUs, chosen automatically)::
+
+    torchrun --nproc-per-node 4 -m pretrain.training.cli gpt --tensor-model-parallel-size 2 \\
+        --pipeline-model-parallel-size 2 ...
+
+Every flag is validated before any process group starts; bad input gives one line and exit 2.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+from pretrain.checkpoint.args import checkpoint_args
+from pretrain.config import DTypeName, ModelConfig, ParallelConfig
+from pretrain.data.gpt_dataset import GPTDatasetConfig
+from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
+from pretrain.parallel.layout import check_sizes
+from pretrain.pipeline.partition import stage_layer_numbers
+from pretrain.tokenizer.factory import TokenizerConfig, add_tokenizer_arguments, build_tokenizer
+from pretrain.training.config import TrainingConfig
+from pretrain.utils.cli import OneLineParser
+from pretrain.utils.errors import UserError, cli_entry
+
+
+def add_model_args(p: OneLineParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--num-layers", type=int, required=True)
+    g.add_argument("--hidden-size", type=int, required=True)
+    g.add_argument("--ffn-hidden-size", type=int, default=None)
+    g.add_argument("--num-attention-heads", type=int, required=True)
+    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
+    g.add_argument("--hidden-dropout", type=float, default=0.1)
+    g.add_argument("--attention-dropout", type=float, default=0.1)
+    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    g.add_argument("--init-method-std", type=float, default=0.02)
+    g.add_argument("--gelu", choices=("tanh", "erf"), default="tanh")
+    g.add_argument("--recompute-activations", action="store_true")
+    g.add_argument("--apply-residual-connection-post-layernorm", "--post-layernorm", dest="post_layernorm",
+                   action="store_true", help="BERT: original post-LN arrangement (paper figure 7a)")  # fmt: skip
+
+
+def add_parallel_args(p: OneLineParser) -> None:
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
+    g.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
+    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
+    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    g.add_argument("--use-distributed-optimizer", action="store_true")
+    g.add_argument("--overlap-grad-reduce", action="store_true")
+    g.add_argument("--pipeline-schedule", choices=("1f1b", "fthenb"), default="1f1b")
+
+
+def add_training_args(p: OneLineParser) -> None:
+    g = p.add_argument_group("training")
+    g.add_argument("--seq-length", type=int, required=True)
+    g.add_argument("--micro-batch-size", type=int, required=True)
+    g.add_argument("--global-batch-size", type=int, required=True)
+    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--lr", type=float, default=1.5e-4)
+    g.add_argument("--min-lr", type=float, default=1.0e-5)
+    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-decay-iters", type=int, default=None, help="default: --train-iters")
+    g.add_argument("--lr-decay-style", choices=("cosine", "linear", "constant"), default="cosine")
+    g.add_argument("--weight-decay", type=float, default=0.01)
+    g.add_argument("--adam-beta1", type=float, default=0.9)
+    g.add_argument("--adam-beta2", type=float, default=0.999)
+    g.add_argument("--adam-eps", type=float, default=1e-8)
+    g.add_argument("--clip-grad", type=float, default=1.0)
+    g.add_argument("--bf16", action="store_true")
+    g.add_argument("--fp16", action="store_true")
+    g.add_argument("--loss-scale", type=float, default=None)
+    g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
+    g.add_argument("--seed", type=int, default=1234)
+    g.add_argument("--log-interval", type=int, default=10)
+    g.add_argument("--log-json", default=None, help="append one JSON object per iteration to this file")
+    g.add_argument("--eval-interval", type=int, default=0)
+    g.add_argument("--eval-iters", type=int, default=10)
+    g.add_argument("--save", default=None)
+    g.add_argument("--load", default=None)
+    g.add_argument("--save-interval", type=int, default=0)
+    g.add_argument("--finetune", action="store_true", help="load weights only and start at iteration 0")
+    g.add_argument("--no-load-optim", action="store_true")
+    g.add_argument("--no-load-rng", action="store_true")
+    g.add_argument("--no-progress", action="store_true")
+
+
+def add_data_args(p: OneLineParser) -> None:
+    g = p.add_argument_group("data")
+    g.add_argument("--data-path", nargs="+", required=True, help="prefix, or 'weight prefix' pairs to blend")
+    g.add_argument("--split", default="969,30,1")
+    g.add_argument("--data-cache-path", default=None)
+    g.add_argument("--eod-mask-loss", action="store_true")
+    add_tokenizer_arguments(p)  # type: ignore[arg-type]
+
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog="mlm-pretrain", description="Megatron-style parallel pretraining.")
+    sub = parser.add_subparsers(dest="model", required=True, parser_class=OneLineParser)
+    for name, helptext in (("gpt", "GPT-2 style decoder (next-token prediction)"),
+                           ("bert", "BERT encoder (masked LM + sentence order)")):  # fmt: skip
+        p = sub.add_parser(name, help=helptext)
+        for add in (add_model_args, add_parallel_args, add_training_args, add_data_args):
+            add(p)
+    return parser
+
+
+def _virtual_size(args: Any) -> int:
+    n = args.num_layers_per_virtual_pipeline_stage
+    if n is None:
+        return 1
+    if n <= 0 or args.num_layers % (args.pp * n):
+        raise UserError(
+            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {args.pp} x "
+            f"--num-layers-per-virtual-pipeline-stage {n}"
+        )
+    return args.num_layers // (args.pp * n)
+
+
+def configs_from_args(args: Any, *, world_size: int) -> dict[str, Any]:
+    """Every config of a run, validated (no process group needed)."""
+    tok_cfg = TokenizerConfig.from_args(args)
+    tokenizer = build_tokenizer(tok_cfg)
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, vp=_virtual_size(args),
+                              num_layers_in_first_stage=args.decoder_first_pipeline_num_layers,
+                              num_layers_in_last_stage=args.decoder_last_pipeline_num_layers)  # fmt: skip
+    dtype: DTypeName = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+    bert = args.model == "bert"
+    model = ModelConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        ffn_hidden_size=args.ffn_hidden_size, vocab_size=tokenizer.vocab_size,
+        max_position_embeddings=args.max_position_embeddings or args.seq_length,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, hidden_dropout=args.hidden_dropout,
+        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std, gelu=args.gelu,
+        recompute_activations=args.recompute_activations, params_dtype=dtype, bidirectional=bert,
+        num_tokentypes=2 if bert else 0, post_layernorm=args.post_layernorm,
+    )  # fmt: skip
+    model.check_tensor_parallel(parallel.tp)
+    if args.seq_length > model.max_position_embeddings:
+        raise UserError(
+            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {model.max_position_embeddings}"
+        )
+    dp = check_sizes(world_size, parallel.tp, parallel.pp, parallel.vp)
+    stage_layer_numbers(model.num_layers, pp=parallel.pp, vp=parallel.vp,
+                        first=parallel.num_layers_in_first_stage, last=parallel.num_layers_in_last_stage)  # fmt: skip
+    train = TrainingConfig(
+        micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
+        train_iters=args.train_iters, seq_length=args.seq_length, seed=args.seed, log_interval=args.log_interval,
+        eval_interval=args.eval_interval, eval_iters=args.eval_iters, save=args.save, load=args.load,
+        save_interval=args.save_interval, finetune=args.finetune, no_load_optim=args.no_load_optim,
+        no_load_rng=args.no_load_rng, log_json=args.log_json, schedule=args.pipeline_schedule,
+        overlap_grad_reduce=args.overlap_grad_reduce, progress=not args.no_progress,
+    )  # fmt: skip
+    train.num_microbatches(dp)
+    optim = OptimizerConfig(
+        lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2, adam_eps=args.adam_eps, clip_grad=args.clip_grad,
+        use_distributed_optimizer=args.use_distributed_optimizer, fp16=args.fp16, bf16=args.bf16,
+        loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
+    )  # fmt: skip
+    decay = args.lr_decay_iters or args.train_iters
+    lr = LRScheduleConfig(lr=args.lr, min_lr=min(args.min_lr, args.lr), decay_style=args.lr_decay_style,
+                          warmup_iters=args.lr_warmup_iters,
+                          decay_iters=decay if args.lr_decay_style != "constant" else None)  # fmt: skip
+    for path in args.data_path:
+        if not os.path.exists(path + ".idx") and not _is_number(path):
+            raise UserError(f"--data-path {path}: no indexed dataset {path}.idx (run mlm-preprocess first)")
+    data = GPTDatasetConfig(seq_length=args.seq_length, data_prefix=tuple(args.data_path), seed=args.seed,
+                            split=args.split, cache_dir=args.data_cache_path, eod_mask_loss=args.eod_mask_loss,
+                            eod_id=tokenizer.eod)  # fmt: skip
+    return {"tokenizer_cfg": tok_cfg, "tokenizer": tokenizer, "parallel": parallel, "model": model,
+            "train": train, "optim": optim, "lr": lr, "data": data}  # fmt: skip
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+        return True
+    except ValueError:
+        return False
+
+
+def build_task(args: Any, cfgs: dict[str, Any]) -> Any:
+    if args.model == "gpt":
+        from pretrain.training.gpt_task import GPTTask
+
+        return GPTTask(model_cfg=cfgs["model"], data_cfg=cfgs["data"], train_cfg=cfgs["train"])
+    from pretrain.training.bert_task import BertTask
+
+    return BertTask.from_configs(cfgs)
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    cfgs = configs_from_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    task = build_task(args, cfgs)
+    from pretrain.training.loop import setup_parallel, train
+
+    ps = setup_parallel(cfgs["parallel"], seed=cfgs["train"].seed)
+    ckpt = checkpoint_args(cfgs["model"], cfgs["parallel"], model_type=args.model,
+                           extra={"tokenizer": cfgs["tokenizer_cfg"].to_dict(), "argv": list(argv or sys.argv[1:])})  # fmt: skip
+    result = train(task, ps=ps, optim_cfg=cfgs["optim"], lr_cfg=cfgs["lr"], cfg=cfgs["train"], ckpt_args=ckpt)
+    if ps.rank == 0 and result["history"]:
+        first, last = result["history"][0], result["history"][-1]
+        print(json.dumps({"first_loss": first["loss"], "final_loss": last["loss"],
+                          "iterations": last["iteration"], "save": cfgs["train"].save}))  # fmt: skip
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

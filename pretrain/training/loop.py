@@ -1,0 +1,200 @@
+"""The one training loop: every model family and finetuning task plugs in as a ``TrainTask``.
+
+Per iteration: zero the gradient buffers; run this rank's pipeline schedule over its
+microbatches; finalize gradients (tied-embedding all-reduce, then the data-parallel reduction);
+one optimizer step (unscale, overflow check, clip, AdamW, copy back); advance the LR schedule on
+successful steps; log; validate and save at their intervals.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from pretrain.config import ParallelConfig
+from pretrain.distributed.ddp import DDPConfig, DistributedDataParallel
+from pretrain.models.base import ShardedModule
+from pretrain.models.init import init_model_parameters
+from pretrain.optim import build_optimizer
+from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
+from pretrain.optim.lr_schedule import LRScheduler
+from pretrain.optim.optimizer import MixedPrecisionOptimizer
+from pretrain.parallel.state import ParallelState
+from pretrain.pipeline.embedding_sync import allreduce_embedding_grads
+from pretrain.pipeline.schedules import forward_backward
+from pretrain.training.checkpointing import load_training_checkpoint, save_training_checkpoint
+from pretrain.training.config import TrainingConfig
+from pretrain.training.logger import TrainingLogger
+from pretrain.training.task import Microbatch, TrainTask
+from pretrain.utils.errors import UserError
+
+
+def setup_parallel(cfg: ParallelConfig, *, seed: int) -> ParallelState:
+    """Initialise ``torch.distributed`` when launched by torchrun (NCCL on GPUs, gloo on CPU)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1 and not dist.is_initialized():
+        if cfg.tp * cfg.pp > 1:
+            raise UserError(
+                f"--tp {cfg.tp} x --pp {cfg.pp} needs {cfg.tp * cfg.pp} processes: launch with torchrun"
+            )
+        return ParallelState.single(seed=seed)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return ParallelState.from_distributed(cfg, device=device, seed=seed)
+
+
+@dataclass(kw_only=True)
+class Trainer:
+    """Model chunks, their DDP wrappers, optimizer and schedule of one run."""
+
+    task: TrainTask
+    ps: ParallelState
+    optim_cfg: OptimizerConfig
+    lr_cfg: LRScheduleConfig
+    cfg: TrainingConfig
+    ckpt_args: dict[str, Any]
+    chunks: list[ShardedModule] = field(init=False)
+    ddps: list[DistributedDataParallel] = field(init=False)
+    optimizer: MixedPrecisionOptimizer = field(init=False)
+    scheduler: LRScheduler = field(init=False)
+    skipped: int = 0
+
+    def __post_init__(self) -> None:
+        self.chunks = self.task.build_chunks(self.ps)
+        for chunk in self.chunks:
+            init_model_parameters(chunk, seed=self.cfg.seed)
+        ddp_cfg = DDPConfig(
+            use_distributed_optimizer=self.optim_cfg.use_distributed_optimizer,
+            overlap_grad_reduce=self.cfg.overlap_grad_reduce,
+        )
+        self.ddps = [DistributedDataParallel(c, self.ps, ddp_cfg) for c in self.chunks]
+        self.optimizer = build_optimizer(self.optim_cfg, self.ddps, self.ps)
+        self.scheduler = LRScheduler(self.lr_cfg, self.optimizer)
+
+    # --- one iteration ---------------------------------------------------------------------------
+    def _run_schedule(self, mbs: list[Microbatch], *, forward_only: bool) -> torch.Tensor:
+        norms = self.task.normalizers(mbs, self.ps)
+        parts: list[dict[str, torch.Tensor]] = []
+
+        def loss_fn(output: Any, mb: Microbatch) -> torch.Tensor:
+            loss, named = self.task.loss(output, mb, norms)
+            parts.append(named)
+            return loss if forward_only else self.optimizer.scale_loss(loss)
+
+        def finalize() -> None:
+            allreduce_embedding_grads(self.chunks, self.ps)  # before DP: a sum commutes with it
+            for d in self.ddps:
+                d.finish_grad_sync()
+
+        forward_backward(
+            chunks=self.chunks, ps=self.ps, microbatches=mbs, loss_fn=loss_fn, forward_only=forward_only,
+            finalize_grads=finalize, forward_step=self.task.forward_step, schedule=self.cfg.schedule,
+        )  # fmt: skip
+        return self._reduce_parts(parts)
+
+    def _reduce_parts(self, parts: Sequence[dict[str, torch.Tensor]]) -> torch.Tensor:
+        """Global values of the named losses: last-stage, TP-rank-0 contributions summed over all ranks."""
+        out = torch.zeros(len(self.task.loss_names), dtype=torch.float64)
+        if self.ps.is_last_stage and self.ps.tp_rank == 0:
+            for named in parts:
+                out += torch.tensor([float(named[n]) for n in self.task.loss_names], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            out = out.to(self.ps.device)
+            dist.all_reduce(out)
+            out = out.cpu()
+        return out
+
+    def train_step(self, iteration: int) -> dict[str, Any]:
+        start = time.perf_counter()
+        mbs = self.task.microbatches("train", iteration, self.ps)
+        self.optimizer.zero_grad()
+        losses = self._run_schedule(mbs, forward_only=False)
+        lr = self.optimizer.get_lr()
+        ok, grad_norm, _ = self.optimizer.step()
+        if ok:
+            self.scheduler.step(self.cfg.global_batch_size if self.lr_cfg.by_samples else 1)
+        else:
+            self.skipped += 1
+        elapsed = time.perf_counter() - start
+        tokens = self.cfg.global_batch_size * self.cfg.seq_length
+        world = self.ps.layout.world_size
+        record = {
+            "iteration": iteration + 1,
+            **{name: float(v) for name, v in zip(self.task.loss_names, losses, strict=True)},
+            "loss": float(losses.sum()),
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "loss_scale": self.optimizer.loss_scale,
+            "skipped_iterations": self.skipped,
+            "iteration_time_s": elapsed,
+            "tokens_per_s": tokens / elapsed,
+            "tflops_per_rank": self.task.flops_per_iteration(self.cfg.global_batch_size)
+            / elapsed
+            / world
+            / 1e12,
+        }
+        return record
+
+    def evaluate(self, split: str, call_index: int) -> float:
+        """Mean loss over ``eval_iters`` global batches of ``split`` (dropout off, no gradients)."""
+        for c in self.chunks:
+            c.eval()
+        total = torch.zeros(len(self.task.loss_names), dtype=torch.float64)
+        for k in range(self.cfg.eval_iters):
+            mbs = self.task.microbatches(split, call_index * self.cfg.eval_iters + k, self.ps)
+            total += self._run_schedule(mbs, forward_only=True)
+        for c in self.chunks:
+            c.train()
+        return float(total.sum()) / max(self.cfg.eval_iters, 1)
+
+    def save(self, iteration: int) -> None:
+        assert self.cfg.save is not None
+        save_training_checkpoint(self.cfg.save, iteration, self.chunks, self.ps, self.optimizer, self.scheduler,
+                                 self.ckpt_args)  # fmt: skip
+
+
+def train(
+    task: TrainTask, *, ps: ParallelState, optim_cfg: OptimizerConfig, lr_cfg: LRScheduleConfig,
+    cfg: TrainingConfig, ckpt_args: dict[str, Any], on_iteration: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Run training; returns ``{"history": [...], "valid": [...], "start_iteration", "final_iteration"}``."""
+    trainer = Trainer(task=task, ps=ps, optim_cfg=optim_cfg, lr_cfg=lr_cfg, cfg=cfg, ckpt_args=ckpt_args)
+    start = 0
+    if cfg.load:
+        start = load_training_checkpoint(cfg.load, trainer.chunks, ps, trainer.optimizer, trainer.scheduler, cfg,
+                                         model_type=task.model_type)  # fmt: skip
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    log = TrainingLogger(enabled=rank0, total=cfg.train_iters, start=start, log_interval=cfg.log_interval,
+                         json_path=cfg.log_json, progress=cfg.progress)  # fmt: skip
+    history, valid = [], []
+    try:
+        for it in range(start, cfg.train_iters):
+            record = trainer.train_step(it)
+            history.append(record)
+            log.iteration(record)
+            if on_iteration is not None:
+                on_iteration(record)
+            done = it + 1
+            if cfg.eval_interval and done % cfg.eval_interval == 0:
+                loss = trainer.evaluate("valid", done // cfg.eval_interval - 1)
+                valid.append({"iteration": done, "loss": loss})
+                log.validation(done, loss)
+            if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != cfg.train_iters:
+                trainer.save(done)
+        if cfg.save and cfg.train_iters > start:
+            trainer.save(cfg.train_iters)
+            log.write(f"saved checkpoint at iteration {cfg.train_iters} to {cfg.save}")
+    finally:
+        log.close()
+    return {"history": history, "valid": valid, "start_iteration": start, "final_iteration": cfg.train_iters,
+            "trainer": trainer}  # fmt: skip
