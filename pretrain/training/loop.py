@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.config import ParallelConfig
-from pretrain.distributed.ddp import DDPConfig, DistributedDataParallel
+from pretrain.distributed.ddp import DDPConfig, DistributedDataParallel, finalize_model_grads
 from pretrain.models.base import ShardedModule
 from pretrain.models.init import init_model_parameters
 from pretrain.optim import build_optimizer
@@ -92,9 +92,11 @@ class Trainer:
             return loss if forward_only else self.optimizer.scale_loss(loss)
 
         def finalize() -> None:
-            allreduce_embedding_grads(self.chunks, self.ps)  # before DP: a sum commutes with it
-            for d in self.ddps:
-                d.finish_grad_sync()
+            # The tied-embedding sum runs before the DP reduction (with ZeRO-1 each rank's shard of
+            # the embedding differs between the first and last stage).
+            finalize_model_grads(
+                self.ddps, embedding_sync=lambda: allreduce_embedding_grads(self.chunks, self.ps)
+            )
 
         forward_backward(
             chunks=self.chunks, ps=self.ps, microbatches=mbs, loss_fn=loss_fn, forward_only=forward_only,
@@ -118,6 +120,8 @@ class Trainer:
         start = time.perf_counter()
         mbs = self.task.microbatches("train", iteration, self.ps)
         self.optimizer.zero_grad()
+        for d in self.ddps:  # bucket readiness counts every microbatch (no no_sync inside schedules)
+            d.grad_accumulation_steps = len(mbs)
         losses = self._run_schedule(mbs, forward_only=False)
         lr = self.optimizer.get_lr()
         ok, grad_norm, _ = self.optimizer.step()
