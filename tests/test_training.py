@@ -127,3 +127,18 @@ def test_pickled_object_in_checkpoint_is_refused(
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert "cannot be loaded safely" in err and str(path) in err
+
+
+def test_bert_tp2_pp2_losses_equal_single_process(tmp_path: Path) -> None:
+    from tests.train_fixtures import bert_args, make_bert_data
+
+    bdata = make_bert_data(tmp_path / "data")
+    assert pretrain_main(bert_args(bdata, **{"train-iters": 3, "log-json": tmp_path / "one.jsonl"})) == 0
+    proc = _torchrun(4, bert_args(bdata, **{"train-iters": 3, "tp": 2, "pp": 2, "micro-batch-size": 1,
+                                            "log-json": tmp_path / "four.jsonl"}))  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, four = _losses(tmp_path / "one.jsonl"), _losses(tmp_path / "four.jsonl")
+    assert len(one) == len(four) == 3
+    torch.testing.assert_close(torch.tensor(four), torch.tensor(one), rtol=1e-5, atol=1e-6)
+    rows = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
+    assert rows[0]["sop loss"] > 0 and rows[0]["lm loss"] > 0

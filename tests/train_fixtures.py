@@ -42,3 +42,26 @@ def gpt_args(data: dict[str, str], **overrides: object) -> list[str]:
         elif value is not None and value is not False:
             out += [f"--{key}", str(value)]
     return ["gpt", *out, "--no-progress"]
+
+
+def make_bert_data(root: Path) -> dict[str, str]:
+    from pretrain.tokenizer.train_tiny import train_tiny_wordpiece
+
+    tok = train_tiny_wordpiece(root / "wp")
+    prefix = root / "bert"
+    rc = preprocess_main([
+        "--input", str(builtin_corpus_path()), "--output-prefix", str(prefix),
+        "--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(tok / "vocab.txt"), "--split-sentences",
+    ])  # fmt: skip
+    assert rc == 0
+    return {"data": f"{prefix}_text_sentence", "vocab": str(tok / "vocab.txt")}
+
+
+def bert_args(data: dict[str, str], **overrides: object) -> list[str]:
+    flags: dict[str, object] = {
+        "data-path": data["data"], "tokenizer-type": "BertWordPieceLowerCase", "vocab-file": data["vocab"],
+        "merge-file": None, "seq-length": 48, "split": "90,10,0",
+    }  # fmt: skip
+    flags.update(overrides)
+    args = gpt_args({"data": "", "vocab": "", "merges": ""}, **flags)
+    return ["bert", *args[1:]]

@@ -33,8 +33,11 @@ class TrainingLogger:
             self.json.flush()
         if record["iteration"] % self.log_interval == 0:
             gn = record.get("grad_norm")
+            parts = "".join(
+                f"{k} {v:.6f} | " for k, v in record.items() if k.endswith(" loss") and k != "loss"
+            )
             self.write(
-                f"iter {record['iteration']:>6} | loss {record['loss']:.6f} | lr {record['lr']:.3e} | "
+                f"iter {record['iteration']:>6} | loss {record['loss']:.6f} | {parts}lr {record['lr']:.3e} | "
                 f"grad norm {gn if gn is None else f'{gn:.3f}'} | loss scale {record['loss_scale']:.1f} | "
                 f"skipped {record['skipped_iterations']} | {record['tokens_per_s']:.0f} tok/s | "
                 f"{record['tflops_per_rank']:.3f} TFLOP/s/rank"
