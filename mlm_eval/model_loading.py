@@ -69,6 +69,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokenizer-dir", metavar="DIR", help="a Hugging Face tokenizer directory to use instead"
     )
     group.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
+    group.add_argument("--name", default=None, help="model name in the result record (default: directory name)")
 
 
 def load_scorer(args: argparse.Namespace) -> LoadedModel:
@@ -79,10 +80,7 @@ def load_scorer(args: argparse.Namespace) -> LoadedModel:
     """
     spec = ModelSpec.from_args(args)
     if spec.ckpt is not None:
-        raise UserError(
-            f"--ckpt {spec.ckpt}: evaluating mlm-toolkit checkpoints needs the checkpoint loader, "
-            "which is not wired into mlm-eval yet; use --hf-model DIR (e.g. an exported model)"
-        )
+        return _load_ckpt(spec, args)
     if spec.hf_model is None:
         raise UserError("one of --hf-model DIR or --ckpt DIR is required")
     megatron_flags = {"--tokenizer-type": spec.tokenizer_type, "--vocab-file": spec.vocab_file}
@@ -90,7 +88,26 @@ def load_scorer(args: argparse.Namespace) -> LoadedModel:
     given = [flag for flag, value in megatron_flags.items() if value is not None]
     if given:  # silently ignoring them would evaluate with a different tokenizer than asked
         raise UserError(f"{', '.join(given)} apply to --ckpt; with --hf-model use --tokenizer-dir DIR")
-    return load_hf_model(spec, batch_size=args.batch_size)
+    loaded = load_hf_model(spec, batch_size=args.batch_size)
+    if getattr(args, "name", None):
+        loaded.info["name"] = args.name
+    return loaded
+
+
+def _load_ckpt(spec: ModelSpec, args: argparse.Namespace) -> LoadedModel:
+    """Our/upstream Megatron checkpoint of any layout, resharded in memory to one process."""
+    from mlm_eval.megatron_scorer import load_megatron_gpt
+    from pretrain.tokenizer.factory import TokenizerConfig
+
+    tok_cfg = None
+    if spec.tokenizer_type is not None:
+        tok_cfg = TokenizerConfig(tokenizer_type=spec.tokenizer_type, vocab_file=spec.vocab_file,
+                                  merge_file=spec.merge_file, model_path=spec.tokenizer_dir)  # fmt: skip
+    scorer, encoder, info = load_megatron_gpt(str(spec.ckpt), tokenizer_cfg=tok_cfg, batch_size=args.batch_size,
+                                              device=spec.device)  # fmt: skip
+    if getattr(args, "name", None):
+        info["name"] = args.name
+    return LoadedModel(scorer=scorer, tokenizer=encoder, info=info)
 
 
 def load_hf_model(spec: ModelSpec, *, batch_size: int) -> LoadedModel:

@@ -1,0 +1,249 @@
+"""``mlm-convert``: inspect, reshard and convert Megatron-layout checkpoints.
+
+::
+
+    mlm-convert inspect CKPT [--json]
+    mlm-convert reshard --load CKPT --save NEW --target-tp 4 --target-pp 1 [--target-vp V]
+    mlm-convert to-hf --load CKPT --save HFDIR [--tokenizer-dir TOK]
+    mlm-convert from-hf --load HFDIR --save CKPT --tp 2 --pp 2 [--vp 2]
+
+``CKPT`` is a checkpoint root (with ``latest_checkpointed_iteration.txt``) or one iteration
+directory, written by mlm-toolkit or by Megatron-LM (legacy ``torch`` format of any era, or
+``torch_dist``). Every output directory is written under a temporary sibling and renamed when
+complete. User errors print one line and exit with code 2; ``inspect`` exits 1 when the
+checkpoint is inconsistent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pretrain.checkpoint.hf_io import TOKENIZER_SUBDIR, copy_tokenizer, export_hf, import_hf
+from pretrain.checkpoint.reader import open_checkpoint
+from pretrain.checkpoint.reshard import WriteOptions, check_output_dir, write_layout
+from pretrain.config import ParallelConfig
+from pretrain.utils.errors import UserError, cli_entry
+
+
+@dataclass(frozen=True, kw_only=True)
+class SourceOptions:
+    """How to open the source checkpoint."""
+
+    load: Path
+    iteration: int | str | None = None
+    vocab_size: int | None = None
+    tokenizer_dir: Path | None = None
+
+    def open(self) -> Any:
+        return open_checkpoint(
+            self.load, iteration=self.iteration, vocab_size=self.vocab_size, tokenizer_dir=self.tokenizer_dir
+        )
+
+
+def _iteration(text: str) -> int | str:
+    if text == "release":
+        return text
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an iteration number or 'release', got {text!r}") from None
+
+
+def _add_source(p: argparse.ArgumentParser, *, positional: bool = False) -> None:
+    if positional:
+        p.add_argument("load", type=Path, metavar="DIR", help="checkpoint root or iteration directory")
+    else:
+        p.add_argument("--load", type=Path, required=True, help="source checkpoint directory")
+    p.add_argument("--iteration", type=_iteration, help="iteration to read (default: the tracker's)")
+    p.add_argument("--vocab-size", type=int, help="true vocabulary size (trims padded rows)")
+    p.add_argument("--tokenizer-dir", type=Path, help="HF tokenizer directory (vocab size; copied by to-hf)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mlm-convert", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="describe a checkpoint and check it across shards")
+    _add_source(p, positional=True)
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p = sub.add_parser("reshard", help="rewrite a checkpoint at another TP/PP/VP layout")
+    _add_source(p)
+    p.add_argument("--save", type=Path, required=True, help="new output directory")
+    p.add_argument("--target-tp", type=int, required=True)
+    p.add_argument("--target-pp", type=int, required=True)
+    p.add_argument("--target-vp", type=int, default=1)
+    p.add_argument("--with-optimizer", action="store_true", help="reshard the optimizer state too")
+    p = sub.add_parser("to-hf", help="export to a Hugging Face model directory")
+    _add_source(p)
+    p.add_argument("--save", type=Path, required=True, help="new Hugging Face directory")
+    p = sub.add_parser("from-hf", help="import a Hugging Face GPT-2 / BERT directory")
+    p.add_argument("--load", type=Path, required=True, help="Hugging Face model directory")
+    p.add_argument("--save", type=Path, required=True, help="new checkpoint directory")
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--pp", type=int, default=1)
+    p.add_argument("--vp", type=int, default=1)
+    p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    return parser
+
+
+def _source(args: argparse.Namespace) -> SourceOptions:
+    return SourceOptions(
+        load=args.load, iteration=args.iteration, vocab_size=args.vocab_size, tokenizer_dir=args.tokenizer_dir
+    )
+
+
+def _progress(total: int, desc: str) -> Any:
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, unit="file", disable=None, file=sys.stderr)
+
+
+# --- inspect ---------------------------------------------------------------------------------------
+def verify(reader: Any) -> list[str]:
+    """Assemble every tensor (shapes, replicated copies, tied head): the problems found."""
+    problems = []
+    for name in reader.names():
+        try:
+            reader.tensor(name)
+        except UserError as exc:
+            problems.append(str(exc))
+    return problems
+
+
+def run_inspect(source: SourceOptions, *, as_json: bool) -> int:
+    reader = source.open()
+    problems = verify(reader)
+    info = dataclasses.asdict(reader.info)
+    record = {
+        **info,
+        "ok": not problems,
+        "problems": problems,
+        "model_config": dataclasses.asdict(reader.spec.cfg),
+    }
+    if as_json:
+        print(json.dumps(record, default=str))
+    else:
+        _print_inspect(record)
+    return 0 if not problems else 1
+
+
+def _print_inspect(record: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"checkpoint {record['path']}", show_header=False)
+    for key in ("format", "kind", "iteration", "checkpoint_version", "tp", "pp", "vp", "vocab_size",
+                "vocab_source", "padded_vocab_size", "num_parameters", "dtypes", "ours"):  # fmt: skip
+        table.add_row(key, str(record[key]))
+    cfg = record["model_config"]
+    table.add_row(
+        "model", ", ".join(f"{k}={cfg[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads"))
+    )
+    console = Console()
+    console.print(table)
+    for p in record["problems"]:
+        console.print(f"[red]problem:[/red] {p}", highlight=False)
+    verdict = (
+        "[green]consistent[/green]"
+        if record["ok"]
+        else f"[red]INCONSISTENT ({len(record['problems'])})[/red]"
+    )
+    console.print(f"verdict: {verdict}")
+
+
+# --- conversions -------------------------------------------------------------------------------
+def _tokenizer_of(source: SourceOptions) -> Path | None:
+    """The tokenizer: ``--tokenizer-dir`` or the one from-hf kept beside the checkpoint."""
+    if source.tokenizer_dir is not None:
+        return source.tokenizer_dir
+    kept = source.load / TOKENIZER_SUBDIR
+    return kept if kept.is_dir() else None
+
+
+def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, with_optimizer: bool) -> int:
+    check_output_dir(save, sources=(source.load,))
+    reader = source.open()
+    optimizer = None
+    if with_optimizer:
+        from pretrain.checkpoint.optimizer_reshard import optimizer_writer
+
+        optimizer = optimizer_writer(reader, target)
+    scheduler = getattr(reader, "states", [{}])[0].get("opt_param_scheduler")
+    options = WriteOptions(
+        iteration=reader.info.iteration if reader.info.iteration is not None else "release",
+        opt_param_scheduler=scheduler if isinstance(scheduler, dict) else None,
+    )
+    tokenizer = _tokenizer_of(source)
+    bar = _progress(target.tp * target.pp, "reshard")
+    with bar:
+        write_layout(
+            reader,
+            save,
+            target,
+            options=options,
+            optimizer=optimizer,
+            progress=lambda _name: bar.update(1),
+            extra_files=None
+            if tokenizer is None
+            else lambda tmp: copy_tokenizer(tokenizer, tmp / TOKENIZER_SUBDIR),
+        )
+    print(f"wrote {save} (tp={target.tp}, pp={target.pp}, vp={target.vp}, iteration {options.iteration})")
+    return 0
+
+
+def run_to_hf(source: SourceOptions, save: Path) -> int:
+    check_output_dir(save, sources=(source.load,))
+    tokenizer = _tokenizer_of(source)
+    reader = dataclasses.replace(source, tokenizer_dir=tokenizer).open()
+    from tqdm import tqdm
+
+    names = reader.names()
+    tensors = ((n, reader.tensor(n)) for n in tqdm(names, desc="to-hf", unit="tensor", disable=None))
+    export_hf(tensors, reader.spec, save, tokenizer_dir=tokenizer)
+    print(f"wrote {save} ({reader.spec.kind}, {reader.info.num_parameters} parameters)")
+    return 0
+
+
+def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_by: int) -> int:
+    check_output_dir(save, sources=(hf_dir,))
+    source = import_hf(hf_dir, make_vocab_size_divisible_by=divisible_by)
+    has_tokenizer = any((hf_dir / n).is_file() for n in ("tokenizer.json", "vocab.json", "vocab.txt"))
+    bar = _progress(target.tp * target.pp, "from-hf")
+    with bar:
+        write_layout(
+            source,
+            save,
+            target,
+            options=WriteOptions(iteration="release", extra_args={"converted_from": str(hf_dir)}),
+            progress=lambda _name: bar.update(1),
+            extra_files=(lambda tmp: copy_tokenizer(hf_dir, tmp / TOKENIZER_SUBDIR))
+            if has_tokenizer
+            else None,
+        )
+    print(
+        f"wrote {save} ({source.spec.kind}, tp={target.tp}, pp={target.pp}, vp={target.vp}, iteration release)"
+    )
+    return 0
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "inspect":
+        return run_inspect(_source(args), as_json=args.json)
+    if args.command == "reshard":
+        target = ParallelConfig(tp=args.target_tp, pp=args.target_pp, vp=args.target_vp)
+        return run_reshard(_source(args), args.save, target, with_optimizer=args.with_optimizer)
+    if args.command == "to-hf":
+        return run_to_hf(_source(args), args.save)
+    target = ParallelConfig(tp=args.tp, pp=args.pp, vp=args.vp)
+    return run_from_hf(args.load, args.save, target, divisible_by=args.make_vocab_size_divisible_by)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
