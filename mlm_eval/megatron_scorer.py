@@ -72,8 +72,14 @@ def _tokenizer(args_tok: TokenizerConfig | None, saved: dict[str, Any] | None, c
     if args_tok is not None:
         return build_tokenizer(args_tok)
     if not saved:
-        raise UserError(f"--ckpt {ckpt}: the checkpoint stores no tokenizer; give --tokenizer-type and its files")
-    return build_tokenizer(TokenizerConfig(**{k: saved.get(k) for k in ("tokenizer_type", "vocab_file", "merge_file", "model_path")}))
+        raise UserError(
+            f"--ckpt {ckpt}: the checkpoint stores no tokenizer; give --tokenizer-type and its files"
+        )
+    return build_tokenizer(
+        TokenizerConfig(
+            **{k: saved.get(k) for k in ("tokenizer_type", "vocab_file", "merge_file", "model_path")}
+        )
+    )
 
 
 def load_megatron_gpt(
@@ -88,7 +94,9 @@ def load_megatron_gpt(
     saved_tok = _saved_tokenizer(ckpt)
     tokenizer = _tokenizer(tokenizer_cfg, saved_tok, ckpt)
     if tokenizer.vocab_size > info.padded_vocab_size:
-        raise UserError(f"tokenizer has {tokenizer.vocab_size} tokens but --ckpt {ckpt} only {info.padded_vocab_size}")
+        raise UserError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but --ckpt {ckpt} only {info.padded_vocab_size}"
+        )
     cfg = replace(spec.cfg, hidden_dropout=0.0, attention_dropout=0.0, recompute_activations=False)
     model = GPTModel(cfg, ParallelState.single(device=device))
     load_full_state_dict(model, full)

@@ -69,7 +69,9 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--tokenizer-dir", metavar="DIR", help="a Hugging Face tokenizer directory to use instead"
     )
     group.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
-    group.add_argument("--name", default=None, help="model name in the result record (default: directory name)")
+    group.add_argument(
+        "--name", default=None, help="model name in the result record (default: directory name)"
+    )
 
 
 def load_scorer(args: argparse.Namespace) -> LoadedModel:

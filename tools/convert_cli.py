@@ -174,9 +174,14 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
 
         optimizer = optimizer_writer(reader, target)
     scheduler = getattr(reader, "states", [{}])[0].get("opt_param_scheduler")
+    ours = (
+        (reader.args or {}).get("mlm_toolkit", {}) if isinstance(getattr(reader, "args", None), dict) else {}
+    )
+    carried = {k: ours[k] for k in ("tokenizer", "training") if k in ours}  # e.g. the tokenizer for mlm-eval
     options = WriteOptions(
         iteration=reader.info.iteration if reader.info.iteration is not None else "release",
         opt_param_scheduler=scheduler if isinstance(scheduler, dict) else None,
+        extra_args={**carried, "resharded_from": str(source.load)},
     )
     tokenizer = _tokenizer_of(source)
     bar = _progress(target.tp * target.pp, "reshard")

@@ -41,12 +41,18 @@ def copy_tokenizer(src: Path, dst: Path) -> list[str]:
     return names
 
 
-def _tokenizer(path: Path | None) -> Any:
+def load_hf_tokenizer(path: Path | None) -> Any:
+    """A HF tokenizer from ``path``: a HF tokenizer directory, or Megatron's tokenizer files
+    (``vocab.json`` + ``merges.txt`` for GPT-2 BPE, ``vocab.txt`` for WordPiece)."""
     if path is None:
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer, BertTokenizerFast, GPT2TokenizerFast
 
     try:
+        if not (path / "tokenizer.json").is_file() and (path / "merges.txt").is_file():
+            return GPT2TokenizerFast.from_pretrained(str(path))
+        if not (path / "tokenizer.json").is_file() and (path / "vocab.txt").is_file():
+            return BertTokenizerFast.from_pretrained(str(path))
         return AutoTokenizer.from_pretrained(str(path))
     except Exception as exc:
         raise UserError(
@@ -97,7 +103,7 @@ def export_hf(
     from safetensors.torch import save_file
 
     full = {name: t.clone() for name, t in tensors}
-    tokenizer = _tokenizer(tokenizer_dir)
+    tokenizer = load_hf_tokenizer(tokenizer_dir)
     if tokenizer is not None:
         spec = _trim_vocab(full, spec, len(tokenizer))
     state, config = hf_state_and_config(full, spec, tokenizer)
@@ -107,6 +113,7 @@ def export_hf(
         config.save_pretrained(str(tmp))
         if tokenizer_dir is not None:
             copy_tokenizer(tokenizer_dir, tmp)
+            tokenizer.save_pretrained(str(tmp))  # tokenizer.json + config, loadable by AutoTokenizer
     return save
 
 

@@ -53,9 +53,9 @@ def true_vocab_size(
     if override is not None:
         found, how = int(override), "--vocab-size"
     elif tokenizer_dir is not None:
-        from transformers import AutoTokenizer
+        from pretrain.checkpoint.hf_io import load_hf_tokenizer
 
-        found, how = len(AutoTokenizer.from_pretrained(str(tokenizer_dir))), f"tokenizer {tokenizer_dir}"
+        found, how = len(load_hf_tokenizer(Path(tokenizer_dir))), f"tokenizer {tokenizer_dir}"
     elif isinstance(args.get("vocab_size"), int):
         found, how = int(args["vocab_size"]), "args.vocab_size"
     else:

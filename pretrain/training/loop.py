@@ -73,6 +73,9 @@ class Trainer:
         self.chunks = self.task.build_chunks(self.ps)
         for chunk in self.chunks:
             init_model_parameters(chunk, seed=self.cfg.seed)
+        load_initial = getattr(self.task, "load_initial_weights", None)
+        if load_initial is not None:  # finetuning: pretrained weights, before the optimizer copies them
+            load_initial(self.chunks, self.ps)
         ddp_cfg = DDPConfig(
             use_distributed_optimizer=self.optim_cfg.use_distributed_optimizer,
             overlap_grad_reduce=self.cfg.overlap_grad_reduce,

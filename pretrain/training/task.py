@@ -52,3 +52,8 @@ class TrainTask(Protocol):
     def flops_per_iteration(self, global_batch: int) -> float:
         """Model FLOPs of one training iteration (for TFLOP/s logging)."""
         ...
+
+
+# Optional: a task may define ``load_initial_weights(chunks, ps)``; the loop calls it after the
+# seeded initialisation and before the optimizer copies the parameters (finetuning loads the
+# pretrained trunk there, the fresh head keeps its seeded initial values).
