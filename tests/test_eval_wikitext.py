@@ -205,10 +205,11 @@ def test_cli_bad_input_exits_2_with_one_line(
     assert not out.exists()
 
 
-def test_cli_ckpt_needs_the_checkpoint_loader(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_ckpt_that_is_not_a_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
         main(["wikitext103", "--ckpt", str(tmp_path), "--data", "builtin:wikitext_sample.tokens"])
-    assert exc.value.code == 2 and "checkpoint loader" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "not a Megatron checkpoint directory" in err and str(tmp_path) in err
 
 
 def test_bad_utf8_names_file_and_line(tmp_path: Path) -> None:
