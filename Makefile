@@ -18,7 +18,7 @@ $(VENV)/.installed: pyproject.toml
 setup: $(VENV)/.installed
 
 demo: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pretrain.demo
+	HF_HUB_OFFLINE=1 $(PY) -m tools.demo
 
 lint: setup
 	$(VENV)/bin/ruff check pretrain mlm_eval finetune tools tests benchmarks

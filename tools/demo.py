@@ -7,7 +7,8 @@
 4. convert it to a Hugging Face ``GPT2LMHeadModel`` (``mlm-convert to-hf``);
 5. evaluate WikiText-format perplexity and LAMBADA-format accuracy on the built-in samples
    (``mlm-eval wikitext103`` / ``lambada``) straight from the Megatron checkpoint;
-6. finetune a tiny BERT on the built-in GLUE-format task (``mlm-finetune sst2``);
+6. pretrain a tiny BERT (``mlm-pretrain bert``) and finetune it on the built-in GLUE-format task
+   (``mlm-finetune sst2``);
 7. write the leaderboard report (``mlm-eval report``) and print where it is.
 
 Every step is the real command a user runs; outputs go to ``--out`` (default ``demo_out/``).
@@ -61,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     run("pretrain a tiny GPT with tp=2, pp=2 (torchrun, gloo)", [
         sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "4", "-m", "pretrain.training.cli", "gpt",
         "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "64",
+        "--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "128",
         "--micro-batch-size", "4", "--global-batch-size", "16", "--train-iters", str(args.train_iters),
         "--lr", "3e-3", "--min-lr", "3e-4", "--lr-warmup-iters", "10", "--hidden-dropout", "0.0",
         "--attention-dropout", "0.0", "--data-path", str(out / "data" / "corpus_text_document"), "--split", "95,5,0",
@@ -72,29 +73,45 @@ def main(argv: list[str] | None = None) -> int:
     run("reshard to tp=1, pp=1", [tool("mlm-convert"), "reshard", "--load", str(ckpt), "--save", str(ckpt1),
                                   "--target-tp", "1", "--target-pp", "1"])  # fmt: skip
     run("inspect the resharded checkpoint", [tool("mlm-convert"), "inspect", str(ckpt1)])
-    run("convert to Hugging Face", [tool("mlm-convert"), "to-hf", "--load", str(ckpt1), "--save", str(out / "hf_gpt2")])
-    for task, data in (("wikitext103", "builtin:wikitext_sample.tokens"), ("lambada", "builtin:lambada_sample.jsonl")):
-        extra = ["--seq-length", "64", "--overlap", "16"] if task == "wikitext103" else []
+    run(
+        "convert to Hugging Face",
+        [tool("mlm-convert"), "to-hf", "--load", str(ckpt1), "--save", str(out / "hf_gpt2")],
+    )
+    for task, data in (
+        ("wikitext103", "builtin:wikitext_sample.tokens"),
+        ("lambada", "builtin:lambada_sample.jsonl"),
+    ):
+        extra = ["--seq-length", "128", "--overlap", "32"] if task == "wikitext103" else []
         run(f"evaluate {task} (paper method) from the tp=2/pp=2 checkpoint", [
             tool("mlm-eval"), task, "--ckpt", str(ckpt), *tok_flags, "--data", data, *extra,
             "--name", "demo-gpt", "--out", str(results / f"{task}.json"),
         ])  # fmt: skip
-    _finetune(out, results)
+    _finetune(out, results, args.train_iters // 2)
     run("leaderboard report", [tool("mlm-eval"), "report", "--results", str(results), "--out", str(out / "report"),
                                "--with-paper"])  # fmt: skip
     print(f"\nDemo complete. Report: {out / 'report' / 'leaderboard.html'} (also .md, .csv, .json)")
     return 0
 
 
-def _finetune(out: Path, results: Path) -> None:
+def _finetune(out: Path, results: Path, iters: int) -> None:
     from finetune.builtin import builtin_task_dir
 
     wp = train_tiny_wordpiece(out / "bert_tokenizer", vocab_size=1024)
-    run("finetune a tiny BERT on the built-in GLUE-format task (SST-2 format)", [
-        tool("mlm-finetune"), "sst2", "--data-dir", str(builtin_task_dir("sst2_tiny")),
-        "--random-init-tiny", "--vocab-file", str(wp / "vocab.txt"), "--epochs", "3", "--seq-length", "32",
-        "--micro-batch-size", "16", "--global-batch-size", "16", "--lr", "1e-3",
-        "--results-dir", str(results), "--name", "demo-bert",
+    tok_flags = ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(wp / "vocab.txt")]
+    run("preprocess the built-in corpus for BERT (one sequence per sentence)", [tool("mlm-preprocess"),
+        "--input", str(builtin_corpus_path()), "--output-prefix", str(out / "data" / "bert"), "--split-sentences",
+        *tok_flags])  # fmt: skip
+    bert = out / "ckpt_bert"
+    run("pretrain a tiny BERT (masked LM + sentence order)", [
+        tool("mlm-pretrain"), "bert", "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4",
+        "--seq-length", "64", "--micro-batch-size", "16", "--global-batch-size", "16", "--train-iters", str(iters),
+        "--lr", "2e-3", "--min-lr", "2e-4", "--lr-warmup-iters", "10", "--data-path", str(out / "data" / "bert_text_sentence"),
+        "--split", "100,0,0", "--log-interval", "25", "--save", str(bert), "--no-progress", *tok_flags,
+    ])  # fmt: skip
+    run("finetune the tiny BERT on the built-in GLUE-format task (SST-2 format)", [
+        tool("mlm-finetune"), "sst2", "--ckpt", str(bert), "--data-dir", str(builtin_task_dir("sst2_tiny")),
+        "--vocab-file", str(wp / "vocab.txt"), "--epochs", "3", "--seq-length", "32", "--micro-batch-size", "16",
+        "--global-batch-size", "16", "--lr", "1e-3", "--results-dir", str(results), "--name", "demo-bert",
     ])  # fmt: skip
 
 
