@@ -12,8 +12,6 @@ from pretrain.config import ModelConfig
 from pretrain.data.bert_dataset import BertDataset, BertDatasetConfig
 from pretrain.data.gpt_dataset import (
     GPTDatasetConfig,
-    collate_samples,
-    global_batch_indices,
     split_document_ranges,
 )
 from pretrain.data.indexed_dataset import IndexedDataset
@@ -26,7 +24,7 @@ from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.training.config import TrainingConfig
 from pretrain.training.flops import gpt_flops_per_iteration
-from pretrain.training.task import Microbatch
+from pretrain.training.task import Microbatch, dp_microbatches
 from pretrain.utils.errors import UserError
 
 SPLITS = ("train", "valid", "test")
@@ -87,11 +85,7 @@ class BertTask:
         ds = self.datasets.get(split)
         if ds is None:
             raise UserError(f"--split {self.data_cfg.split} leaves no {split} documents in --data-path")
-        t = self.train_cfg
-        idx = global_batch_indices(index, t.global_batch_size, ps.dp_rank, ps.dp_size)
-        batch = collate_samples([ds[int(i) % len(ds)] for i in idx])
-        m, b = t.num_microbatches(ps.dp_size), t.micro_batch_size
-        return [{k: v[i * b : (i + 1) * b] for k, v in batch.items()} for i in range(m)]
+        return dp_microbatches(ds, index, self.train_cfg, ps)
 
     def normalizers(self, mbs: list[Microbatch], ps: ParallelState) -> dict[str, float]:
         counts = torch.tensor(

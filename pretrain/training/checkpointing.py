@@ -4,7 +4,9 @@ Non-distributed optimizer: its full state for this (tp, pp) rank's parameters go
 ``model_optim_rng.pt`` (identical on all DP ranks; DP rank 0 writes). Distributed optimizer:
 every DP rank's shard is gathered to DP rank 0 and written beside it as ``distrib_optim.pt``
 (``{"shards": [...]}`` in DP-rank order, like Megatron's file); ``optimizer`` holds the common
-scalars only.
+scalars only. Loading accepts either form whatever the optimizer (see :func:`_load_optimizer`), so
+runs resume from checkpoints resharded with ``mlm-convert reshard --with-optimizer`` (full form) and
+across DP sizes.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from pretrain.checkpoint.layout import (
     resolve_iteration,
 )
 from pretrain.models.base import ShardedModule
-from pretrain.optim.distrib_optimizer import DistributedOptimizer
+from pretrain.optim.distrib_optimizer import DistributedOptimizer, reassemble_full_state
 from pretrain.optim.lr_schedule import LRScheduler
 from pretrain.optim.optimizer import MixedPrecisionOptimizer
 from pretrain.parallel.state import ParallelState
@@ -97,16 +99,31 @@ def load_training_checkpoint(
 
 
 def _load_optimizer(it_dir: Path, ps: ParallelState, optimizer: MixedPrecisionOptimizer, state: Any) -> None:
+    """Restore the optimizer from either form: ``distrib_optim.pt`` shards or the full state.
+
+    A distributed optimizer takes its own shard when the DP size matches, else its element ranges
+    of the full state (``mlm-convert reshard --with-optimizer`` writes the full form); a
+    non-distributed optimizer reassembles ``distrib_optim.pt`` shards into the full form."""
     rank_dir = it_dir / rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size)
-    if isinstance(optimizer, DistributedOptimizer):
-        path = rank_dir / DISTRIB_OPTIM_FILE
-        shards = load_rank_file(path).get("shards") or []
-        if len(shards) != ps.dp_size:
-            raise UserError(
-                f"{path}: holds {len(shards)} optimizer shards, this run has data-parallel size {ps.dp_size}"
-            )
+    path = rank_dir / DISTRIB_OPTIM_FILE
+    shards = (load_rank_file(path).get("shards") or []) if path.exists() else None
+    if isinstance(optimizer, DistributedOptimizer) and shards is not None and len(shards) == ps.dp_size:
         optimizer.load_sharded_state_dict(shards[ps.dp_rank])
         return
-    if not state or state.get("distributed"):
-        raise UserError(f"{rank_dir / MODEL_FILE}: no (non-distributed) optimizer state; use --no-load-optim")
-    optimizer.load_state_dict(state)
+    if shards is not None:
+        try:
+            state = reassemble_full_state(shards)
+        except (ValueError, KeyError, IndexError) as exc:
+            raise UserError(f"{path}: cannot reassemble the optimizer shards ({exc})") from None
+    if not isinstance(state, dict) or "params" not in state:
+        raise UserError(
+            f"{rank_dir / MODEL_FILE}: no optimizer state (neither {DISTRIB_OPTIM_FILE} nor a full "
+            "'optimizer' entry); use --no-load-optim"
+        )
+    try:
+        if isinstance(optimizer, DistributedOptimizer):
+            optimizer.load_full_state_dict(state)
+        else:
+            optimizer.load_state_dict(state)
+    except (KeyError, ValueError) as exc:
+        raise UserError(f"{rank_dir}: the optimizer state does not fit this model ({exc})") from None

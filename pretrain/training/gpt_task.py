@@ -11,8 +11,6 @@ from pretrain.config import ModelConfig
 from pretrain.data.gpt_dataset import (
     GPTDatasetConfig,
     build_gpt_datasets,
-    collate_samples,
-    global_batch_indices,
 )
 from pretrain.distributed.ddp import global_loss_tokens
 from pretrain.models.base import ShardedModule
@@ -23,7 +21,7 @@ from pretrain.pipeline.schedules import gpt_forward_step
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.training.config import TrainingConfig
 from pretrain.training.flops import gpt_flops_per_iteration
-from pretrain.training.task import Microbatch
+from pretrain.training.task import Microbatch, dp_microbatches
 from pretrain.utils.errors import UserError
 
 
@@ -60,14 +58,7 @@ class GPTTask:
         ds = self.datasets.get(split)
         if ds is None:
             raise UserError(f"--split {self.data_cfg.split} leaves no {split} documents in --data-path")
-        t = self.train_cfg
-        idx = global_batch_indices(index, t.global_batch_size, ps.dp_rank, ps.dp_size)
-        batch = collate_samples([ds[int(i) % len(ds)] for i in idx])
-        m = t.num_microbatches(ps.dp_size)
-        return [
-            {k: v[i * t.micro_batch_size : (i + 1) * t.micro_batch_size] for k, v in batch.items()}
-            for i in range(m)
-        ]
+        return dp_microbatches(ds, index, self.train_cfg, ps)
 
     def normalizers(self, mbs: list[Microbatch], ps: ParallelState) -> dict[str, float]:
         return {"tokens": global_loss_tokens([mb["loss_mask"] for mb in mbs], ps)}

@@ -14,6 +14,7 @@ import torch
 from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
 from pretrain.parallel.state import ParallelState
+from pretrain.training.config import TrainingConfig
 
 Microbatch = dict[str, torch.Tensor]
 
@@ -57,3 +58,17 @@ class TrainTask(Protocol):
 # Optional: a task may define ``load_initial_weights(chunks, ps)``; the loop calls it after the
 # seeded initialisation and before the optimizer copies the parameters (finetuning loads the
 # pretrained trunk there, the fresh head keeps its seeded initial values).
+
+
+def dp_microbatches(dataset: Any, index: int, cfg: TrainingConfig, ps: ParallelState) -> list[Microbatch]:
+    """This DP rank's microbatches of global batch ``index`` of ``dataset`` (samples are dicts).
+
+    The global batch is samples ``[index * G, (index + 1) * G)`` (wrapping around the dataset),
+    cut into ``d`` contiguous per-rank slices and then into microbatches of ``micro_batch_size``.
+    """
+    from pretrain.data.gpt_dataset import collate_samples, global_batch_indices
+
+    idx = global_batch_indices(index, cfg.global_batch_size, ps.dp_rank, ps.dp_size)
+    batch = collate_samples([dataset[int(i) % len(dataset)] for i in idx])
+    m, b = cfg.num_microbatches(ps.dp_size), cfg.micro_batch_size
+    return [{k: v[i * b : (i + 1) * b] for k, v in batch.items()} for i in range(m)]
