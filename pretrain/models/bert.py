@@ -12,7 +12,6 @@ the cross-entropy stay split over the vocabulary (only per-token scalars cross t
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +29,6 @@ from pretrain.tensor_parallel.layers import VocabParallelEmbedding, mark_partiti
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.errors import UserError
 
-_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 BertOutput = tuple[torch.Tensor, "torch.Tensor | None"]
 
 
@@ -141,21 +139,6 @@ class BertModel(ShardedModule):
                 self.word_embeddings_for_head = VocabParallelEmbedding(
                     self.padded_vocab, cfg.hidden_size, ps=ps, dtype=DTYPES[cfg.params_dtype]
                 )
-
-    # --- names ---------------------------------------------------------------------------------
-    def canonical_name(self, name: str) -> str:
-        """Local parameter name -> layout-independent name (global layer indices; the head's copy
-        of the word embeddings maps to the word embeddings)."""
-        if name.startswith("word_embeddings_for_head."):
-            return "language_model.embedding.word_embeddings." + name.split(".", 1)[1]
-        return _LAYER.sub(
-            lambda m: f"{m.group(1)}layers.{self.layer_numbers[int(m.group(2))]}.", name, count=1
-        )
-
-    def shared_embedding_weight(self) -> torch.Tensor:
-        if self.pre_process:
-            return self.language_model.embedding.word_embeddings.weight
-        return self.word_embeddings_for_head.weight
 
     # --- compute -------------------------------------------------------------------------------
     def forward(

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 
 import torch
@@ -15,8 +14,6 @@ from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from pretrain.tensor_parallel.layers import VocabParallelEmbedding
 from pretrain.tensor_parallel.vocab import padded_vocab_size
-
-_LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
 
 
 class GPTModel(ShardedModule):
@@ -54,24 +51,6 @@ class GPTModel(ShardedModule):
             self.word_embeddings_for_head = VocabParallelEmbedding(
                 self.padded_vocab, cfg.hidden_size, ps=ps, dtype=DTYPES[cfg.params_dtype]
             )
-
-    # --- names ---------------------------------------------------------------------------------
-    def canonical_name(self, name: str) -> str:
-        """Map a local parameter name to the layout-independent full-model name.
-
-        Local layer indices become global; ``word_embeddings_for_head`` maps to the word
-        embeddings it copies.
-        """
-        if name.startswith("word_embeddings_for_head."):
-            return "language_model.embedding.word_embeddings." + name.split(".", 1)[1]
-        return _LAYER.sub(
-            lambda m: f"{m.group(1)}layers.{self.layer_numbers[int(m.group(2))]}.", name, count=1
-        )
-
-    def shared_embedding_weight(self) -> torch.Tensor:
-        if self.pre_process:
-            return self.language_model.embedding.word_embeddings.weight
-        return self.word_embeddings_for_head.weight
 
     # --- compute -------------------------------------------------------------------------------
     def forward(
