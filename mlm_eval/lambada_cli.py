@@ -4,6 +4,9 @@ Example::
 
     mlm-eval lambada --hf-model ./gpt2-small --data lambada_test.jsonl
     mlm-eval lambada --hf-model ./gpt2-small --data builtin:lambada_sample.jsonl --last-token
+    mlm-eval lambada --ckpt ./ckpt --dataset EleutherAI/lambada_openai --dataset-config default --limit 100
+    torchrun --standalone --nproc-per-node 2 -m mlm_eval.cli lambada --ckpt ./ckpt --data lambada_test.jsonl \
+        --pipeline-model-parallel-size 2
 """
 
 from __future__ import annotations
@@ -11,11 +14,10 @@ from __future__ import annotations
 import argparse
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-from mlm_eval.builtin import resolve_data_path
-from mlm_eval.lambada import evaluate_lambada, read_lambada_jsonl
+from mlm_eval.data_sources import add_data_arguments, load_lambada_data
+from mlm_eval.lambada import evaluate_lambada
 from mlm_eval.model_loading import load_scorer
 from mlm_eval.wikitext_cli import add_common_arguments, emit_result, positive
 
@@ -24,16 +26,18 @@ from mlm_eval.wikitext_cli import add_common_arguments, emit_result, positive
 class LambadaArgs:
     """The task flags of ``mlm-eval lambada``."""
 
-    data: Path
     last_token: bool
     batch_size: int
+    limit: int | None  # first N examples
 
 
 def register(subparsers: Any) -> None:
     """Add the ``lambada`` subcommand."""
     parser = subparsers.add_parser("lambada", help="LAMBADA cloze accuracy (strict, or --last-token)")
-    parser.add_argument(
-        "--data", required=True, help='jsonl of {"text": ...} (or builtin:lambada_sample.jsonl)'
+    add_data_arguments(
+        parser,
+        data_help='jsonl of {"text": ...} (or builtin:lambada_sample.jsonl), a save_to_disk directory, '
+        "or a parquet/JSON file",
     )
     parser.add_argument(
         "--last-token",
@@ -45,23 +49,28 @@ def register(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Evaluate, print the table, write the result."""
+    """Evaluate, print the table, write the result (rank 0 under torchrun)."""
     task = LambadaArgs(
-        data=resolve_data_path(args.data),
         last_token=args.last_token,
         batch_size=positive(args.batch_size, "--batch-size"),
+        limit=None if args.limit is None else positive(args.limit, "--limit"),
     )
-    examples = read_lambada_jsonl(task.data)
+    examples, source = load_lambada_data(args)
     loaded = load_scorer(args)
-    started = time.perf_counter()
-    metrics = evaluate_lambada(
-        loaded.scorer,
-        loaded.tokenizer,
-        examples,
-        strict=not task.last_token,
-        batch_size=task.batch_size,
-        progress=not args.no_progress,
-    )
-    method = "last-token" if task.last_token else "paper"
-    emit_result(args, loaded, task="lambada", method=method, metrics=metrics, data=task.data, started=started)
+    try:
+        started = time.perf_counter()
+        metrics = evaluate_lambada(
+            loaded.scorer,
+            loaded.tokenizer,
+            examples[: task.limit],
+            strict=not task.last_token,
+            batch_size=task.batch_size,
+            progress=not args.no_progress,
+        )
+        method = "last-token" if task.last_token else "paper"
+        emit_result(
+            args, loaded, task="lambada", method=method, metrics=metrics, data=source, started=started
+        )
+    finally:
+        loaded.close()
     return 0

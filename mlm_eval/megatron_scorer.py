@@ -10,16 +10,19 @@ tokenizer configuration our checkpoints store when none are given.
 from __future__ import annotations
 
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
-from mlm_eval.scorer import ScoreOutput, nll_and_argmax
+from mlm_eval.scorer import DTYPE_FLAGS, ScoreOutput
+from mlm_eval.vocab_scoring import gpt_trunk, score_hidden
 from pretrain.checkpoint.reader import load_canonical
+from pretrain.config import DTypeName, ModelConfig
 from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import load_full_state_dict
+from pretrain.models.transformer import DTYPES
 from pretrain.parallel.state import ParallelState
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.tokenizer.factory import TokenizerConfig, build_tokenizer
@@ -46,8 +49,10 @@ class PretrainTextEncoder:
 class MegatronGPTScorer:
     """:class:`~mlm_eval.scorer.LMScorer` over our GPT (one process, eval mode, no dropout).
 
-    ``score`` runs rows ``batch_size`` at a time; logits ``[b, s, V]`` exclude vocabulary padding,
-    so padded rows can never win an argmax or take probability mass.
+    ``score`` runs rows ``batch_size`` at a time in inference mode: the trunk gives hidden states
+    ``[b, s, h]``, and only the rows with a target ``>= 0`` go through the tied output layer
+    (trimmed to the true vocabulary, so padded rows can never win an argmax or take mass).
+    Trailing columns no row scores are cut before the forward (causal: they cannot matter).
     """
 
     def __init__(self, model: GPTModel, *, batch_size: int = 8) -> None:
@@ -58,14 +63,43 @@ class MegatronGPTScorer:
 
     @torch.inference_mode()
     def score(self, input_ids: torch.Tensor, target_ids: torch.Tensor) -> ScoreOutput:
-        nll, hit = [], []
+        """Score each non-negative target; see :class:`~mlm_eval.scorer.LMScorer`."""
+        if input_ids.shape != target_ids.shape or input_ids.ndim != 2:
+            raise ValueError(f"input {tuple(input_ids.shape)} and target {tuple(target_ids.shape)} differ")
+        nll = torch.zeros(target_ids.shape, dtype=torch.float64)
+        hit = torch.zeros(target_ids.shape, dtype=torch.bool)
+        device = self.model.ps.device
         for lo in range(0, input_ids.shape[0], self.batch_size):
-            ids, tgt = input_ids[lo : lo + self.batch_size], target_ids[lo : lo + self.batch_size]
-            logits = self.model.full_logits(self.model(ids))
-            out = nll_and_argmax(logits.reshape(-1, logits.shape[-1]), tgt.reshape(-1), self.vocab_size)
-            nll.append(out.nll.view(tgt.shape))
-            hit.append(out.is_argmax.view(tgt.shape))
-        return ScoreOutput(nll=torch.cat(nll), is_argmax=torch.cat(hit))
+            tgt = target_ids[lo : lo + self.batch_size]
+            width = scored_width(tgt)
+            if width == 0:
+                continue
+            ids, tgt = input_ids[lo : lo + self.batch_size, :width], tgt[:, :width]
+            hidden = gpt_trunk(self.model, input_ids=ids.to(device))
+            mask = tgt >= 0
+            out = score_hidden(self.model, hidden[mask.to(device)], tgt[mask].to(device))
+            nll[lo : lo + len(tgt), :width][mask] = out.nll.cpu()
+            hit[lo : lo + len(tgt), :width][mask] = out.is_argmax.cpu()
+        return ScoreOutput(nll=nll, is_argmax=hit)
+
+
+def scored_width(target_ids: torch.Tensor) -> int:
+    """1 + the last column of ``target_ids [b, s]`` holding a scored (``>= 0``) target, or 0."""
+    cols = (target_ids >= 0).any(dim=0).nonzero()
+    return int(cols[-1]) + 1 if cols.numel() else 0
+
+
+def eval_model_config(cfg: ModelConfig, dtype: DTypeName | str) -> ModelConfig:
+    """``cfg`` for evaluation: no dropout, no recompute, parameters in ``dtype`` (a DTYPES name)."""
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype {dtype}: expected one of {', '.join(DTYPE_FLAGS)}")
+    return replace(
+        cfg,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        recompute_activations=False,
+        params_dtype=cast(DTypeName, dtype),
+    )
 
 
 def _tokenizer(args_tok: TokenizerConfig | None, saved: dict[str, Any] | None, ckpt: str) -> Tokenizer:
@@ -75,31 +109,32 @@ def _tokenizer(args_tok: TokenizerConfig | None, saved: dict[str, Any] | None, c
         raise UserError(
             f"--ckpt {ckpt}: the checkpoint stores no tokenizer; give --tokenizer-type and its files"
         )
-    return build_tokenizer(
-        TokenizerConfig(
-            **{k: saved.get(k) for k in ("tokenizer_type", "vocab_file", "merge_file", "model_path")}
-        )
-    )
+    files = {k: saved.get(k) for k in ("vocab_file", "merge_file", "model_path")}
+    return build_tokenizer(TokenizerConfig(tokenizer_type=str(saved.get("tokenizer_type")), **files))
 
 
-def load_megatron_gpt(
-    ckpt: str, *, tokenizer_cfg: TokenizerConfig | None, batch_size: int, device: str = "cpu"
-) -> tuple[MegatronGPTScorer, PretrainTextEncoder, dict[str, Any]]:
-    """Scorer, text encoder and result-record model info for checkpoint ``ckpt``."""
+@dataclass(frozen=True, kw_only=True)
+class CanonicalGPT:
+    """A GPT checkpoint read into canonical full tensors, with its tokenizer and identity."""
+
+    full: dict[str, torch.Tensor]
+    cfg: ModelConfig  # the checkpoint's model config (training dropout etc. as saved)
+    tokenizer: Tokenizer
+    info: dict[str, Any]  # the result record's "model": name, parameters, iteration, layout, checkpoint
+
+
+def read_gpt_checkpoint(ckpt: str, *, tokenizer_cfg: TokenizerConfig | None) -> CanonicalGPT:
+    """Read ``ckpt`` (any layout the checkpoint tools read) and its tokenizer; no model is built."""
     if not Path(ckpt).exists():
         raise UserError(f"--ckpt {ckpt}: no such directory")
     full, spec, info = load_canonical(ckpt)
     if spec.kind != "gpt":
         raise UserError(f"--ckpt {ckpt}: holds a {spec.kind} model; zero-shot LM evaluation needs a GPT")
-    saved_tok = _saved_tokenizer(ckpt)
-    tokenizer = _tokenizer(tokenizer_cfg, saved_tok, ckpt)
+    tokenizer = _tokenizer(tokenizer_cfg, _saved_tokenizer(ckpt), ckpt)
     if tokenizer.vocab_size > info.padded_vocab_size:
         raise UserError(
             f"tokenizer has {tokenizer.vocab_size} tokens but --ckpt {ckpt} only {info.padded_vocab_size}"
         )
-    cfg = replace(spec.cfg, hidden_dropout=0.0, attention_dropout=0.0, recompute_activations=False)
-    model = GPTModel(cfg, ParallelState.single(device=device))
-    load_full_state_dict(model, full)
     meta = {
         "name": Path(ckpt).resolve().name,
         "parameters": info.num_parameters,
@@ -107,7 +142,22 @@ def load_megatron_gpt(
         "layout": f"tp{info.tp}-pp{info.pp}-vp{info.vp}",
         "checkpoint": os.fspath(Path(ckpt).resolve()),
     }
-    return MegatronGPTScorer(model, batch_size=batch_size), PretrainTextEncoder(tokenizer), meta
+    return CanonicalGPT(full=full, cfg=spec.cfg, tokenizer=tokenizer, info=meta)
+
+
+def load_megatron_gpt(
+    ckpt: str,
+    *,
+    tokenizer_cfg: TokenizerConfig | None,
+    batch_size: int,
+    device: str = "cpu",
+    dtype: str = "float32",
+) -> tuple[MegatronGPTScorer, PretrainTextEncoder, dict[str, Any]]:
+    """Scorer (one process, parameters in ``dtype``), text encoder and model info for ``ckpt``."""
+    read = read_gpt_checkpoint(ckpt, tokenizer_cfg=tokenizer_cfg)
+    model = GPTModel(eval_model_config(read.cfg, dtype), ParallelState.single(device=device))
+    load_full_state_dict(model, read.full)
+    return MegatronGPTScorer(model, batch_size=batch_size), PretrainTextEncoder(read.tokenizer), read.info
 
 
 def _saved_tokenizer(ckpt: str) -> dict[str, Any] | None:

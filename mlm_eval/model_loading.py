@@ -1,19 +1,22 @@
 """Model selection for ``mlm-eval`` tasks: flags, the :class:`ModelSpec`, and ``load_scorer``.
 
-Today ``--hf-model DIR`` (a local Hugging Face model + tokenizer directory) works end to end.
-``--ckpt DIR`` (our Megatron-layout checkpoints, any TP/PP layout) and the Megatron tokenizer
-flags are parsed already; :func:`load_scorer` is the one hook where the checkpoint loader plugs in.
+``--hf-model DIR`` (a local Hugging Face model + tokenizer directory) or ``--ckpt DIR`` (our or
+upstream Megatron-layout checkpoints, any TP/PP/VP layout): in one process (resharded in memory),
+or under ``torchrun`` with ``--tensor-model-parallel-size``/``--pipeline-model-parallel-size``
+(data parallel over the remaining ranks, :mod:`mlm_eval.parallel_scorer`). ``--dtype`` casts
+the model's weights; log-probabilities are always accumulated in float64.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlm_eval.scorer import HFCausalLMScorer, LMScorer
+from mlm_eval.scorer import DTYPE_FLAGS, HFCausalLMScorer, LMScorer
 from pretrain.utils.errors import UserError
 
 
@@ -28,6 +31,9 @@ class ModelSpec:
     merge_file: str | None = None
     tokenizer_dir: str | None = None
     device: str = "cpu"
+    dtype: str = "float32"  # a pretrain.models.transformer.DTYPES name
+    tp: int = 1
+    pp: int = 1
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSpec:
@@ -40,7 +46,14 @@ class ModelSpec:
             merge_file=args.merge_file,
             tokenizer_dir=args.tokenizer_dir,
             device=args.device,
+            dtype=DTYPE_FLAGS[args.dtype],
+            tp=args.tensor_model_parallel_size,
+            pp=args.pipeline_model_parallel_size,
         )
+
+
+def _nothing() -> None:
+    return None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,6 +63,10 @@ class LoadedModel:
     scorer: LMScorer
     tokenizer: Any  # a transformers tokenizer or any mlm_eval.scorer.TextEncoder
     info: dict[str, Any]  # make_result's "model": name, parameters, iteration, layout, checkpoint
+    is_main: bool = True  # the rank that prints and writes the result
+    layout: str = "tp1-pp1-dp1"  # how this evaluation runs (the checkpoint's own is in info)
+    dtype: str = "float32"
+    close: Callable[[], None] = _nothing  # releases the process group under torchrun
 
 
 def add_model_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,21 +87,34 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
     group.add_argument(
+        "--dtype", choices=tuple(DTYPE_FLAGS), default="fp32", help="model weights' dtype (default fp32)"
+    )
+    group.add_argument("--tensor-model-parallel-size", "--tp", type=int, default=1, metavar="N",
+                       help="TP degree (with --ckpt under torchrun)")  # fmt: skip
+    group.add_argument("--pipeline-model-parallel-size", "--pp", type=int, default=1, metavar="N",
+                       help="PP degree (with --ckpt under torchrun); DP = world / (TP x PP)")  # fmt: skip
+    group.add_argument(
         "--name", default=None, help="model name in the result record (default: directory name)"
     )
 
 
 def load_scorer(args: argparse.Namespace) -> LoadedModel:
-    """Build the scorer and tokenizer the flags select (THE hook for the checkpoint loader).
-
-    ``--ckpt`` (with ``--tokenizer-*`` and TP/PP flags) is to be wired here once the
-    checkpoint tools can load our layouts; until then it is a clear user error.
-    """
+    """Build the scorer and tokenizer the flags select (in parallel under torchrun, see module doc)."""
     spec = ModelSpec.from_args(args)
+    for flag, value in (
+        ("--tensor-model-parallel-size", spec.tp),
+        ("--pipeline-model-parallel-size", spec.pp),
+    ):
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
     if spec.ckpt is not None:
         return _load_ckpt(spec, args)
     if spec.hf_model is None:
         raise UserError("one of --hf-model DIR or --ckpt DIR is required")
+    from mlm_eval.parallel_scorer import launched_distributed
+
+    if spec.tp * spec.pp > 1 or launched_distributed():
+        raise UserError("--hf-model runs in one process; TP/PP/DP evaluation (torchrun) needs --ckpt DIR")
     megatron_flags = {"--tokenizer-type": spec.tokenizer_type, "--vocab-file": spec.vocab_file}
     megatron_flags["--merge-file"] = spec.merge_file
     given = [flag for flag, value in megatron_flags.items() if value is not None]
@@ -99,21 +129,41 @@ def load_scorer(args: argparse.Namespace) -> LoadedModel:
 def _load_ckpt(spec: ModelSpec, args: argparse.Namespace) -> LoadedModel:
     """Our/upstream Megatron checkpoint of any layout, resharded in memory to one process."""
     from mlm_eval.megatron_scorer import load_megatron_gpt
+    from mlm_eval.parallel_scorer import launched_distributed
     from pretrain.tokenizer.factory import TokenizerConfig
 
     tok_cfg = None
     if spec.tokenizer_type is not None:
         tok_cfg = TokenizerConfig(tokenizer_type=spec.tokenizer_type, vocab_file=spec.vocab_file,
                                   merge_file=spec.merge_file, model_path=spec.tokenizer_dir)  # fmt: skip
+    if spec.tp * spec.pp > 1 or launched_distributed():
+        return _load_ckpt_parallel(spec, args, tok_cfg)
     scorer, encoder, info = load_megatron_gpt(str(spec.ckpt), tokenizer_cfg=tok_cfg, batch_size=args.batch_size,
-                                              device=spec.device)  # fmt: skip
+                                              device=spec.device, dtype=spec.dtype)  # fmt: skip
     if getattr(args, "name", None):
         info["name"] = args.name
-    return LoadedModel(scorer=scorer, tokenizer=encoder, info=info)
+    return LoadedModel(scorer=scorer, tokenizer=encoder, info=info, dtype=spec.dtype)
+
+
+def _load_ckpt_parallel(spec: ModelSpec, args: argparse.Namespace, tok_cfg: Any) -> LoadedModel:
+    """This rank's stage/shard of ``--ckpt`` under torchrun (TP x PP x DP)."""
+    import torch.distributed as dist
+
+    from mlm_eval.parallel_scorer import EvalParallelConfig, load_parallel_gpt
+
+    parallel = EvalParallelConfig(tp=spec.tp, pp=spec.pp, device=spec.device)
+    scorer, encoder, info, ps = load_parallel_gpt(str(spec.ckpt), parallel=parallel, tokenizer_cfg=tok_cfg,
+                                                  batch_size=args.batch_size, dtype=spec.dtype)  # fmt: skip
+    if getattr(args, "name", None):
+        info["name"] = args.name
+    layout = f"tp{ps.tp_size}-pp{ps.pp_size}-dp{ps.dp_size}"
+    return LoadedModel(scorer=scorer, tokenizer=encoder, info=info, is_main=ps.rank == 0, layout=layout,
+                       dtype=spec.dtype, close=dist.destroy_process_group)  # fmt: skip
 
 
 def load_hf_model(spec: ModelSpec, *, batch_size: int) -> LoadedModel:
     """Load ``spec.hf_model`` (offline) as an :class:`HFCausalLMScorer` and its tokenizer."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: slow import
     from transformers.utils import logging as hf_logging
 
@@ -130,7 +180,7 @@ def load_hf_model(spec: ModelSpec, *, batch_size: int) -> LoadedModel:
     hf_logging.disable_progress_bar()  # a weight-loading bar per run is noise in an eval's output
     try:
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
-        model = model.to(spec.device)
+        model = model.to(device=spec.device, dtype=getattr(torch, spec.dtype))
     except (OSError, ValueError, RuntimeError) as exc:
         raise UserError(f"--hf-model {model_dir}: cannot load a causal LM ({_first_line(exc)})") from None
     finally:
@@ -145,7 +195,7 @@ def load_hf_model(spec: ModelSpec, *, batch_size: int) -> LoadedModel:
         "layout": None,
         "checkpoint": os.fspath(model_dir.resolve()),
     }
-    return LoadedModel(scorer=scorer, tokenizer=tokenizer, info=info)
+    return LoadedModel(scorer=scorer, tokenizer=tokenizer, info=info, dtype=spec.dtype)
 
 
 def _first_line(exc: BaseException) -> str:

@@ -22,6 +22,9 @@ from tqdm import tqdm
 
 IGNORE = -1  # target id of a position that is not scored
 
+# ``--dtype`` flag values -> torch dtype names (pretrain.models.transformer.DTYPES keys).
+DTYPE_FLAGS = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+
 # Positions per float64 log-softmax chunk: bounds the temporary to ~chunk x vocab x 8 bytes.
 _LOGSOFTMAX_CHUNK = 256
 
@@ -43,6 +46,26 @@ class LMScorer(Protocol):
 
     def score(self, input_ids: torch.Tensor, target_ids: torch.Tensor) -> ScoreOutput:
         """Score ``target_ids[i, j]`` given ``input_ids[i, : j + 1]`` (negative targets: not scored)."""
+        ...
+
+
+@runtime_checkable
+class DataParallelScorer(LMScorer, Protocol):
+    """An :class:`LMScorer` that is one of several data-parallel replicas (under ``torchrun``).
+
+    :func:`score_rows` gives each replica the contiguous slice :meth:`local_rows` of the rows,
+    scores it, and :meth:`gather_rows` concatenates the slices in rank order on every rank.
+    """
+
+    is_main: bool  # the rank that shows progress and writes results
+    microbatches_per_call: int  # rows per ``score`` call = batch_size x this (pipeline depth)
+
+    def local_rows(self, num_rows: int) -> range:
+        """This replica's contiguous slice of ``range(num_rows)``."""
+        ...
+
+    def gather_rows(self, local: list[ScoredRow]) -> list[ScoredRow]:
+        """All replicas' results in row order (a collective over the data-parallel group)."""
         ...
 
 
@@ -82,6 +105,8 @@ class HFTextEncoder:
 
 def as_text_encoder(tokenizer: Any) -> TextEncoder:
     """Wrap a ``transformers`` tokenizer; objects already implementing :class:`TextEncoder` pass through."""
+    if not any(cls.__module__.startswith("transformers") for cls in type(tokenizer).__mro__):
+        return tokenizer  # type: ignore[no-any-return]  # ours: no need to import transformers
     from transformers import PreTrainedTokenizerBase  # lazy: transformers is slow to import
 
     if isinstance(tokenizer, PreTrainedTokenizerBase):
@@ -197,10 +222,32 @@ def score_rows(
 
     ``target_ids`` has one entry per input (``IGNORE`` where not scored). Pads are input id 0 with
     target ``IGNORE`` after the real tokens, so they cannot change a row's results. The bar counts
-    scored tokens, so its rate is tokens/s.
+    scored tokens, so its rate is tokens/s. A :class:`DataParallelScorer` scores only its slice
+    of the rows and gathers the others' (each row is scored exactly once over all replicas).
     """
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    if not isinstance(scorer, DataParallelScorer):
+        return _score_local(scorer, rows, batch_size=batch_size, desc=desc, progress=progress)
+    part = scorer.local_rows(len(rows))
+    local = _score_local(
+        scorer,
+        rows[part.start : part.stop],
+        batch_size=batch_size * scorer.microbatches_per_call,
+        desc=desc,
+        progress=progress and scorer.is_main,
+    )
+    return scorer.gather_rows(local)
+
+
+def _score_local(
+    scorer: LMScorer,
+    rows: Sequence[tuple[Sequence[int], Sequence[int]]],
+    *,
+    batch_size: int,
+    desc: str,
+    progress: bool,
+) -> list[ScoredRow]:
     total = sum(sum(1 for t in tgt if t >= 0) for _, tgt in rows)
     results: list[ScoredRow] = []
     with tqdm(total=total, desc=desc, unit="tok", disable=not progress, dynamic_ncols=True) as bar:

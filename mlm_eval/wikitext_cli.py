@@ -4,6 +4,9 @@ Example::
 
     mlm-eval wikitext103 --hf-model ./gpt2-small --data wiki.test.tokens --seq-length 1024 --overlap 32
     mlm-eval wikitext103 --hf-model ./gpt2-small --data builtin:wikitext_sample.tokens --method lm-eval
+    mlm-eval wikitext103 --ckpt ./ckpt --dataset wikitext --dataset-config wikitext-103-raw-v1 --limit 10
+    torchrun --standalone --nproc-per-node 4 -m mlm_eval.cli wikitext103 --ckpt ./ckpt --data wiki.test.tokens \
+        --tensor-model-parallel-size 2 --dtype bf16    # TP=2 x DP=2
 
 Also holds the output plumbing shared with ``mlm-eval lambada`` (table, result JSON).
 """
@@ -11,16 +14,16 @@ Also holds the output plumbing shared with ``mlm-eval lambada`` (table, result J
 from __future__ import annotations
 
 import argparse
-import hashlib
+import importlib.metadata
 import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlm_eval.builtin import resolve_data_path
+from mlm_eval.data_sources import DataSource, add_data_arguments, load_wikitext_data
 from mlm_eval.model_loading import LoadedModel, add_model_arguments, load_scorer
-from mlm_eval.wikitext import evaluate_wikitext_lm_eval, evaluate_wikitext_paper, read_wikitext
+from mlm_eval.wikitext import evaluate_wikitext_lm_eval, evaluate_wikitext_paper
 from pretrain.utils.errors import UserError
 from pretrain.utils.results import make_result, write_result
 
@@ -29,18 +32,20 @@ from pretrain.utils.results import make_result, write_result
 class WikitextArgs:
     """The task flags of ``mlm-eval wikitext103``."""
 
-    data: Path
     seq_length: int
     overlap: int
     method: str
     batch_size: int
+    limit: int | None  # first N windows (paper) or documents (lm-eval)
 
 
 def register(subparsers: Any) -> None:
     """Add the ``wikitext103`` subcommand."""
     parser = subparsers.add_parser("wikitext103", help="WikiText-103 perplexity (paper or lm-eval method)")
-    parser.add_argument(
-        "--data", required=True, help="raw wiki.test.tokens (or builtin:wikitext_sample.tokens)"
+    add_data_arguments(
+        parser,
+        data_help="raw wiki.test.tokens (or builtin:wikitext_sample.tokens), a save_to_disk directory, "
+        "or a parquet/JSON file of lines",
     )
     parser.add_argument("--seq-length", type=int, default=1024, help="window length in tokens (default 1024)")
     parser.add_argument(
@@ -55,6 +60,9 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
     """Batch size, output and model flags shared by the evaluation subcommands."""
     parser.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (default 8)")
     parser.add_argument(
+        "--limit", type=int, metavar="N", help="evaluate only the first N windows/documents/examples"
+    )
+    parser.add_argument(
         "--out", metavar="PATH", help="result JSON path (default: RESULTS_DIR/TASK-METHOD-MODEL.json)"
     )
     parser.add_argument(
@@ -65,40 +73,33 @@ def add_common_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Evaluate, print the table, write the result."""
+    """Evaluate, print the table, write the result (rank 0 under torchrun)."""
     task = WikitextArgs(
-        data=resolve_data_path(args.data),
         seq_length=positive(args.seq_length, "--seq-length"),
         overlap=positive(args.overlap, "--overlap"),
         method=args.method,
         batch_size=positive(args.batch_size, "--batch-size"),
+        limit=None if args.limit is None else positive(args.limit, "--limit"),
     )
-    raw_text = read_wikitext(task.data)
+    raw_text, source = load_wikitext_data(args)
     loaded = load_scorer(args)
-    started = time.perf_counter()
-    progress = not args.no_progress
-    if task.method == "paper":
-        metrics = evaluate_wikitext_paper(
-            loaded.scorer,
-            loaded.tokenizer,
-            raw_text,
-            seq_length=task.seq_length,
-            overlap=task.overlap,
-            batch_size=task.batch_size,
-            progress=progress,
-        )
-    else:
-        metrics = evaluate_wikitext_lm_eval(
-            loaded.scorer,
-            loaded.tokenizer,
-            raw_text,
-            seq_length=task.seq_length,
-            batch_size=task.batch_size,
-            progress=progress,
-        )
-    emit_result(
-        args, loaded, task="wikitext103", method=task.method, metrics=metrics, data=task.data, started=started
-    )
+    try:
+        started = time.perf_counter()
+        progress = not args.no_progress
+        if task.method == "paper":
+            metrics = evaluate_wikitext_paper(
+                loaded.scorer, loaded.tokenizer, raw_text, seq_length=task.seq_length, overlap=task.overlap,
+                batch_size=task.batch_size, progress=progress, limit=task.limit,
+            )  # fmt: skip
+        else:
+            metrics = evaluate_wikitext_lm_eval(
+                loaded.scorer, loaded.tokenizer, raw_text, seq_length=task.seq_length,
+                batch_size=task.batch_size, progress=progress, limit=task.limit,
+            )  # fmt: skip
+        emit_result(args, loaded, task="wikitext103", method=task.method, metrics=metrics, data=source,
+                    started=started)  # fmt: skip
+    finally:
+        loaded.close()
     return 0
 
 
@@ -116,16 +117,22 @@ def emit_result(
     task: str,
     method: str,
     metrics: dict[str, float | int],
-    data: Path,
+    data: DataSource,
     started: float,
-) -> Path:
-    """Print the metrics as a table and write the result record; returns its path."""
+) -> Path | None:
+    """On the main rank: print the metrics as a table and write the result record (its path)."""
+    if not loaded.is_main:
+        return None
     details = {
-        "data": str(data),
-        "data_sha256": _sha256(data),
+        "data": data.label,
+        "data_sha256": data.sha256,
         "elapsed_s": round(time.perf_counter() - started, 3),
         "vocab_size": loaded.scorer.vocab_size,
         "batch_size": args.batch_size,
+        "limit": args.limit,
+        "dtype": loaded.dtype,
+        "layout": loaded.layout,
+        "toolkit_version": toolkit_version(),
     }
     record = make_result(
         kind="eval", task=task, method=method, model=loaded.info, metrics=metrics, details=details
@@ -133,9 +140,18 @@ def emit_result(
     name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(loaded.info.get("name") or "model"))
     path = Path(args.out) if args.out else Path(args.results_dir) / f"{task}-{method}-{name}.json"
     write_result(path, record)
-    print_table(f"{task} ({method}) - {loaded.info.get('name')}", metrics)
+    limited = f", first {args.limit} only" if args.limit is not None else ""
+    print_table(f"{task} ({method}{limited}) - {loaded.info.get('name')}", metrics)
     print(f"wrote {path}")
     return path
+
+
+def toolkit_version() -> str | None:
+    """The installed ``mlm-toolkit`` distribution's version (None when not installed)."""
+    try:
+        return importlib.metadata.version("mlm-toolkit")
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def print_table(title: str, metrics: dict[str, float | int]) -> None:
@@ -149,11 +165,3 @@ def print_table(title: str, metrics: dict[str, float | int]) -> None:
     for key, value in metrics.items():
         table.add_row(key, f"{value:.6g}" if isinstance(value, float) else str(value))
     Console().print(table)
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()

@@ -130,3 +130,24 @@ def test_per_shard_save_load_resumes_exactly(tmp_path) -> None:
     results = run_distributed(_save_load_continue, 2, cfg, weights, batches, str(tmp_path))
     for r in results:
         assert_params_close(r["params"], ref)
+
+
+def _full_load_continue(rank: int, world: int, cfg, weights, batches, state):
+    """Each DP rank takes its element ranges of a full (non-distributed) state, then trains on."""
+    ps = ParallelState.from_distributed(ParallelConfig(tp=1), seed=0)
+    model, ddp, opt = build(
+        ps, cfg, {k: v * 0 for k, v in weights.items()}, DDPConfig(use_distributed_optimizer=True), DIST
+    )
+    opt.load_full_state_dict(state)  # also sets the model weights (main params, all-gathered)
+    train_pp1(ps, model, ddp, opt, batches, num_micro=1)
+    return {"params": gather_full_state_dict(model)}
+
+
+def test_full_state_loads_into_distributed_optimizer_and_resumes_exactly() -> None:
+    cfg = tiny_config()
+    weights, batches = full_weights(cfg), global_batches(cfg, steps=3)
+    ref, _, _ = reference(cfg, weights, batches, OPT)
+    _, _, opt = reference(cfg, weights, batches[:2], OPT)
+    results = run_distributed(_full_load_continue, 2, cfg, weights, batches[2:], opt.state_dict())
+    for r in results:
+        assert_params_close(r["params"], ref)

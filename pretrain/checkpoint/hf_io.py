@@ -2,7 +2,8 @@
 
 :func:`export_hf` writes ``model.safetensors``, ``config.json`` and the tokenizer files of a
 checkpoint (GPT -> ``GPT2LMHeadModel``; pre-LN BERT -> ``MegatronBertForPreTraining``; post-LN
-BERT -> ``BertForPreTraining``). :func:`import_hf` reads a local HF model directory into a
+BERT -> ``BertForPreTraining``; a checkpoint imported from a bare ``BertModel`` -> ``BertModel``
+again, its freshly initialised heads left out). :func:`import_hf` reads a local HF model directory into a
 :class:`~pretrain.checkpoint.reshard.DictSource` ready to be written at any layout.
 """
 
@@ -46,7 +47,7 @@ def load_hf_tokenizer(path: Path | None) -> Any:
     (``vocab.json`` + ``merges.txt`` for GPT-2 BPE, ``vocab.txt`` for WordPiece)."""
     if path is None:
         return None
-    from transformers import AutoTokenizer, BertTokenizerFast, GPT2TokenizerFast
+    from transformers import AutoTokenizer, BertTokenizerFast, GPT2TokenizerFast  # type: ignore[attr-defined]
 
     try:
         if not (path / "tokenizer.json").is_file() and (path / "merges.txt").is_file():
@@ -85,11 +86,12 @@ def hf_state_and_config(
 
     from pretrain.models import hf_bert
 
-    arch = hf_bert.hf_architecture(spec.cfg)
+    arch = hf_bert.hf_architecture(spec.cfg, bare="lm_head" in spec.fresh_heads)
     config_cls = BertConfig if spec.cfg.post_layernorm else MegatronBertConfig
     extra = {} if tokenizer is None else {"pad_token_id": tokenizer.pad_token_id}
     config = config_cls(**hf_bert.hf_config_kwargs(spec.cfg), architectures=[arch], **extra)
-    return hf_bert.canonical_to_hf(full, spec.cfg, include_tied=False), config
+    state = hf_bert.canonical_to_hf(full, spec.cfg, include_tied=False, fresh_heads=spec.fresh_heads)
+    return state, config
 
 
 def export_hf(
@@ -157,6 +159,9 @@ def import_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> DictS
         cfg = hf_bert.model_config_from_hf(config, **over)
         if not any(k.startswith("bert.") for k in state):  # a bare BertModel / MegatronBertModel
             state = {f"bert.{k}": v for k, v in state.items()}
-        full = hf_bert.hf_to_canonical(state, cfg)
-        return DictSource(ModelSpec(kind="bert", cfg=cfg, add_binary_head="binary_head.weight" in full), full)
+        bare = not any(k.startswith("cls.") for k in state)
+        full = hf_bert.hf_to_canonical(state, cfg, lm_head=not bare)
+        fresh = hf_bert.add_fresh_heads(full, cfg)  # our BertModel always has an LM head
+        binary = "binary_head.weight" in full
+        return DictSource(ModelSpec(kind="bert", cfg=cfg, add_binary_head=binary, fresh_heads=fresh), full)
     raise UserError(f"--load {hf_dir}: model_type {config.model_type!r} is not gpt2, bert or megatron-bert")

@@ -1,25 +1,34 @@
-"""Reshard the (non-distributed) optimizer state of our checkpoints along with the model.
+"""Reshard the optimizer state of our checkpoints along with the model.
 
 Each source rank file's ``optimizer`` entry is :meth:`MixedPrecisionOptimizer.state_dict` form:
 ``{"params": {"model{c}.{local name}": {"param", "exp_avg", "exp_avg_sq"}}, "step",
-"param_groups", "grad_scaler"}``. Every state tensor is shaped like its parameter, so it is
-gathered and re-split exactly like the parameter (same split dim, vocab rows padded with zeros).
-Distributed-optimizer shards (``distrib_optim*.pt``) must first be reassembled with
-:func:`pretrain.optim.distrib_optimizer.reassemble_full_state`; that step is not wired here yet.
+"param_groups", "grad_scaler"}``; distributed-optimizer runs instead keep every DP rank's shard in
+``distrib_optim.pt`` beside it, which is reassembled into that form with
+:func:`pretrain.optim.distrib_optimizer.reassemble_full_state` (lazily, a few files at a time).
+Every state tensor is shaped like its parameter, so it is gathered and re-split exactly like the
+parameter (same split dim, vocab rows padded with zeros). The output is always the full
+(non-distributed) form, because the target data-parallel size is unknown at reshard time: training
+loads it into either optimizer (:meth:`DistributedOptimizer.load_full_state_dict` takes its own
+element ranges).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import OrderedDict
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from pretrain.checkpoint.layout import DISTRIB_OPTIM_FILE
 from pretrain.checkpoint.plan import Slot
 from pretrain.checkpoint.reader import LegacyReader
 from pretrain.checkpoint.reshard import OPTIM_STATES, _shard
+from pretrain.checkpoint.safe_unpickle import load_untrusted
 from pretrain.config import ParallelConfig
+from pretrain.optim.distrib_optimizer import reassemble_full_state
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.errors import UserError
 
@@ -28,19 +37,66 @@ def _chunk_index(chunk_key: str) -> int:
     return 0 if chunk_key == "model" else int(chunk_key[5:])
 
 
+class _FullStates:
+    """The full-form optimizer ``params`` of each source rank file, reassembled on demand from
+    ``distrib_optim.pt`` and kept for the ``capacity`` most recently used files only."""
+
+    def __init__(self, files: list[Path], states: list[dict[str, Any]], capacity: int) -> None:
+        self.files, self.states, self.capacity = files, states, max(capacity, 1)
+        self.cache: OrderedDict[int, dict[str, Any]] = OrderedDict()
+
+    def distributed(self, i: int) -> bool:
+        return (self.files[i].parent / DISTRIB_OPTIM_FILE).exists()
+
+    def full(self, i: int) -> dict[str, Any]:
+        """File ``i``'s optimizer state in the full form (raises a one-line error if none)."""
+        if not self.distributed(i):
+            state = self.states[i].get("optimizer")
+            if not isinstance(state, dict) or "params" not in state:
+                raise UserError(f"--with-optimizer: {self.files[i]} holds no optimizer state")
+            return state
+        if i not in self.cache:
+            self.cache[i] = self._reassemble(self.files[i].parent / DISTRIB_OPTIM_FILE)
+            while len(self.cache) > self.capacity:
+                self.cache.popitem(last=False)
+        self.cache.move_to_end(i)
+        return self.cache[i]
+
+    @staticmethod
+    def _reassemble(path: Path) -> dict[str, Any]:
+        shards = load_untrusted(path).get("shards")
+        if not isinstance(shards, list) or not shards:
+            raise UserError(f"{path}: no distributed-optimizer shards ('shards' entry)")
+        try:
+            return reassemble_full_state(shards)
+        except (ValueError, KeyError, IndexError, TypeError, RuntimeError) as exc:
+            raise UserError(f"{path}: cannot reassemble the optimizer shards ({exc})") from None
+
+
 @dataclasses.dataclass
 class _OptimizerView(LegacyReader):
     """The reader, but its tensors are one optimizer state (``param``, ``exp_avg``, ...)."""
 
     state_kind: str = "param"
+    full_states: _FullStates | None = None
 
     def _part(self, ref: tuple[int, str, str]) -> torch.Tensor:
         i, chunk, local = ref
         key = f"model{_chunk_index(chunk)}.{local}"
-        params = (self.states[i].get("optimizer") or {}).get("params", {})
+        assert self.full_states is not None
+        params = self.full_states.full(i)["params"]
+        where = (
+            self.files[i].parent / DISTRIB_OPTIM_FILE if self.full_states.distributed(i) else self.files[i]
+        )
         if key not in params:
-            raise UserError(f"{self.files[i]}: optimizer state has no entry {key!r}")
-        return params[key][self.state_kind].view(self.flats[i][chunk][local].shape)
+            raise UserError(f"{where}: optimizer state has no entry {key!r}")
+        shape = self.flats[i][chunk][local].shape
+        if params[key][self.state_kind].numel() != shape.numel():
+            got = tuple(params[key][self.state_kind].shape)
+            raise UserError(
+                f"{where}: optimizer state {key} {self.state_kind} has shape {got}, expected {shape}"
+            )
+        return params[key][self.state_kind].view(shape)
 
 
 def optimizer_writer(
@@ -49,17 +105,13 @@ def optimizer_writer(
     """The ``optimizer`` callback of :func:`pretrain.checkpoint.reshard.write_layout`."""
     if not isinstance(reader, LegacyReader) or not reader.info.ours:
         raise UserError("--with-optimizer: only mlm-toolkit checkpoints carry a reshardable optimizer state")
-    if any(next(f.parent.glob("distrib_optim*.pt"), None) for f in reader.files):
-        raise UserError(
-            "--with-optimizer: distributed-optimizer shards (distrib_optim*.pt) are not supported yet; "
-            "reshard the model only (training restarts the optimizer)"
-        )
-    first = reader.states[0].get("optimizer")
-    if not isinstance(first, dict) or "params" not in first:
-        raise UserError(f"--with-optimizer: {reader.files[0]} holds no optimizer state")
+    full_states = _FullStates(reader.files, reader.states, capacity=2 * reader.info.tp)
+    first = full_states.full(0)
     views = {
         kind: _OptimizerView(
-            **{f.name: getattr(reader, f.name) for f in dataclasses.fields(reader)}, state_kind=kind
+            **{f.name: getattr(reader, f.name) for f in dataclasses.fields(reader)},
+            state_kind=kind,
+            full_states=full_states,
         )
         for kind in OPTIM_STATES
     }

@@ -26,11 +26,15 @@ MODEL_KINDS = ("gpt", "bert")
 
 @dataclass(frozen=True, kw_only=True)
 class ModelSpec:
-    """Which model a checkpoint holds: ``kind`` (gpt or bert), its config, BERT's binary head."""
+    """Which model a checkpoint holds: ``kind`` (gpt or bert), its config, BERT's binary head.
+
+    ``fresh_heads`` names heads initialised on import because the source model had none (a bare
+    HF ``BertModel``: ``"lm_head"``, ``"binary_head"``); exports leave them out."""
 
     kind: str
     cfg: ModelConfig
     add_binary_head: bool = True
+    fresh_heads: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.kind not in MODEL_KINDS:

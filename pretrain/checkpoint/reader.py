@@ -28,6 +28,7 @@ from pretrain.checkpoint.layout import (
     list_rank_dirs,
     read_tracker,
 )
+from pretrain.checkpoint.pages import PageReleaser
 from pretrain.checkpoint.plan import ModelSpec, Slot, chunk_slots, layers_from_counts
 from pretrain.checkpoint.safe_unpickle import load_untrusted
 from pretrain.checkpoint.upstream_args import (
@@ -90,6 +91,7 @@ class LegacyReader:
     flats: list[dict[str, dict[str, torch.Tensor]]]  # per file: chunk key -> flat tensors
     entries: dict[str, _Entry]
     head_copies: dict[str, _Entry] = field(default_factory=dict)
+    pages: PageReleaser | None = None  # drops read parts from RSS (mmap'd files)
 
     @property
     def args(self) -> dict[str, Any]:
@@ -128,6 +130,9 @@ class LegacyReader:
             full = parts[0]
         else:
             full = torch.cat(parts, dim=slot.dim) if len(parts) > 1 else parts[0]
+        if self.pages is not None:  # transparent: a later access faults the pages back in
+            for part in parts:
+                self.pages.release(part)
         return full[: cfg.vocab_size] if slot.vocab else full
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -235,7 +240,9 @@ def _model_spec(
     if cfg.num_layers != layers:
         raise UserError(f"{source}: args say {cfg.num_layers} layers, the shards hold {layers}")
     binary = any(n.startswith("binary_head.") for n in last_names)
-    return ModelSpec(kind=kind, cfg=cfg, add_binary_head=binary), padded, how
+    ours = args.get("mlm_toolkit")
+    fresh = tuple(ours.get("fresh_heads") or ()) if isinstance(ours, dict) else ()
+    return ModelSpec(kind=kind, cfg=cfg, add_binary_head=binary, fresh_heads=fresh), padded, how
 
 
 def _index(
@@ -350,8 +357,9 @@ def open_legacy(
         ours=isinstance(args, dict) and isinstance(args.get("mlm_toolkit"), dict),
     )
     return LegacyReader(
-        spec=spec, info=info, files=files, states=states, flats=flats, entries=entries, head_copies=heads
-    )
+        spec=spec, info=info, files=files, states=states, flats=flats, entries=entries, head_copies=heads,
+        pages=PageReleaser(files),
+    )  # fmt: skip
 
 
 def open_checkpoint(

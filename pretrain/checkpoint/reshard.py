@@ -85,6 +85,8 @@ def _chunk_state(
 def _target_args(source: CanonicalSource, target: ParallelConfig, options: WriteOptions) -> dict[str, Any]:
     spec = source.spec
     extra = {"add_binary_head": spec.add_binary_head, **(options.extra_args or {})}
+    if spec.fresh_heads:
+        extra["fresh_heads"] = list(spec.fresh_heads)
     return checkpoint_args(spec.cfg, target, model_type=spec.kind, extra=extra)
 
 

@@ -196,7 +196,9 @@ def load_untrusted(path: Path, *, mmap: bool = True) -> dict[str, Any]:
         raise UserError(f"{path}: unsafe checkpoint file: {exc}") from None
     except Exception as exc:  # truncated or foreign file: one clear line
         first = str(exc).splitlines()[0] if str(exc) else ""
-        raise UserError(f"{path}: cannot be read ({type(exc).__name__}: {first})") from None
+        raise UserError(
+            f"{path}: cannot be read, truncated or corrupt? ({type(exc).__name__}: {first})"
+        ) from None
     if not isinstance(state, dict):
         raise UserError(f"{path}: expected a dict at the top level, found {type(state).__name__}")
     return plain(state)

@@ -14,6 +14,11 @@ A pure tensor mapping (no model code), used by tests and ``mlm-convert``:
   ``cls.seq_relationship`` -> ``binary_head``; ``bert.pooler.dense`` -> ``language_model.pooler.dense``.
   Without pooler and binary head the same names serve ``Bert(MegatronBert)ForMaskedLM``.
 
+A bare ``BertModel`` / ``MegatronBertModel`` (encoder + pooler, no ``cls.*`` heads) imports with
+``lm_head=False``; our ``BertModel`` always has an LM head, so :func:`add_fresh_heads` initialises
+the missing heads (LM head; binary head beside a pooler) and names them. Checkpoints record those
+names (``args.mlm_toolkit.fresh_heads``) and export back to the bare architecture without them.
+
 HF's ``cls.predictions.decoder.{weight,bias}`` are tied to the word embeddings and to
 ``cls.predictions.bias``: they are written as copies and, on import, must equal their tie.
 Vocabulary tensors are unpadded ``[vocab_size, ...]`` on both sides.
@@ -38,9 +43,11 @@ _TIED = {  # HF key -> the HF key it is tied to
 _IGNORED_HF = ("bert.embeddings.position_ids", "bert.embeddings.token_type_ids")
 
 
-def hf_architecture(cfg: ModelConfig) -> str:
-    """``BertForPreTraining`` for post-LN configs, ``MegatronBertForPreTraining`` for pre-LN."""
-    return "BertForPreTraining" if cfg.post_layernorm else "MegatronBertForPreTraining"
+def hf_architecture(cfg: ModelConfig, *, bare: bool = False) -> str:
+    """``BertForPreTraining`` for post-LN configs, ``MegatronBertForPreTraining`` for pre-LN
+    (``BertModel`` / ``MegatronBertModel`` when ``bare``)."""
+    suffix = "Model" if bare else "ForPreTraining"
+    return ("Bert" if cfg.post_layernorm else "MegatronBert") + suffix
 
 
 def _pairs(a: str, b: str) -> list[tuple[str, str]]:
@@ -62,8 +69,12 @@ def _layer_pairs(cfg: ModelConfig, i: int) -> list[tuple[str, str]]:
     return pairs
 
 
-def name_pairs(cfg: ModelConfig, *, binary_head: bool = True) -> list[tuple[str, str]]:
-    """Every one-to-one (canonical name, HF name) pair of the architecture (QKV and ties excluded)."""
+def name_pairs(
+    cfg: ModelConfig, *, binary_head: bool = True, lm_head: bool = True, pooler: bool | None = None
+) -> list[tuple[str, str]]:
+    """Every one-to-one (canonical name, HF name) pair of the architecture (QKV and ties excluded).
+
+    ``pooler`` defaults to ``binary_head`` (HF's pre-training model has both or neither)."""
     emb = f"{LM}embedding."
     pairs = [
         (emb + "word_embeddings.weight", "bert.embeddings.word_embeddings.weight"),
@@ -76,11 +87,13 @@ def name_pairs(cfg: ModelConfig, *, binary_head: bool = True) -> list[tuple[str,
         pairs += _layer_pairs(cfg, i)
     if not cfg.post_layernorm:
         pairs += _pairs(f"{LM}encoder.final_layernorm", "bert.encoder.ln")
-    pairs += _pairs("lm_head.dense", "cls.predictions.transform.dense")
-    pairs += _pairs("lm_head.layernorm", "cls.predictions.transform.LayerNorm")
-    pairs.append(("lm_head.bias", "cls.predictions.bias"))
-    if binary_head:
+    if lm_head:
+        pairs += _pairs("lm_head.dense", "cls.predictions.transform.dense")
+        pairs += _pairs("lm_head.layernorm", "cls.predictions.transform.LayerNorm")
+        pairs.append(("lm_head.bias", "cls.predictions.bias"))
+    if binary_head if pooler is None else pooler:
         pairs += _pairs(f"{LM}pooler.dense", "bert.pooler.dense")
+    if binary_head:
         pairs += _pairs("binary_head", "cls.seq_relationship")
     return pairs
 
@@ -118,38 +131,72 @@ def _check_keys(what: str, given: Mapping[str, Any], expected: set[str], ignored
 
 
 def canonical_to_hf(
-    full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, include_tied: bool = True
-) -> dict[str, torch.Tensor]:
+    full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, include_tied: bool = True,
+    fresh_heads: tuple[str, ...] = (),
+) -> dict[str, torch.Tensor]:  # fmt: skip
     """Canonical full BERT tensors -> the state dict of :func:`hf_architecture` (``cfg``).
 
     The binary head (pooler + ``cls.seq_relationship``) is exported when present in ``full``.
     ``include_tied`` adds the tied ``cls.predictions.decoder.*`` copies (``load_state_dict``
-    with ``strict=True`` expects them; safetensors writers usually drop them).
+    with ``strict=True`` expects them; safetensors writers usually drop them). Heads named in
+    ``fresh_heads`` (see :func:`add_fresh_heads`) are left out; without the LM head the state dict
+    is a bare ``(Megatron)BertModel``'s (no ``bert.`` prefix).
     """
-    binary = "binary_head.weight" in full
-    pairs = name_pairs(cfg, binary_head=binary)
+    bare = "lm_head" in fresh_heads
+    pooler = f"{LM}pooler.dense.weight" in full
+    binary = "binary_head.weight" in full and "binary_head" not in fresh_heads
+    pairs = name_pairs(cfg, binary_head=binary, lm_head=not bare, pooler=pooler)
     qkv = [_qkv_names(i, kind) for i in range(cfg.num_layers) for kind in ("weight", "bias")]
-    _check_keys("BERT checkpoint -> Hugging Face", full, {o for o, _ in pairs} | {o for o, _ in qkv}, ())
+    fresh = {n for n in full if n.split(".")[0] in fresh_heads}
+    expected = {o for o, _ in pairs} | {o for o, _ in qkv} | fresh
+    _check_keys("BERT checkpoint -> Hugging Face", full, expected, ())
     out = {hf: full[ours].detach().clone() for ours, hf in pairs}
     for ours, hf_names in qkv:
         for name, t in zip(hf_names, split_qkv(full[ours].detach(), cfg.num_attention_heads)):
             out[name] = t
+    if bare:
+        return {k.removeprefix("bert."): v for k, v in out.items()}
     if include_tied:
         for key, tie in _TIED.items():
             out[key] = out[tie].clone()
     return out
 
 
-def hf_to_canonical(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+def add_fresh_heads(full: dict[str, torch.Tensor], cfg: ModelConfig, *, seed: int = 0) -> tuple[str, ...]:
+    """Initialise (in place, as our model would) the heads a bare HF model lacks: the LM head, and
+    the binary head when a pooler is present (our model keeps the pooler only with it). Returns
+    the names of the heads added (``"lm_head"``, ``"binary_head"``)."""
+    gen = torch.Generator().manual_seed(seed)
+    h, std, added = cfg.hidden_size, cfg.init_method_std, []
+    if "lm_head.bias" not in full:
+        full["lm_head.dense.weight"] = torch.randn(h, h, generator=gen) * std
+        full["lm_head.dense.bias"] = torch.zeros(h)
+        full["lm_head.layernorm.weight"] = torch.ones(h)
+        full["lm_head.layernorm.bias"] = torch.zeros(h)
+        full["lm_head.bias"] = torch.zeros(cfg.vocab_size)
+        added.append("lm_head")
+    if f"{LM}pooler.dense.weight" in full and "binary_head.weight" not in full:
+        full["binary_head.weight"] = torch.randn(2, h, generator=gen) * std
+        full["binary_head.bias"] = torch.zeros(2)
+        added.append("binary_head")
+    return tuple(added)
+
+
+def hf_to_canonical(
+    hf: Mapping[str, torch.Tensor], cfg: ModelConfig, *, lm_head: bool = True
+) -> dict[str, torch.Tensor]:
     """A ``BertForPreTraining`` (post-LN ``cfg``) or ``MegatronBertForPreTraining`` (pre-LN) state
     dict -> canonical full tensors. ``*ForMaskedLM`` state dicts (no pooler or
-    ``cls.seq_relationship``) give a model without the binary head. Raises :class:`UserError` on
-    missing or unexpected tensors, and on an untied decoder."""
+    ``cls.seq_relationship``) give a model without the binary head. ``lm_head=False`` reads a bare
+    ``(Megatron)BertModel`` (keys prefixed ``bert.``; no ``cls.*``; pooler optional) and returns no
+    heads (see :func:`add_fresh_heads`). Raises :class:`UserError` on missing or unexpected
+    tensors, and on an untied decoder."""
     binary = "cls.seq_relationship.weight" in hf
-    pairs = name_pairs(cfg, binary_head=binary)
+    pooler = binary or (not lm_head and "bert.pooler.dense.weight" in hf)
+    pairs = name_pairs(cfg, binary_head=binary, lm_head=lm_head, pooler=pooler)
     qkv = [_qkv_names(i, kind) for i in range(cfg.num_layers) for kind in ("weight", "bias")]
     expected = {h for _, h in pairs} | {n for _, names in qkv for n in names}
-    what = f"Hugging Face {hf_architecture(cfg)} -> BERT checkpoint"
+    what = f"Hugging Face {hf_architecture(cfg, bare=not lm_head)} -> BERT checkpoint"
     _check_keys(what, hf, expected, (*_IGNORED_HF, *_TIED))
     for key, tie in _TIED.items():
         if key in hf and not torch.equal(hf[key], hf[tie]):

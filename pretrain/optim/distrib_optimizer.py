@@ -167,6 +167,41 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self._load_common(state)
         self._copy_main_to_model()
 
+    @torch.no_grad()
+    def load_full_state_dict(self, state: dict[str, Any]) -> None:
+        """Load the non-distributed form (:meth:`MixedPrecisionOptimizer.state_dict`, e.g. a
+        resharded checkpoint or :func:`reassemble_full_state` of another DP size) by taking this
+        rank's element ranges of every parameter, then all-gather params.
+
+        Collective over the DP group (the parameter all-gather)."""
+        params = state["params"]
+        named = {key: p for key, _, p in self._named_params()}
+        missing = sorted(set(named) - set(params))
+        if missing:
+            raise KeyError(f"optimizer state has no entry for {missing[:3]}")
+        for key, p in named.items():
+            if params[key]["param"].numel() != p.numel():
+                shape = tuple(params[key]["param"].shape)
+                raise ValueError(f"optimizer state {key} has shape {shape}, the parameter {tuple(p.shape)}")
+        for entries in self._local:
+            for m, r in entries:
+                sl = slice(r.param.start, r.param.end)
+                main, avg, sq = (params[m.key][k].reshape(-1)[sl] for k in FLAT_STATES)
+                self._load_main(m, main, avg, sq, state["step"])
+        self._load_common({**state, "param_groups": self._matching_groups(state["param_groups"])})
+        self._copy_main_to_model()
+
+    def _matching_groups(self, saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The saved hyperparameter groups for this rank's Adam groups: a shard may lack the
+        decay or the no-decay group (empty groups are dropped), so match by ``weight_decay``."""
+        if len(saved) == len(self.adam.param_groups):
+            return saved
+        out = []
+        for group in self.adam.param_groups:
+            same = [g for g in saved if g.get("weight_decay") == group["weight_decay"]]
+            out.append({**(same or saved)[0], "weight_decay": group["weight_decay"]})
+        return out
+
 
 def reassemble_full_state(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Combine every DP rank's :meth:`DistributedOptimizer.sharded_state_dict` (any order) into
@@ -190,5 +225,6 @@ def reassemble_full_state(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
                 offset += per
             for key, shape, start, end in meta["index"]:
                 params.setdefault(key, {})[k] = full[start:end].view(shape).clone()
-    common = {k: shards[0][k] for k in ("step", "param_groups", "grad_scaler")}
-    return {"params": params, **common}
+    common = {k: shards[0][k] for k in ("step", "grad_scaler")}
+    groups = max((s["param_groups"] for s in shards), key=len)  # a shard may lack a group
+    return {"params": params, "param_groups": groups, **common}

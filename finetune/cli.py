@@ -1,0 +1,276 @@
+"""``mlm-finetune TASK``: finetune a BERT on GLUE, SQuAD 1.1/2.0 or RACE with the paper's presets.
+
+Examples::
+
+    mlm-finetune mnli --ckpt ckpts/bert336m --data-dir glue_data --preset 336m --results-dir out/mnli
+    mlm-finetune squad --hf-model ./bert-base-uncased --data-dir squad --epochs 2 --seeds 5
+    torchrun --nproc-per-node 8 -m finetune.cli race --ckpt ckpts/bert3.8b --data-dir RACE \\
+        --preset 3.8b --tp 4 --pp 2 --bf16 --save ft/race
+    mlm-finetune race --eval-only --ckpt ft/race --data-dir RACE --results-dir out/race
+
+Table 6 presets (:mod:`finetune.presets`) give batch size, learning rate, epochs and sequence
+length; Megatron-named flags override them. ``--seeds N`` finetunes N times (seeds ``--seed``,
+``--seed``+1, ...) and reports the median of each metric, as the paper does. Results go to
+``--results-dir/results.json`` (schema ``mlm-toolkit/result/v1``, kind ``finetune``) with the
+prediction files beside it. ``--eval-only --ckpt DIR`` evaluates a checkpoint written by
+``--save`` (same TP/PP layout). Bad input gives one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+from finetune.init_from import Pretrained, load_pretrained, tokenizer_from_dir
+from finetune.presets import SIZES, TASK_NAMES, get_preset
+from finetune.task_data import load_task_data
+from finetune.tasks import FinetuneTask, predict_all, train_iterations
+from finetune.tokenization import PairEncoder
+from pretrain.checkpoint.args import checkpoint_args, model_config_from_args
+from pretrain.config import DTypeName, ModelConfig, ParallelConfig
+from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
+from pretrain.parallel.layout import check_sizes
+from pretrain.training.cli import add_parallel_args
+from pretrain.training.config import TrainingConfig
+from pretrain.utils.cli import OneLineParser
+from pretrain.utils.errors import UserError, cli_entry
+from pretrain.utils.results import TASK_METRICS, make_result, write_result
+
+RESULT_TASK = {"squad": "squad1"}  # CLI name -> results schema task name
+
+
+def build_parser() -> OneLineParser:
+    p = OneLineParser(prog="mlm-finetune", description="Finetune BERT on GLUE, SQuAD 1.1/2.0 or RACE.")
+    p.add_argument("task", choices=TASK_NAMES)
+    g = p.add_argument_group("model and data")
+    src = g.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ckpt", help="our (any layout) or upstream Megatron BERT checkpoint directory")
+    src.add_argument("--hf-model", help="local Hugging Face BERT directory (weights + tokenizer)")
+    g.add_argument("--data-dir", required=True, help="official task files (GLUE TSV, SQuAD JSON, RACE dirs)")
+    tok = g.add_mutually_exclusive_group()
+    tok.add_argument("--tokenizer-dir", help="Hugging Face tokenizer directory")
+    tok.add_argument("--vocab-file", help="BERT WordPiece vocab.txt")
+    g.add_argument("--cased", action="store_true", help="--vocab-file is cased (default: lower case)")
+    g.add_argument("--eval-only", action="store_true", help="evaluate the finetuned --ckpt, no training")
+    t = p.add_argument_group("finetuning (default: the --preset)")
+    t.add_argument("--preset", choices=SIZES, default="336m")
+    t.add_argument("--epochs", type=float, default=None)
+    t.add_argument("--global-batch-size", type=int, default=None)
+    t.add_argument(
+        "--micro-batch-size", type=int, default=None, help="default: global batch / DP size, max 8"
+    )
+    t.add_argument("--lr", type=float, default=None)
+    t.add_argument("--lr-warmup-fraction", type=float, default=None)
+    t.add_argument("--weight-decay", type=float, default=None)
+    t.add_argument("--clip-grad", type=float, default=1.0)
+    t.add_argument("--seq-length", type=int, default=None)
+    t.add_argument("--doc-stride", type=int, default=128, help="SQuAD window stride")
+    t.add_argument("--max-query-length", type=int, default=64, help="SQuAD question tokens")
+    t.add_argument("--null-score-diff-threshold", type=float, default=0.0, help="SQuAD 2.0")
+    t.add_argument("--hidden-dropout", type=float, default=0.1)
+    t.add_argument("--attention-dropout", type=float, default=0.1)
+    t.add_argument("--bf16", action="store_true")
+    t.add_argument("--fp16", action="store_true")
+    t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--seeds", type=int, default=1, help="finetune N times, report the median")
+    o = p.add_argument_group("output")
+    o.add_argument("--save", default=None, help="save the finetuned model here (seed_K/ for --seeds > 1)")
+    o.add_argument("--results-dir", default=None, help="results.json and prediction files")
+    o.add_argument("--log-interval", type=int, default=10)
+    o.add_argument("--log-json", default=None)
+    o.add_argument("--eval-interval", type=int, default=0, help="validation loss every N iterations")
+    o.add_argument("--eval-iters", type=int, default=10)
+    o.add_argument("--no-progress", action="store_true")
+    add_parallel_args(p)
+    return p
+
+
+def _hyper(args: Any) -> dict[str, Any]:
+    """Preset values with the flags that were given on top."""
+    preset = get_preset(args.task, args.preset)
+    h = {"epochs": args.epochs if args.epochs is not None else preset.epochs,
+         "global_batch_size": args.global_batch_size or preset.global_batch_size,
+         "lr": args.lr if args.lr is not None else preset.lr,
+         "seq_length": args.seq_length or preset.seq_length,
+         "warmup": args.lr_warmup_fraction if args.lr_warmup_fraction is not None else preset.warmup_fraction,
+         "weight_decay": args.weight_decay if args.weight_decay is not None else preset.weight_decay}  # fmt: skip
+    if h["epochs"] <= 0 or not 0.0 <= h["warmup"] < 1.0 or args.seeds < 1:
+        raise UserError("--epochs must be > 0, --lr-warmup-fraction in [0, 1) and --seeds >= 1")
+    return h
+
+
+def _eval_only_source(args: Any) -> Pretrained:
+    """Model config and tokenizer of a finetuned checkpoint written by ``--save``."""
+    from pretrain.checkpoint.io import load_rank_file
+    from pretrain.checkpoint.layout import MODEL_FILE, list_rank_dirs, resolve_iteration
+
+    if args.ckpt is None:
+        raise UserError("--eval-only needs --ckpt DIR (a checkpoint written by mlm-finetune --save)")
+    it_dir = resolve_iteration(args.ckpt, None)
+    ckpt_args = load_rank_file(next(iter(list_rank_dirs(it_dir).values())) / MODEL_FILE).get("args") or {}
+    done = (ckpt_args.get("mlm_toolkit") or {}).get("finetune") or {}
+    if done.get("task") != args.task:
+        raise UserError(
+            f"--ckpt {args.ckpt}: not a {args.task} finetuning checkpoint (task {done.get('task')!r})"
+        )
+    tok_dir = args.tokenizer_dir or Path(args.ckpt) / "tokenizer"
+    return Pretrained(cfg=model_config_from_args(ckpt_args, source=args.ckpt), tensors={},
+                      tokenizer=tokenizer_from_dir(tok_dir), source=args.ckpt)  # fmt: skip
+
+
+def _model_cfg(args: Any, pre: Pretrained, seq_length: int) -> ModelConfig:
+    dtype: DTypeName = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+    cfg = dataclasses.replace(pre.cfg, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
+                              params_dtype=dtype)  # fmt: skip
+    if seq_length > cfg.max_position_embeddings:
+        raise UserError(
+            f"--seq-length {seq_length} exceeds the model's {cfg.max_position_embeddings} positions"
+        )
+    return cfg
+
+
+def _parallel(args: Any, cfg: ModelConfig) -> tuple[ParallelConfig, int]:
+    n = args.num_layers_per_virtual_pipeline_stage
+    vp = 1 if n is None else max(1, cfg.num_layers // (args.pp * n))
+    parallel = ParallelConfig(tp=args.tp, pp=args.pp, vp=vp, num_layers_in_first_stage=args.decoder_first_pipeline_num_layers,
+                              num_layers_in_last_stage=args.decoder_last_pipeline_num_layers)  # fmt: skip
+    cfg.check_tensor_parallel(parallel.tp)
+    return parallel, check_sizes(
+        int(os.environ.get("WORLD_SIZE", "1")), parallel.tp, parallel.pp, parallel.vp
+    )
+
+
+def _save_tokenizer(tokenizer: Any, path: Path) -> None:
+    path.mkdir(parents=True, exist_ok=True)
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(str(path))
+    else:
+        tokenizer.save(str(path / "tokenizer.json"))
+
+
+def _run_seed(args: Any, k: int, ctx: dict[str, Any]) -> dict[str, Any]:
+    """Finetune (unless ``--eval-only``) and evaluate with seed ``--seed + k``."""
+    from pretrain.training.loop import train
+
+    h, data, ps, rank0 = ctx["hyper"], ctx["data"], ctx["ps"], ctx["ps"].rank == 0
+    seed = args.seed + k
+    ps.seed(seed)
+    many = args.seeds > 1
+    save = None if args.save is None else str(Path(args.save) / f"seed_{k}" if many else Path(args.save))
+    iters = (
+        0
+        if args.eval_only
+        else train_iterations(len(data.train["tokens"]), h["epochs"], h["global_batch_size"])
+    )
+    train_cfg = TrainingConfig(
+        micro_batch_size=ctx["micro"], global_batch_size=h["global_batch_size"], train_iters=iters,
+        seq_length=h["seq_length"], seed=seed, log_interval=args.log_interval, eval_interval=args.eval_interval,
+        eval_iters=args.eval_iters, save=save, load=args.ckpt if args.eval_only else None, finetune=True,
+        log_json=args.log_json, schedule=args.pipeline_schedule, overlap_grad_reduce=args.overlap_grad_reduce,
+        progress=not args.no_progress,
+    )  # fmt: skip
+    optim = OptimizerConfig(lr=h["lr"], min_lr=0.0, weight_decay=h["weight_decay"], clip_grad=args.clip_grad,
+                            use_distributed_optimizer=args.use_distributed_optimizer, fp16=args.fp16, bf16=args.bf16)  # fmt: skip
+    lr = (LRScheduleConfig(lr=h["lr"], min_lr=0.0, decay_style="constant") if iters == 0 else
+          LRScheduleConfig(lr=h["lr"], min_lr=0.0, decay_style="linear", warmup_iters=int(h["warmup"] * iters),
+                           decay_iters=iters))  # fmt: skip
+    task = FinetuneTask(data=data, model_cfg=ctx["cfg"], train_cfg=train_cfg,
+                        pretrained=None if args.eval_only else ctx["pre"].tensors)  # fmt: skip
+    result = train(task, ps=ps, optim_cfg=optim, lr_cfg=lr, cfg=train_cfg, ckpt_args=ctx["ckpt_args"])
+    if save is not None and rank0:
+        _save_tokenizer(ctx["pre"].tokenizer, Path(save) / "tokenizer")
+    outputs = predict_all(result["trainer"].chunks, ps, data, ctx["micro"])
+    out_dir = None
+    if args.results_dir is not None and rank0:
+        out_dir = str(Path(args.results_dir) / f"seed_{k}" if many else Path(args.results_dir))
+    scored = data.score(outputs, out_dir)
+    history = result["history"]
+    scored.update(
+        seed=seed, iterations=iters, final_loss=history[-1]["loss"] if history else None, fresh=task.fresh
+    )
+    return scored
+
+
+def _median(runs: list[dict[str, Any]]) -> dict[str, float]:
+    keys = runs[0]["metrics"].keys()
+    return {k: float(statistics.median(r["metrics"][k] for r in runs)) for k in keys}
+
+
+def _print_table(task: str, metrics: dict[str, float], runs: list[dict[str, Any]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"mlm-finetune {task}" + (f" (median of {len(runs)} seeds)" if len(runs) > 1 else ""))
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    if len(runs) > 1:
+        for r in runs:
+            table.add_column(f"seed {r['seed']}", justify="right")
+    for name, value in metrics.items():
+        table.add_row(
+            name, f"{value:.2f}", *([f"{r['metrics'][name]:.2f}" for r in runs] if len(runs) > 1 else [])
+        )
+    Console(file=sys.stdout).print(table)
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.bf16 and args.fp16:
+        raise UserError("--bf16 and --fp16 are mutually exclusive")
+    h = _hyper(args)
+    pre = _eval_only_source(args) if args.eval_only else load_pretrained(
+        ckpt=args.ckpt, hf_model=args.hf_model, tokenizer_dir=args.tokenizer_dir, vocab_file=args.vocab_file,
+        lower_case=not args.cased)  # fmt: skip
+    cfg = _model_cfg(args, pre, h["seq_length"])
+    parallel, dp = _parallel(args, cfg)
+    micro = args.micro_batch_size or max(1, min(8, h["global_batch_size"] // dp))
+    TrainingConfig(micro_batch_size=micro, global_batch_size=h["global_batch_size"], train_iters=0,
+                   seq_length=h["seq_length"]).num_microbatches(dp)  # fmt: skip
+    encoder = PairEncoder(pre.tokenizer, h["seq_length"])
+    data = load_task_data(args.task, args.data_dir, encoder, **({"doc_stride": args.doc_stride,
+                          "max_query_length": args.max_query_length, "null_threshold": args.null_score_diff_threshold}
+                          if args.task in ("squad", "squad2") else {}))  # fmt: skip
+    extra = {"finetune": {"task": args.task, "head": dataclasses.asdict(data.head), "source": pre.source},
+             "argv": list(argv if argv is not None else sys.argv[1:])}  # fmt: skip
+    from pretrain.training.loop import setup_parallel
+
+    ps = setup_parallel(parallel, seed=args.seed)
+    ctx = {"hyper": h, "data": data, "ps": ps, "micro": micro, "cfg": cfg, "pre": pre,
+           "ckpt_args": checkpoint_args(cfg, parallel, model_type="bert", extra=extra)}  # fmt: skip
+    runs = [_run_seed(args, k, ctx) for k in range(args.seeds)]
+    metrics = _median(runs)
+    if ps.rank == 0:
+        _report(args, pre, parallel, h, metrics, runs)
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+def _report(args: Any, pre: Pretrained, parallel: ParallelConfig, h: dict[str, Any], metrics: dict[str, float],
+            runs: list[dict[str, Any]]) -> None:  # fmt: skip
+    task = RESULT_TASK.get(args.task, args.task)
+    headline = {k: v for k, v in metrics.items() if k in TASK_METRICS.get(task, metrics)}
+    record = make_result(
+        kind="finetune", task=task, method="median" if len(runs) > 1 else "single",
+        model={"name": Path(pre.source).name, "iteration": pre.iteration if isinstance(pre.iteration, int) else None,
+               "layout": f"tp{parallel.tp}-pp{parallel.pp}-vp{parallel.vp}", "checkpoint": pre.source},
+        metrics=headline, seed=args.seed,
+        details={"all_metrics": metrics, "hyperparameters": {**h, "preset": args.preset}, "eval_only": args.eval_only,
+                 "runs": [{k: r[k] for k in ("seed", "metrics", "details", "iterations", "final_loss", "files")}
+                          for r in runs]},
+    )  # fmt: skip
+    if args.results_dir is not None:
+        path = write_result(Path(args.results_dir) / "results.json", record)
+        print(f"wrote {path}")
+    _print_table(task, metrics, runs)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

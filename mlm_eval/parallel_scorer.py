@@ -1,0 +1,203 @@
+"""Evaluation under ``torchrun``: tensor, pipeline and data parallelism (TP x PP x DP ranks).
+
+Launch, e.g. TP=2 on 2 processes, or PP=2 x DP=2 on 4::
+
+    torchrun --standalone --nproc-per-node 2 -m mlm_eval.cli wikitext103 --ckpt DIR --data PATH \\
+        --tensor-model-parallel-size 2
+
+Every rank reads the canonical checkpoint tensors and keeps its shard of its stage
+(:func:`pretrain.pipeline.partition.build_model_chunks`, :func:`load_full_state_dict`). Every
+rank builds the same rows; data-parallel replica ``d`` scores the ``d``-th contiguous slice
+(:meth:`ParallelGPTScorer.local_rows`) with the forward-only pipeline schedule; the last stage
+scores only the target positions, with vocab-parallel float64 NLL/argmax
+(:mod:`mlm_eval.vocab_scoring`); results go to the other stages (broadcast over the pipeline
+group) and to every replica (all-gather over the data-parallel group), so each row is counted
+exactly once. Rank 0 prints and writes the result.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from mlm_eval.megatron_scorer import PretrainTextEncoder, eval_model_config, read_gpt_checkpoint, scored_width
+from mlm_eval.scorer import ScoredRow, ScoreOutput
+from mlm_eval.vocab_scoring import gpt_trunk, score_hidden
+from pretrain.config import ParallelConfig
+from pretrain.models.base import ShardedModule
+from pretrain.models.gpt import GPTModel
+from pretrain.models.sharding import load_full_state_dict
+from pretrain.parallel.state import ParallelState
+from pretrain.pipeline.partition import build_model_chunks
+from pretrain.pipeline.schedules import Microbatch, forward_backward
+from pretrain.tokenizer.factory import TokenizerConfig
+from pretrain.utils.errors import UserError
+
+
+@dataclass(frozen=True, kw_only=True)
+class EvalParallelConfig:
+    """The evaluation's model-parallel sizes and where it runs."""
+
+    tp: int = 1
+    pp: int = 1
+    device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, one GPU per local rank)
+
+
+def launched_distributed() -> bool:
+    """True under ``torchrun`` with more than one process (or an initialised process group)."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized()
+
+
+def setup_eval_parallel(cfg: EvalParallelConfig) -> ParallelState:
+    """Initialise ``torch.distributed`` (gloo on CPU, NCCL on CUDA) and build the groups.
+
+    Collective: ``init_process_group`` and every group's ``new_group`` on all ranks.
+    """
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if not dist.is_initialized() and world == 1:
+        raise UserError(
+            f"--tensor-model-parallel-size {cfg.tp} x --pipeline-model-parallel-size {cfg.pp} needs "
+            f"{cfg.tp * cfg.pp} processes: launch with torchrun --nproc-per-node {cfg.tp * cfg.pp}"
+        )
+    cuda = cfg.device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    size = dist.get_world_size()
+    if size % (cfg.tp * cfg.pp):
+        raise UserError(
+            f"world size {size} is not divisible by TP {cfg.tp} x PP {cfg.pp} (DP = world / (TP x PP))"
+        )
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return ParallelState.from_distributed(ParallelConfig(tp=cfg.tp, pp=cfg.pp), device=device)
+
+
+class ParallelGPTScorer:
+    """:class:`~mlm_eval.scorer.DataParallelScorer` over this rank's GPT stage (one chunk).
+
+    ``score`` must be called with the same rows on every rank of a model-parallel group; it
+    returns the full results on all of them. Collectives: p2p over the pipeline group, the TP
+    collectives of the forward and of the scoring, a broadcast over the pipeline group, and (in
+    :meth:`gather_rows`) an all-gather over the data-parallel group.
+    """
+
+    def __init__(self, chunk: GPTModel, ps: ParallelState, *, batch_size: int) -> None:
+        self.chunk = chunk.eval()
+        self.ps = ps
+        self.batch_size = batch_size
+        self.max_length = chunk.cfg.max_position_embeddings
+        self.vocab_size = chunk.cfg.vocab_size
+        self.is_main = ps.rank == 0
+        self.microbatches_per_call = 2 * ps.pp_size  # keeps every stage busy in the 1F1B schedule
+
+    def local_rows(self, num_rows: int) -> range:
+        """Replica ``d`` of ``D`` gets rows ``[d*n/D, (d+1)*n/D)`` (sizes differ by at most one)."""
+        d, size = self.ps.dp_rank, self.ps.dp_size
+        return range(d * num_rows // size, (d + 1) * num_rows // size)
+
+    def gather_rows(self, local: list[ScoredRow]) -> list[ScoredRow]:
+        """Concatenate every replica's rows in data-parallel rank order (all-gather over dp_group)."""
+        if self.ps.dp_group is None:
+            return local
+        parts: list[Any] = [None] * self.ps.dp_size
+        dist.all_gather_object(parts, local, group=self.ps.dp_group)
+        return [row for part in parts for row in part]
+
+    @torch.inference_mode()
+    def score(self, input_ids: torch.Tensor, target_ids: torch.Tensor) -> ScoreOutput:
+        """Score the rows ``batch_size`` at a time as microbatches of one pipeline schedule."""
+        if input_ids.shape != target_ids.shape or input_ids.ndim != 2:
+            raise ValueError(f"input {tuple(input_ids.shape)} and target {tuple(target_ids.shape)} differ")
+        microbatches = []
+        for lo in range(0, input_ids.shape[0], self.batch_size):
+            tgt = target_ids[lo : lo + self.batch_size]
+            width = max(scored_width(tgt), 1)  # a row scoring nothing still needs one column
+            microbatches.append(
+                {"tokens": input_ids[lo : lo + self.batch_size, :width], "targets": tgt[:, :width]}
+            )
+        outputs = None
+        if self.ps.is_last_stage:
+            outputs = self._run(microbatches)
+        else:
+            self._run(microbatches)
+        if self.ps.pp_group is not None:
+            box = [outputs]
+            dist.broadcast_object_list(box, src=self.ps.pp_ranks[-1], group=self.ps.pp_group)
+            outputs = box[0]
+        assert outputs is not None
+        return self._assemble(microbatches, outputs, target_ids.shape)
+
+    def _run(self, microbatches: list[Microbatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        ps = self.ps
+        placed = [{k: v.to(ps.device) for k, v in mb.items()} for mb in microbatches]
+        _, outputs = forward_backward(
+            chunks=[self.chunk],
+            ps=ps,
+            microbatches=placed,
+            loss_fn=lambda out, mb: out[0].sum(),
+            forward_only=True,
+            collect_outputs=True,
+            forward_step=_forward_step,
+        )
+        return [(nll.cpu(), hit.cpu()) for nll, hit in outputs]
+
+    @staticmethod
+    def _assemble(
+        microbatches: list[Microbatch], outputs: list[tuple[torch.Tensor, torch.Tensor]], shape: torch.Size
+    ) -> ScoreOutput:
+        nll = torch.zeros(shape, dtype=torch.float64)
+        hit = torch.zeros(shape, dtype=torch.bool)
+        row = 0
+        for mb, (mb_nll, mb_hit) in zip(microbatches, outputs, strict=True):
+            b, width = mb["targets"].shape
+            mask = mb["targets"] >= 0
+            nll[row : row + b, :width][mask] = mb_nll
+            hit[row : row + b, :width][mask] = mb_hit
+            row += b
+        return ScoreOutput(nll=nll, is_argmax=hit)
+
+
+def _forward_step(
+    model: ShardedModule, mb: Microbatch, hidden: torch.Tensor | None, is_last: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """One stage: hidden states ``[b, s, h]`` to send on, or ``(nll [n], hit [n])`` at the targets."""
+    assert isinstance(model, GPTModel)
+    out = gpt_trunk(model, input_ids=mb["tokens"] if hidden is None else None, hidden=hidden)
+    if not is_last:
+        return out
+    mask = mb["targets"] >= 0
+    scored = score_hidden(model, out[mask], mb["targets"][mask])
+    return scored.nll, scored.is_argmax
+
+
+def load_parallel_gpt(
+    ckpt: str,
+    *,
+    parallel: EvalParallelConfig,
+    tokenizer_cfg: TokenizerConfig | None,
+    batch_size: int,
+    dtype: str = "float32",
+) -> tuple[ParallelGPTScorer, PretrainTextEncoder, dict[str, Any], ParallelState]:
+    """This rank's scorer, the text encoder, the model info and the parallel state.
+
+    Collectives: :func:`setup_eval_parallel`; loading itself needs none (each rank shards the
+    canonical tensors it read).
+    """
+    ps = setup_eval_parallel(parallel)
+    read = read_gpt_checkpoint(ckpt, tokenizer_cfg=tokenizer_cfg)
+    cfg = eval_model_config(read.cfg, dtype)
+    if cfg.num_layers % ps.pp_size:
+        raise UserError(
+            f"--pipeline-model-parallel-size {ps.pp_size}: {cfg.num_layers} layers do not split evenly"
+        )
+    cfg.check_tensor_parallel(ps.tp_size)
+    (chunk,) = build_model_chunks(cfg, ps)
+    assert isinstance(chunk, GPTModel)
+    load_full_state_dict(chunk, read.full)
+    scorer = ParallelGPTScorer(chunk, ps, batch_size=batch_size)
+    return scorer, PretrainTextEncoder(read.tokenizer), read.info, ps

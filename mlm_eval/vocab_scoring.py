@@ -1,0 +1,109 @@
+"""Score hidden states of our GPT at selected positions only, exactly, under any TP degree.
+
+Shared by the one-process :class:`~mlm_eval.megatron_scorer.MegatronGPTScorer` (TP group
+``None``) and the ``torchrun`` :class:`~mlm_eval.parallel_scorer.ParallelGPTScorer`:
+
+* :func:`gpt_trunk`: a stage's embedding (first stage) and layers, without the output layer.
+* :func:`score_hidden`: the tied output layer applied only to the given rows of hidden states,
+  trimmed to the true vocabulary rows this TP rank holds, then :func:`vocab_parallel_nll_and_argmax`.
+
+Log-probabilities are computed in float64 whatever the model's dtype (cast after the output
+GEMM), so TP=1 and TP>1 agree to float64 rounding and padded vocabulary rows never count.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from mlm_eval.scorer import ScoreOutput
+from pretrain.models.gpt import GPTModel
+from pretrain.parallel.state import ProcessGroup
+
+# Hidden rows per output-layer chunk: bounds the float64 logits temporary to ~rows x V/t x 8 bytes.
+SCORE_CHUNK_ROWS = 256
+_NO_INDEX = torch.iinfo(torch.long).max
+
+
+def gpt_trunk(
+    model: GPTModel, *, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Hidden states ``[b, s, h]`` after this stage's layers (and final LayerNorm on the last stage).
+
+    The first stage embeds ``input_ids [b, s]``; later stages take ``hidden [b, s, h]``.
+    Collectives: the TP all-reduces of the embedding and of each layer (over ``model.ps.tp_group``).
+    """
+    lm = model.language_model
+    if model.pre_process:
+        assert input_ids is not None, "the first stage needs input_ids"
+        hidden = lm.embedding(input_ids)
+    assert hidden is not None, "a later stage needs hidden states"
+    return lm.encoder(hidden)  # type: ignore[no-any-return]
+
+
+def true_vocab_weight(model: GPTModel) -> torch.Tensor:
+    """This TP rank's tied output weight ``[n, h]`` without padded rows (``n`` may be 0)."""
+    weight = model.shared_embedding_weight()
+    valid = max(0, min(weight.shape[0], model.cfg.vocab_size - model.vocab_start))
+    return weight[:valid]
+
+
+def score_hidden(model: GPTModel, hidden: torch.Tensor, targets: torch.Tensor) -> ScoreOutput:
+    """NLL and argmax hit of ``targets [n]`` (all >= 0) from final hidden states ``hidden [n, h]``.
+
+    Runs the output layer on ``SCORE_CHUNK_ROWS`` rows at a time (every TP rank has the same
+    ``n``, so the chunks' collectives line up). Collectives: those of
+    :func:`vocab_parallel_nll_and_argmax` per chunk, over ``model.ps.tp_group``.
+    """
+    weight = true_vocab_weight(model)
+    nll = torch.zeros(targets.shape, dtype=torch.float64, device=hidden.device)
+    hit = torch.zeros(targets.shape, dtype=torch.bool, device=hidden.device)
+    for lo in range(0, targets.shape[0], SCORE_CHUNK_ROWS):
+        rows = slice(lo, lo + SCORE_CHUNK_ROWS)
+        logits = F.linear(hidden[rows], weight)
+        out = vocab_parallel_nll_and_argmax(
+            logits, targets[rows], vocab_start=model.vocab_start, group=model.ps.tp_group
+        )
+        nll[rows], hit[rows] = out.nll, out.is_argmax
+    return ScoreOutput(nll=nll, is_argmax=hit)
+
+
+def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(x, op=op, group=group)
+    return x
+
+
+def vocab_parallel_nll_and_argmax(
+    logits: torch.Tensor, targets: torch.Tensor, *, vocab_start: int, group: ProcessGroup | None
+) -> ScoreOutput:
+    """Float64 ``-log softmax`` at ``targets [n]`` and ``targets == argmax`` from local logits.
+
+    ``logits [n, v]`` are this TP rank's real vocabulary columns, global ids ``vocab_start ..
+    vocab_start + v - 1`` (``v`` may be 0 on a rank holding only padding). The argmax breaks ties
+    like ``torch.argmax`` on the gathered logits: the smallest global index among the maxima.
+    The same math as :func:`pretrain.tensor_parallel.cross_entropy.vocab_parallel_cross_entropy`
+    (which runs in float32), in float64, with the argmax sharing its max. Collectives over
+    ``group``: all-reduce MAX of ``[n]``, all-reduce MIN of ``[n]``, all-reduce SUM of ``[2, n]``.
+    """
+    x = logits.to(torch.float64)
+    n, v = x.shape
+    if v:
+        local_max, local_arg = x.max(dim=1)
+    else:
+        local_max = x.new_full((n,), float("-inf"))
+        local_arg = torch.zeros(n, dtype=torch.long, device=x.device)
+    global_max = _all_reduce(local_max.clone(), group, dist.ReduceOp.MAX)
+    best = torch.where(local_max == global_max, local_arg + vocab_start, _NO_INDEX)
+    best = _all_reduce(best, group, dist.ReduceOp.MIN)
+    local = targets - vocab_start
+    mine = (local >= 0) & (local < v)
+    target_logit = torch.zeros(n, dtype=torch.float64, device=x.device)
+    if v:
+        picked = x.gather(1, local.clamp(0, v - 1)[:, None])[:, 0]
+        target_logit = torch.where(mine, picked, 0.0)
+    sums = torch.stack([(x - global_max[:, None]).exp().sum(dim=1), target_logit])
+    sums = _all_reduce(sums, group, dist.ReduceOp.SUM)
+    nll = sums[0].log() + global_max - sums[1]
+    return ScoreOutput(nll=nll, is_argmax=best == targets)
