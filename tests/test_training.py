@@ -142,3 +142,21 @@ def test_bert_tp2_pp2_losses_equal_single_process(tmp_path: Path) -> None:
     torch.testing.assert_close(torch.tensor(four), torch.tensor(one), rtol=1e-5, atol=1e-6)
     rows = [json.loads(line) for line in (tmp_path / "one.jsonl").read_text().splitlines()]
     assert rows[0]["sop loss"] > 0 and rows[0]["lm loss"] > 0
+
+
+def test_bf16_finetune_from_checkpoint_keeps_loaded_weights(data: dict[str, str], tmp_path: Path) -> None:
+    # Loaded weights must reach the fp32 main parameters: with lr 0 the second iteration still uses them.
+    assert pretrain_main(gpt_args(data, **{"train-iters": 20, "lr": 3e-3, "save": tmp_path / "ck"})) == 0
+    runs = {}
+    for name, extra in (("fp32", {}), ("bf16", {"bf16": True})):
+        flags = gpt_args(data, **{"train-iters": 2, "lr": 0.0, "min-lr": 0.0, "load": tmp_path / "ck", "finetune": True,
+                                  "log-json": tmp_path / f"{name}.jsonl", **extra})  # fmt: skip
+        assert pretrain_main(flags) == 0
+        runs[name] = _losses(tmp_path / f"{name}.jsonl")
+    fresh = gpt_args(
+        data, **{"train-iters": 2, "lr": 0.0, "min-lr": 0.0, "log-json": tmp_path / "fresh.jsonl"}
+    )
+    assert pretrain_main(fresh) == 0
+    untrained = _losses(tmp_path / "fresh.jsonl")
+    assert runs["fp32"][1] < untrained[1] - 0.3  # the checkpoint is clearly better than the init
+    assert abs(runs["bf16"][1] - runs["fp32"][1]) < 0.05 * runs["fp32"][1]

@@ -52,7 +52,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         if local_v == 0:
             target_logit = torch.zeros_like(logits_max)
         else:
-            target_logit = shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+            target_logit = (
+                shifted.gather(-1, local_target.unsqueeze(-1)).squeeze(-1).masked_fill(outside, 0.0)
+            )
         target_logit = _reduce(target_logit, group)
         exp = shifted.exp_()
         sum_exp = _reduce(exp.sum(dim=-1), group)

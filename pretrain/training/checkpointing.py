@@ -78,18 +78,27 @@ def check_layout(root: str | Path, ps: ParallelState, it_dir: Path, *, model_typ
         )
 
 
-def load_training_checkpoint(
-    root: str | Path, chunks: Sequence[ShardedModule], ps: ParallelState, optimizer: MixedPrecisionOptimizer,
-    scheduler: LRScheduler, cfg: TrainingConfig, *, model_type: str,
-) -> int:  # fmt: skip
-    """Load model (and unless told otherwise optimizer, scheduler, RNG); return the start iteration."""
+def load_model_weights(root: str | Path, chunks: Sequence[ShardedModule], ps: ParallelState, *,
+                       model_type: str) -> dict[str, Any]:  # fmt: skip
+    """Load the model chunks (checking the layout first); returns the file's other entries.
+
+    Call before the optimizer is built, so fp16/bf16 runs copy the loaded weights (not the
+    random init) into their fp32 main parameters.
+    """
     it_dir = resolve_iteration(root, None)
     check_layout(root, ps, it_dir, model_type=model_type)
     rest = load_checkpoint(root, chunks, ps)
+    rest["_iteration_dir"] = str(it_dir)
+    return rest
+
+
+def restore_training_state(rest: dict[str, Any], ps: ParallelState, optimizer: MixedPrecisionOptimizer,
+                           scheduler: LRScheduler, cfg: TrainingConfig) -> int:  # fmt: skip
+    """Optimizer, scheduler and RNG (unless ``--finetune`` / ``--no-load-*``); the start iteration."""
     if cfg.finetune:
         return 0
     if not cfg.no_load_optim:
-        _load_optimizer(it_dir, ps, optimizer, rest.get("optimizer"))
+        _load_optimizer(Path(rest["_iteration_dir"]), ps, optimizer, rest.get("optimizer"))
         if rest.get("opt_param_scheduler"):
             scheduler.load_state_dict(rest["opt_param_scheduler"])
     if not cfg.no_load_rng and rest.get("rng_state"):

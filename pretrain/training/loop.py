@@ -28,7 +28,11 @@ from pretrain.optim.optimizer import MixedPrecisionOptimizer
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.embedding_sync import allreduce_embedding_grads
 from pretrain.pipeline.schedules import forward_backward
-from pretrain.training.checkpointing import load_training_checkpoint, save_training_checkpoint
+from pretrain.training.checkpointing import (
+    load_model_weights,
+    restore_training_state,
+    save_training_checkpoint,
+)
 from pretrain.training.config import TrainingConfig
 from pretrain.training.logger import TrainingLogger
 from pretrain.training.task import Microbatch, TrainTask
@@ -68,6 +72,7 @@ class Trainer:
     optimizer: MixedPrecisionOptimizer = field(init=False)
     scheduler: LRScheduler = field(init=False)
     skipped: int = 0
+    loaded: dict[str, Any] | None = None  # the rest of a --load checkpoint (optimizer, rng, ...)
 
     def __post_init__(self) -> None:
         self.chunks = self.task.build_chunks(self.ps)
@@ -76,6 +81,10 @@ class Trainer:
         load_initial = getattr(self.task, "load_initial_weights", None)
         if load_initial is not None:  # finetuning: pretrained weights, before the optimizer copies them
             load_initial(self.chunks, self.ps)
+        if self.cfg.load:  # --load: weights before the optimizer copies them into fp32 main params
+            self.loaded = load_model_weights(
+                self.cfg.load, self.chunks, self.ps, model_type=self.task.model_type
+            )
         ddp_cfg = DDPConfig(
             use_distributed_optimizer=self.optim_cfg.use_distributed_optimizer,
             overlap_grad_reduce=self.cfg.overlap_grad_reduce,
@@ -177,9 +186,8 @@ def train(
     """Run training; returns ``{"history": [...], "valid": [...], "start_iteration", "final_iteration"}``."""
     trainer = Trainer(task=task, ps=ps, optim_cfg=optim_cfg, lr_cfg=lr_cfg, cfg=cfg, ckpt_args=ckpt_args)
     start = 0
-    if cfg.load:
-        start = load_training_checkpoint(cfg.load, trainer.chunks, ps, trainer.optimizer, trainer.scheduler, cfg,
-                                         model_type=task.model_type)  # fmt: skip
+    if trainer.loaded is not None:
+        start = restore_training_state(trainer.loaded, ps, trainer.optimizer, trainer.scheduler, cfg)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     log = TrainingLogger(enabled=rank0, total=cfg.train_iters, start=start, log_interval=cfg.log_interval,
                          json_path=cfg.log_json, progress=cfg.progress)  # fmt: skip
