@@ -28,7 +28,7 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 pytest: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -p no:cacheprovider tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider -rs tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 test: lint typecheck pytest
 
