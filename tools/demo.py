@@ -110,7 +110,7 @@ def _finetune(out: Path, results: Path, iters: int) -> None:
     ])  # fmt: skip
     run("finetune the tiny BERT on the built-in GLUE-format task (SST-2 format)", [
         tool("mlm-finetune"), "sst2", "--ckpt", str(bert), "--data-dir", str(builtin_task_dir("sst2_tiny")),
-        "--vocab-file", str(wp / "vocab.txt"), "--epochs", "3", "--seq-length", "32", "--micro-batch-size", "16",
+        "--vocab-file", str(wp / "vocab.txt"), "--epochs", "10", "--seq-length", "32", "--micro-batch-size", "16",
         "--global-batch-size", "16", "--lr", "1e-3", "--results-dir", str(results / "finetune_sst2"), "--no-progress",
     ])  # fmt: skip
 
