@@ -78,9 +78,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-pp", type=int, required=True)
     p.add_argument("--target-vp", type=int, default=1)
     p.add_argument("--with-optimizer", action="store_true", help="reshard the optimizer state too")
+    _add_verify(p)
     p = sub.add_parser("to-hf", help="export to a Hugging Face model directory")
     _add_source(p)
     p.add_argument("--save", type=Path, required=True, help="new Hugging Face directory")
+    _add_verify(p)
     p = sub.add_parser("from-hf", help="import a Hugging Face GPT-2 / BERT directory")
     p.add_argument("--load", type=Path, required=True, help="Hugging Face model directory")
     p.add_argument("--save", type=Path, required=True, help="new checkpoint directory")
@@ -88,7 +90,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vp", type=int, default=1)
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    _add_verify(p)
     return parser
+
+
+def _add_verify(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verify", action="store_true",
+                   help="run source and target on a probe batch; exit 1 if the max difference exceeds --verify-tol")  # fmt: skip
+    p.add_argument("--verify-tol", type=float, default=1e-4, help="tolerance of --verify (default 1e-4)")
+
+
+def _verify(args: argparse.Namespace) -> int:
+    from pretrain.checkpoint.verify import verify_against_hf, verify_checkpoints
+
+    try:
+        if args.command == "reshard":
+            verify_checkpoints(args.load, args.save, tolerance=args.verify_tol)
+        elif args.command == "to-hf":
+            verify_against_hf(args.load, args.save, tolerance=args.verify_tol)
+        else:
+            verify_against_hf(args.save, args.load, tolerance=args.verify_tol)
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _source(args: argparse.Namespace) -> SourceOptions:
@@ -243,11 +268,13 @@ def main(argv: list[str] | None = None) -> int:
         return run_inspect(_source(args), as_json=args.json)
     if args.command == "reshard":
         target = ParallelConfig(tp=args.target_tp, pp=args.target_pp, vp=args.target_vp)
-        return run_reshard(_source(args), args.save, target, with_optimizer=args.with_optimizer)
-    if args.command == "to-hf":
-        return run_to_hf(_source(args), args.save)
-    target = ParallelConfig(tp=args.tp, pp=args.pp, vp=args.vp)
-    return run_from_hf(args.load, args.save, target, divisible_by=args.make_vocab_size_divisible_by)
+        rc = run_reshard(_source(args), args.save, target, with_optimizer=args.with_optimizer)
+    elif args.command == "to-hf":
+        rc = run_to_hf(_source(args), args.save)
+    else:
+        target = ParallelConfig(tp=args.tp, pp=args.pp, vp=args.vp)
+        rc = run_from_hf(args.load, args.save, target, divisible_by=args.make_vocab_size_divisible_by)
+    return _verify(args) if rc == 0 and args.verify else rc
 
 
 if __name__ == "__main__":

@@ -1,0 +1,100 @@
+"""``--verify`` for conversions: run source and target on one probe batch and compare.
+
+The probe is a fixed batch of token ids (seeded). GPT compares the logits over the vocabulary
+both sides share (a Hugging Face export is trimmed to its tokenizer); BERT compares the encoder's
+final hidden states, because a bare Hugging Face ``BertModel`` has no LM head to compare. Our side
+runs a single-process model on the canonical tensors, Hugging Face's side its own model class;
+both in fp32, dropout off. Loads each model once, so it needs memory for two copies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import torch
+
+from pretrain.checkpoint.plan import ModelSpec
+from pretrain.checkpoint.reader import load_canonical
+from pretrain.models.sharding import load_full_state_dict
+from pretrain.parallel.state import ParallelState
+from pretrain.utils.errors import UserError
+
+DEFAULT_TOLERANCE = 1e-4
+
+
+def probe_ids(spec: ModelSpec, *, seed: int = 0, batch: int = 2, seq: int = 16) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    seq = min(seq, spec.cfg.max_position_embeddings)
+    return torch.randint(0, spec.cfg.vocab_size, (batch, seq), generator=gen)
+
+
+@torch.inference_mode()
+def ours_probe(full: dict[str, torch.Tensor], spec: ModelSpec, ids: torch.Tensor) -> torch.Tensor:
+    """GPT logits ``[b, s, V]`` or BERT final hidden states ``[b, s, h]`` of our model."""
+    cfg = dataclasses.replace(spec.cfg, hidden_dropout=0.0, attention_dropout=0.0, params_dtype="float32")
+    ps = ParallelState.single()
+    if spec.kind == "gpt":
+        from pretrain.models.gpt import GPTModel
+
+        gpt = GPTModel(cfg, ps).eval()
+        load_full_state_dict(gpt, {k: v.float() for k, v in full.items()})
+        return gpt.full_logits(gpt(ids))
+    from pretrain.models.bert import BertModel, padding_attention_mask
+
+    bert = BertModel(cfg, ps, add_binary_head=spec.add_binary_head).eval()
+    load_full_state_dict(bert, {k: v.float() for k, v in full.items()})
+    lm = bert.language_model
+    x = lm.embedding(ids, None, torch.zeros_like(ids))
+    return lm.encoder(x, padding_attention_mask(torch.ones_like(ids)))
+
+
+@torch.inference_mode()
+def hf_probe(hf_dir: Path, spec: ModelSpec, ids: torch.Tensor) -> torch.Tensor:
+    """The same probe from a Hugging Face directory (logits trimmed later to the shared vocab)."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    if spec.kind == "gpt":
+        return AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True).eval()(ids).logits
+    model = AutoModel.from_pretrained(str(hf_dir), local_files_only=True).eval()
+    return model(
+        input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=torch.zeros_like(ids)
+    ).last_hidden_state
+
+
+def compare(source: torch.Tensor, target: torch.Tensor, *, tolerance: float, what: str) -> float:
+    """Max absolute difference (over the shared vocabulary); raises when above ``tolerance``."""
+    width = min(source.shape[-1], target.shape[-1])
+    diff = float((source[..., :width].float() - target[..., :width].float()).abs().max())
+    print(
+        f"verify: max |{what} difference| = {diff:.3e} (tolerance {tolerance:.1e}) on a probe batch {tuple(ids_shape(source))}"
+    )
+    if not diff <= tolerance:
+        raise UserError(f"--verify: {what} differ by {diff:.3e} > tolerance {tolerance:.1e}")
+    return diff
+
+
+def ids_shape(probe: torch.Tensor) -> tuple[int, int]:
+    return int(probe.shape[0]), int(probe.shape[1])
+
+
+def what_of(spec: ModelSpec) -> str:
+    return "logit" if spec.kind == "gpt" else "hidden-state"
+
+
+def verify_checkpoints(source: Path, target: Path, *, tolerance: float = DEFAULT_TOLERANCE) -> float:
+    """Our checkpoint ``source`` against our checkpoint ``target`` (reshard)."""
+    full, spec, _ = load_canonical(source)
+    ids = probe_ids(spec)
+    a = ours_probe(full, spec, ids)
+    del full
+    full_t, spec_t, _ = load_canonical(target)
+    return compare(a, ours_probe(full_t, spec_t, ids), tolerance=tolerance, what=what_of(spec))
+
+
+def verify_against_hf(ckpt: Path, hf_dir: Path, *, tolerance: float = DEFAULT_TOLERANCE) -> float:
+    """Our checkpoint ``ckpt`` against the Hugging Face directory ``hf_dir`` (to-hf / from-hf)."""
+    full, spec, _ = load_canonical(ckpt)
+    ids = probe_ids(spec)
+    ours = ours_probe(full, spec, ids)
+    return compare(ours, hf_probe(hf_dir, spec, ids), tolerance=tolerance, what=what_of(spec))
