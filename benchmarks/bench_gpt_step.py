@@ -60,9 +60,9 @@ def build_models(args: argparse.Namespace):
     hf = GPT2LMHeadModel(hf_cfg)
     hf.config._attn_implementation = "sdpa"
     try:
-        from pretrain.models.hf_gpt2 import canonical_to_hf_gpt2
+        from pretrain.models.hf_gpt2 import canonical_to_hf
 
-        hf.load_state_dict(canonical_to_hf_gpt2(gather_full_state_dict(ours), cfg), strict=False)
+        hf.load_state_dict(canonical_to_hf(gather_full_state_dict(ours), cfg), strict=False)
         same_weights = True
     except ImportError:  # converter not available: same shapes, independent init
         same_weights = False

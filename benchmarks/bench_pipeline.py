@@ -125,7 +125,7 @@ def main() -> None:
     ap.add_argument("--p", type=int, default=4)
     ap.add_argument("--m", type=int, default=8)
     ap.add_argument("--vp", type=int, default=2)
-    ap.add_argument("--tf", type=float, default=0.05, help="simulated forward seconds per stage")
+    ap.add_argument("--tf", type=float, default=0.15, help="simulated forward seconds per stage")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--real", action="store_true", help="also time a real tiny GPT with p=2")
     ap.add_argument("--worker", help=argparse.SUPPRESS)

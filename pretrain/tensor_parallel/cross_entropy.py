@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from pretrain.tensor_parallel.mappings import ProcessGroup, group_size
 
@@ -82,6 +83,14 @@ def vocab_parallel_cross_entropy(
     Computed in float32 whatever the logits' dtype. Collectives over ``group``: three all-reduces
     of ``[...]``-shaped scalars per call; backward needs none.
     """
+    if group_size(group) == 1 and logits.shape[-1] > 0:
+        # One rank holds the whole vocabulary: PyTorch's fused cross-entropy is the same function.
+        # Out-of-range targets (e.g. BERT's -1 at unmasked positions) get the loss of class 0;
+        # callers mask them out, as they do for the parallel path's value there.
+        flat = logits.float().reshape(-1, logits.shape[-1])
+        tgt = target - vocab_start
+        safe = tgt.masked_fill((tgt < 0) | (tgt >= logits.shape[-1]), 0).reshape(-1)
+        return F.cross_entropy(flat, safe, reduction="none").view(target.shape)
     return _VocabParallelCrossEntropy.apply(logits.float(), target, vocab_start, group)
 
 
