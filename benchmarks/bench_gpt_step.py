@@ -25,16 +25,10 @@ import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-
-def matmul_peak_flops(n: int = 2048, reps: int = 5) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / statistics.median(times)
+try:  # run as ``python benchmarks/<script>.py`` (benchmarks/ on sys.path) or as a module
+    from common import matmul_peak_flops
+except ImportError:
+    from benchmarks.common import matmul_peak_flops
 
 
 def build_models(args: argparse.Namespace):

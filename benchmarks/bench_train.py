@@ -50,17 +50,10 @@ import torch.nn.functional as F
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-
-def matmul_peak_flops(n: int = 2048, reps: int = 5) -> float:
-    """Median fp32 GEMM FLOP/s of an ``n x n`` matmul (as bench_gpt_step.py)."""
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    a @ b
-    times = []
-    for _ in range(reps):
-        t = time.perf_counter()
-        a @ b
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / statistics.median(times)
+try:  # run as ``python benchmarks/<script>.py`` (benchmarks/ on sys.path) or as a module
+    from common import matmul_peak_flops
+except ImportError:
+    from benchmarks.common import matmul_peak_flops
 
 
 def make_data(root: Path, vocab_size: int) -> dict[str, str]:

@@ -11,6 +11,7 @@ from pretrain.utils.errors import UserError
 
 
 class Tokenizer(abc.ABC):
+    # Special ids: subclasses set ``_eod``, ``_cls``, ``_sep``, ``_pad``, ``_mask`` (or override).
     """Text <-> token ids, plus the ids of the special tokens (``None`` where a vocabulary has none).
 
     ``tokenize`` never adds special tokens (no BOS/CLS/SEP/EOD): callers append what they need, e.g.
@@ -36,23 +37,23 @@ class Tokenizer(abc.ABC):
     @property
     def eod(self) -> int | None:
         """End-of-document id appended between documents (GPT); ``None`` if absent."""
-        return None
+        return getattr(self, "_eod", None)
 
     @property
     def cls(self) -> int | None:
-        return None
+        return getattr(self, "_cls", None)
 
     @property
     def sep(self) -> int | None:
-        return None
+        return getattr(self, "_sep", None)
 
     @property
     def pad(self) -> int | None:
-        return None
+        return getattr(self, "_pad", None)
 
     @property
     def mask(self) -> int | None:
-        return None
+        return getattr(self, "_mask", None)
 
     def offsets(self, text: str) -> list[tuple[int, int]]:
         """Character span ``(start, end)`` in ``text`` of each token of ``tokenize(text)``."""

@@ -73,10 +73,6 @@ class GPT2BPETokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    @property
-    def eod(self) -> int | None:
-        return self._eod
-
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

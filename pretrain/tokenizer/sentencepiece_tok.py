@@ -136,26 +136,6 @@ class SentencePieceTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return len(self._vocab)
 
-    @property
-    def eod(self) -> int | None:
-        return self._eod
-
-    @property
-    def cls(self) -> int | None:
-        return self._cls
-
-    @property
-    def sep(self) -> int | None:
-        return self._sep
-
-    @property
-    def pad(self) -> int | None:
-        return self._pad
-
-    @property
-    def mask(self) -> int | None:
-        return self._mask
-
     def token_to_id(self, token: str) -> int | None:
         return self._vocab.get(token)
 

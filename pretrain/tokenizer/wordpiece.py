@@ -63,22 +63,6 @@ class BertWordPieceTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._vocab_size
 
-    @property
-    def cls(self) -> int | None:
-        return self._cls
-
-    @property
-    def sep(self) -> int | None:
-        return self._sep
-
-    @property
-    def pad(self) -> int | None:
-        return self._pad
-
-    @property
-    def mask(self) -> int | None:
-        return self._mask
-
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 
