@@ -26,7 +26,7 @@ import functools
 import json
 import sys
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from tqdm import tqdm
 
 from pretrain.utils.atomic import atomic_open
 from pretrain.utils.errors import UserError, cli_entry
-from tools.hygiene.jsonl import iter_raw_lines
+from tools.hygiene.jsonl import iter_raw_lines, write_summary
 from tools.hygiene.lsh_index import KeptIndex
 from tools.hygiene.parallel import batched, ordered_map
 from tools.hygiene.shingles import ShingleConfig, signature_chunk
@@ -209,9 +209,7 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args)
     stats = run_dedup(config)
     if args.summary:
-        with atomic_open(args.summary, "w", encoding="utf-8") as fh:
-            json.dump({**asdict(stats), "report": str(config.report)}, fh, indent=2)
-            fh.write("\n")
+        write_summary(args.summary, stats, config.report)
     if not args.quiet:
         _print_table(stats, config)
     return 0

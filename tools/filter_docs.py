@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
@@ -34,7 +34,7 @@ from tqdm import tqdm
 
 from pretrain.utils.atomic import atomic_open
 from pretrain.utils.errors import UserError, cli_entry
-from tools.hygiene.jsonl import iter_raw_lines, parse_document
+from tools.hygiene.jsonl import iter_raw_lines, parse_document, write_summary
 from tools.hygiene.parallel import batched
 from tools.hygiene.titles import document_title, load_exclusions, title_key
 from tools.hygiene.token_count import TokenCounter, tokenizer_counter, whitespace_counts
@@ -188,9 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     config = config_from_args(args)
     stats = run_filter(config)
     if args.summary:
-        with atomic_open(args.summary, "w", encoding="utf-8") as fh:
-            json.dump({**asdict(stats), "report": str(config.report)}, fh, indent=2)
-            fh.write("\n")
+        write_summary(args.summary, stats, config.report)
     if not args.quiet:
         _print_table(stats, config)
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,3 +58,14 @@ def parse_document(
         doc_id=record.get(id_key) if id_key else None,
         title=title if isinstance(title, str) else None,
     )
+
+
+def write_summary(path: str | os.PathLike[str], stats: Any, report: str | os.PathLike[str]) -> None:
+    """Write a run's counters (a dataclass) and its report path as JSON, atomically."""
+    import dataclasses
+
+    from pretrain.utils.atomic import atomic_open
+
+    with atomic_open(path, "w", encoding="utf-8") as fh:
+        json.dump({**dataclasses.asdict(stats), "report": str(report)}, fh, indent=2)
+        fh.write("\n")
