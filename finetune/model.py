@@ -17,7 +17,7 @@ import torch
 from finetune.heads import HEAD_ATTRS, HeadConfig, build_head
 from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
-from pretrain.models.bert import BertLanguageModel, padding_attention_mask
+from pretrain.models.bert import BertLanguageModel, bert_trunk
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.errors import UserError
@@ -71,16 +71,7 @@ class FinetuneModel(ShardedModule):
         logits ``[B, num_labels]``, multiple-choice scores ``[b, c]``, span logits ``[B, s, 2]``.
         Collectives: the TP all-reduces of the trunk; the head is local.
         """
-        mask = None if attention_mask is None else padding_attention_mask(attention_mask)
-        if self.pre_process:
-            if input_ids is None:
-                raise ValueError("the first stage needs input_ids")
-            x = self.language_model.embedding(input_ids, None, tokentype_ids)
-        else:
-            if hidden_states is None:
-                raise ValueError("a later stage needs hidden_states")
-            x = hidden_states
-        x = self.language_model.encoder(x, mask)
+        x = bert_trunk(self, input_ids, attention_mask, tokentype_ids, hidden_states)
         if not self.post_process:
             return x
         if self.head_cfg.needs_pooler:

@@ -92,6 +92,28 @@ class BertLMHead(nn.Module):
         return logits + self.bias[: logits.shape[-1]]
 
 
+def bert_trunk(
+    model: ShardedModule,
+    input_ids: torch.Tensor | None,
+    attention_mask: torch.Tensor | None,
+    tokentype_ids: torch.Tensor | None,
+    hidden_states: torch.Tensor | None,
+) -> torch.Tensor:
+    """This stage's encoder output ``[b, s, h]``: embeddings (first stage) or received hidden states,
+    then the stage's layers under the padding mask. Shared by pretraining and finetuning models."""
+    mask = None if attention_mask is None else padding_attention_mask(attention_mask)
+    lm: Any = model.language_model
+    if model.pre_process:
+        if input_ids is None:
+            raise ValueError("the first BERT stage needs input_ids")
+        x = lm.embedding(input_ids, None, tokentype_ids)
+    else:
+        if hidden_states is None:
+            raise ValueError("a later BERT stage needs hidden_states")
+        x = hidden_states
+    return lm.encoder(x, mask)  # type: ignore[no-any-return]
+
+
 def padding_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """``[b, s]`` (1 = real token) -> bool ``[b, 1, 1, s]``: every query may attend to real keys.
 
@@ -160,16 +182,7 @@ class BertModel(ShardedModule):
         else vocab-parallel logits ``[b, s, n]`` (this rank's real vocabulary rows); ``sop_logits [b, 2]`` or None without the
         binary head. Collectives: TP all-reduces of the layers and the vocab-parallel head.
         """
-        mask = None if attention_mask is None else padding_attention_mask(attention_mask)
-        if self.pre_process:
-            if input_ids is None:
-                raise ValueError("the first BERT stage needs input_ids")
-            x = self.language_model.embedding(input_ids, None, tokentype_ids)
-        else:
-            if hidden_states is None:
-                raise ValueError("a later BERT stage needs hidden_states")
-            x = hidden_states
-        x = self.language_model.encoder(x, mask)
+        x = bert_trunk(self, input_ids, attention_mask, tokentype_ids, hidden_states)
         if not self.post_process:
             return x
         sop_logits = None
