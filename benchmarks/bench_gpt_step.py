@@ -26,9 +26,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 try:  # run as ``python benchmarks/<script>.py`` (benchmarks/ on sys.path) or as a module
-    from common import matmul_peak_flops
+    from common import matmul_peak_flops, model_flops_per_token
 except ImportError:
-    from benchmarks.common import matmul_peak_flops
+    from benchmarks.common import matmul_peak_flops, model_flops_per_token
 
 
 def build_models(args: argparse.Namespace):
@@ -97,7 +97,9 @@ def main() -> None:
     tok = args.batch * args.seq
     tps = {k: tok / statistics.median(v) for k, v in times.items()}
     n_params = sum(p.numel() for p in ours.parameters())
-    flops_per_token = 6 * n_params + 12 * cfg.num_layers * cfg.hidden_size * args.seq
+    flops_per_token = model_flops_per_token(
+        n_params, layers=cfg.num_layers, hidden=cfg.hidden_size, seq=args.seq
+    )
     peak = matmul_peak_flops()
     result = {
         "ratio": tps["ours"] / tps["hf"],

@@ -51,9 +51,9 @@ import torch.nn.functional as F
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 try:  # run as ``python benchmarks/<script>.py`` (benchmarks/ on sys.path) or as a module
-    from common import matmul_peak_flops
+    from common import matmul_peak_flops, model_flops_per_token
 except ImportError:
-    from benchmarks.common import matmul_peak_flops
+    from benchmarks.common import matmul_peak_flops, model_flops_per_token
 
 
 def make_data(root: Path, vocab_size: int) -> dict[str, str]:
@@ -207,7 +207,7 @@ def main() -> None:
     med_cpu = {k: statistics.median(v) for k, v in cpu.items()}
     tps = {k: tok / v for k, v in med.items()}
     n_params = sum(p.numel() for p in hf.parameters())  # tied: embedding counted once (= ours)
-    flops_per_token = 6 * n_params + 12 * args.layers * args.hidden * args.seq
+    flops_per_token = model_flops_per_token(n_params, layers=args.layers, hidden=args.hidden, seq=args.seq)
     peak = matmul_peak_flops()
     result = {
         "ratio": tps["ours"] / tps["plain"],

@@ -18,3 +18,8 @@ def matmul_peak_flops(n: int = 2048, reps: int = 5) -> float:
         a @ b
         times.append(time.perf_counter() - t)
     return 2 * n**3 / statistics.median(times)
+
+
+def model_flops_per_token(n_params: int, *, layers: int, hidden: int, seq: int) -> float:
+    """Training FLOPs per token: 6 N (forward + backward GEMMs) + 12 L h s (attention scores)."""
+    return 6 * n_params + 12 * layers * hidden * seq

@@ -6,6 +6,7 @@ import abc
 import os
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from pretrain.utils.errors import UserError
 
@@ -89,3 +90,33 @@ def require_file(
     elif not p.is_file():
         raise UserError(f"{flag} {p}: {what} not found" + (" (it is a directory)" if p.is_dir() else ""))
     return p
+
+
+class TokenizersBacked(Tokenizer):
+    """A tokenizer over a Hugging Face ``tokenizers.Tokenizer`` in ``self._tok`` (GPT-2 BPE,
+    WordPiece); subclasses set ``_tok``, ``_vocab_size`` and the special ids."""
+
+    _tok: Any
+    _vocab_size: int
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
+
+    def offsets(self, text: str) -> list[tuple[int, int]]:
+        return [tuple(o) for o in self._tok.encode(text, add_special_tokens=False).offsets]  # type: ignore[misc]
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab_size
+
+    def token_to_id(self, token: str) -> int | None:
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str:
+        tok = self._tok.id_to_token(int(token_id))
+        if tok is None:
+            raise IndexError(f"token id {token_id} is out of range for vocab size {self.vocab_size}")
+        return str(tok)

@@ -10,15 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Sequence
 
-from pretrain.tokenizer.base import Tokenizer, require_file
+from pretrain.tokenizer.base import TokenizersBacked, require_file
 from pretrain.utils.errors import UserError
 
 EOD_TOKEN = "<|endoftext|>"
 
 
-class GPT2BPETokenizer(Tokenizer):
+class GPT2BPETokenizer(TokenizersBacked):
     tokenizer_type = "GPT2BPETokenizer"
 
     def __init__(
@@ -59,25 +58,3 @@ class GPT2BPETokenizer(Tokenizer):
         self._eod = vocab.get(EOD_TOKEN)
         self.vocab_file = str(vocab_path)
         self.merge_file = str(merge_path)
-
-    def tokenize(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
-
-    def offsets(self, text: str) -> list[tuple[int, int]]:
-        return [tuple(o) for o in self._tok.encode(text, add_special_tokens=False).offsets]  # type: ignore[misc]
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> str:
-        tok = self._tok.id_to_token(int(token_id))
-        if tok is None:
-            raise IndexError(f"token id {token_id} is out of range for vocab size {self.vocab_size}")
-        return str(tok)

@@ -10,15 +10,14 @@ cleans up spaces before punctuation, so it is not an exact inverse (case and acc
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
 
-from pretrain.tokenizer.base import Tokenizer, require_file
+from pretrain.tokenizer.base import TokenizersBacked, require_file
 from pretrain.utils.errors import UserError
 
 REQUIRED_TOKENS = ("[CLS]", "[SEP]", "[PAD]", "[MASK]", "[UNK]")
 
 
-class BertWordPieceTokenizer(Tokenizer):
+class BertWordPieceTokenizer(TokenizersBacked):
     def __init__(
         self, vocab_file: str | os.PathLike[str], *, lower_case: bool = True, vocab_flag: str = "--vocab-file"
     ) -> None:
@@ -49,25 +48,3 @@ class BertWordPieceTokenizer(Tokenizer):
         self.vocab_file = str(path)
         self._vocab_size = len(lines)
         self._cls, self._sep, self._pad, self._mask = (vocab[t] for t in REQUIRED_TOKENS[:4])
-
-    def tokenize(self, text: str) -> list[int]:
-        return list(self._tok.encode(text, add_special_tokens=False).ids)
-
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))
-
-    def offsets(self, text: str) -> list[tuple[int, int]]:
-        return [tuple(o) for o in self._tok.encode(text, add_special_tokens=False).offsets]  # type: ignore[misc]
-
-    @property
-    def vocab_size(self) -> int:
-        return self._vocab_size
-
-    def token_to_id(self, token: str) -> int | None:
-        return self._tok.token_to_id(token)
-
-    def id_to_token(self, token_id: int) -> str:
-        tok = self._tok.id_to_token(int(token_id))
-        if tok is None:
-            raise IndexError(f"token id {token_id} is out of range for vocab size {self.vocab_size}")
-        return str(tok)
