@@ -1,0 +1,116 @@
+"""A fingerprint of a model's weights: the same weights give the same string in every layout and format.
+
+The fingerprint identifies *weights*, not files: a tp2/pp2 checkpoint, its tp1 reshard, a
+``torch_dist`` copy and its Hugging Face export all hash the same canonical full tensors, so the
+leaderboard shows them as one model. What is hashed, per canonical tensor name (sorted):
+
+* the canonical full tensor (all TP shards joined, pipeline stages merged, upstream QKV orders
+  converted: exactly what :class:`~pretrain.checkpoint.reader.CanonicalSource` yields);
+* vocabulary tensors cut to the true vocabulary (``vocab_size`` rows): padding rows are a layout
+  detail (``make_vocab_size_divisible_by`` x TP) and never enter the hash;
+* floating-point values normalised to little-endian float32 (fp16 and bf16 widen exactly, so a
+  half-precision checkpoint and its float32 export agree; weights *rounded* to bf16 differ from the
+  float32 originals, as they should); integer tensors as little-endian int64;
+* heads initialised on import because the source had none (``ModelSpec.fresh_heads``, e.g. the
+  LM head of a bare HF ``BertModel``) are left out: they are not the source's weights.
+
+Each tensor is digested on its own (``sha256`` of name, shape and values, read in chunks), and the
+fingerprint is the ``sha256`` of the sorted (name, digest) pairs, so tensors may arrive in any order
+and only one is in memory at a time. The result reads ``w1:`` + 64 hex digits; ``w1`` names this
+scheme so a later change of rule can never be mistaken for different weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from pretrain.models.sharding import is_vocab_tensor
+from pretrain.utils.errors import UserError
+
+SCHEME = "w1"
+SHORT_HEX = 12
+_CHUNK_ELEMENTS = 1 << 22  # 16 MiB of float32 per hashing step
+
+
+def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
+    """``sha256`` of ``name``, the shape and the values (float32 or int64, little-endian); no copy
+    of the whole tensor is made (``tensor`` is read ``_CHUNK_ELEMENTS`` at a time)."""
+    h = hashlib.sha256()
+    kind = "f" if tensor.is_floating_point() else "i"
+    if tensor.is_complex():
+        raise UserError(f"tensor {name}: complex weights cannot be fingerprinted")
+    h.update(struct.pack("<I", len(name.encode())) + name.encode())
+    h.update(
+        kind.encode() + struct.pack("<I", tensor.dim()) + struct.pack(f"<{tensor.dim()}q", *tensor.shape)
+    )
+    flat = tensor.detach().reshape(-1)
+    target, np_type = (torch.float32, "<f4") if kind == "f" else (torch.int64, "<i8")
+    for start in range(0, flat.numel(), _CHUNK_ELEMENTS):
+        part = flat[start : start + _CHUNK_ELEMENTS].to(device="cpu", dtype=target).contiguous()
+        h.update(np.ascontiguousarray(part.numpy(), dtype=np_type).tobytes())
+    return h.digest()
+
+
+def fingerprint_tensors(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    vocab_size: int | None = None,
+    skip_prefixes: tuple[str, ...] = (),
+) -> str:
+    """The fingerprint of ``(canonical name, full tensor)`` pairs, in any order, one at a time.
+
+    ``vocab_size``: rows kept of vocabulary tensors (``None``: as given). ``skip_prefixes``: names
+    starting with one of these (followed by ``.``) are left out."""
+    digests: dict[str, bytes] = {}
+    for name, tensor in tensors:
+        if any(name.startswith(p + ".") for p in skip_prefixes):
+            continue
+        if name in digests:
+            raise UserError(f"tensor {name}: given twice to the weights fingerprint")
+        if vocab_size is not None and is_vocab_tensor(name):
+            if tensor.shape[0] < vocab_size:
+                raise UserError(f"tensor {name}: {tensor.shape[0]} vocabulary rows, fewer than {vocab_size}")
+            tensor = tensor[:vocab_size]
+        digests[name] = tensor_digest(name, tensor)
+    if not digests:
+        raise UserError("the weights fingerprint needs at least one tensor")
+    total = hashlib.sha256(SCHEME.encode())
+    for name in sorted(digests):
+        total.update(struct.pack("<I", len(name.encode())) + name.encode() + digests[name])
+    return f"{SCHEME}:{total.hexdigest()}"
+
+
+def weights_fingerprint(source: Any, *, vocab_size: int | None = None) -> str:
+    """The fingerprint of a canonical source (``names()``/``tensor(name)``/``spec``: a checkpoint
+    reader, ``DictSource``, ``import_hf``) or of a ``{canonical name: full tensor}`` mapping.
+
+    A source's true vocabulary (``spec.cfg.vocab_size``) and fresh heads (``spec.fresh_heads``) are
+    used unless ``vocab_size`` is given; tensors are read one at a time."""
+    if isinstance(source, Mapping):
+        return fingerprint_tensors(source.items(), vocab_size=vocab_size)
+    spec = getattr(source, "spec", None)
+    cfg = getattr(spec, "cfg", None)
+    vocab = vocab_size if vocab_size is not None else getattr(cfg, "vocab_size", None)
+    fresh = tuple(getattr(spec, "fresh_heads", ()) or ())
+    pairs = ((name, source.tensor(name)) for name in source.names())
+    return fingerprint_tensors(pairs, vocab_size=vocab, skip_prefixes=fresh)
+
+
+def short_fingerprint(fingerprint: str) -> str:
+    """The first :data:`SHORT_HEX` hex digits, for display (``w1:3fa9c2d07b1e``)."""
+    scheme, _, digest = fingerprint.partition(":")
+    return f"{scheme}:{digest[:SHORT_HEX]}" if digest else fingerprint[:SHORT_HEX]
+
+
+def is_fingerprint(value: object) -> bool:
+    """Whether ``value`` is a fingerprint string of a known scheme (``w1:`` + 64 hex digits)."""
+    if not isinstance(value, str) or not value.startswith(SCHEME + ":"):
+        return False
+    digest = value[len(SCHEME) + 1 :]
+    return len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)

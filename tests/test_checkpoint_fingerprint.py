@@ -1,0 +1,82 @@
+"""The weights fingerprint: one string per set of weights, whatever the layout, format or storage dtype."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain.checkpoint.fingerprint import (
+    fingerprint_tensors,
+    is_fingerprint,
+    short_fingerprint,
+    weights_fingerprint,
+)
+from pretrain.checkpoint.hf_io import import_hf
+from pretrain.checkpoint.plan import ModelSpec
+from pretrain.checkpoint.reader import open_checkpoint
+from pretrain.checkpoint.reshard import DictSource
+from pretrain.utils.errors import UserError
+from tests.convert_fixtures import write_ours
+from tests.gpt_fixtures import full_weights, tiny_config
+from tools.convert_cli import main as convert_main
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+CFG = tiny_config(num_layers=4)
+
+
+@pytest.fixture(scope="module")
+def full() -> dict[str, torch.Tensor]:
+    return full_weights(CFG)
+
+
+def test_layouts_reshard_and_hf_export_share_one_fingerprint(tmp_path: Path, full) -> None:
+    expected = weights_fingerprint(full)
+    assert is_fingerprint(expected) and expected.startswith("w1:")
+    src = write_ours(tmp_path / "tp2pp2", CFG, full, tp=2, pp=2)
+    assert convert_main(["reshard", "--load", str(src), "--save", str(tmp_path / "tp1"),
+                         "--target-tp", "1", "--target-pp", "1"]) == 0  # fmt: skip
+    assert convert_main(["to-hf", "--load", str(src), "--save", str(tmp_path / "hf")]) == 0
+    two, one = open_checkpoint(src), open_checkpoint(tmp_path / "tp1")
+    assert (two.info.tp, two.info.pp, one.info.tp) == (2, 2, 1)  # padded to 1024 rows on disk
+    assert weights_fingerprint(two) == weights_fingerprint(one) == expected
+    assert weights_fingerprint(import_hf(tmp_path / "hf")) == expected
+
+
+def test_storage_dtype_and_padding_rows_do_not_count_but_values_do(full) -> None:
+    expected = fingerprint_tensors(full.items())
+    half = {k: v.half() for k, v in full.items()}
+    # fp16 values widen exactly: the same numbers stored in fp16 or fp32 are the same weights.
+    assert weights_fingerprint({k: v.float() for k, v in half.items()}) == weights_fingerprint(half)
+    # Rounding to bf16 changes the weights, and so the fingerprint.
+    assert weights_fingerprint({k: v.bfloat16() for k, v in full.items()}) != expected
+    padded = dict(full)
+    emb = "language_model.embedding.word_embeddings.weight"
+    padded[emb] = torch.cat([full[emb], torch.randn(21, CFG.hidden_size)])
+    assert fingerprint_tensors(padded.items(), vocab_size=CFG.vocab_size) == expected
+    assert fingerprint_tensors(reversed(list(full.items()))) == expected  # any order
+    nudged = dict(full)
+    first = next(iter(full))
+    nudged[first] = full[first].clone()
+    nudged[first].view(-1)[0] = torch.nextafter(full[first].view(-1)[0], torch.tensor(1.0))
+    assert fingerprint_tensors(nudged.items()) != expected  # one ulp in one value
+    renamed = {("x." + k if k == first else k): v for k, v in full.items()}
+    assert fingerprint_tensors(renamed.items()) != expected
+    reshaped = dict(full)
+    reshaped[emb] = full[emb].reshape(CFG.hidden_size, CFG.vocab_size)
+    assert fingerprint_tensors(reshaped.items()) != expected
+
+
+def test_fresh_heads_are_left_out_and_bad_input_is_named(full) -> None:
+    spec = ModelSpec(kind="gpt", cfg=CFG, fresh_heads=("extra_head",))
+    with_head = {**full, "extra_head.weight": torch.randn(2, 2)}
+    assert weights_fingerprint(DictSource(spec, with_head)) == weights_fingerprint(full)
+    with pytest.raises(UserError, match="language_model.embedding.word_embeddings.weight: 1003 vocabulary"):
+        fingerprint_tensors(full.items(), vocab_size=2000)
+    with pytest.raises(UserError, match="given twice"):
+        fingerprint_tensors([("a", torch.ones(1)), ("a", torch.ones(1))])
+    fp = weights_fingerprint(full)
+    assert short_fingerprint(fp) == fp[:15] and len(short_fingerprint(fp)) == 15
+    assert not is_fingerprint("w1:xyz") and not is_fingerprint(None)
