@@ -31,6 +31,7 @@ from finetune.task_data import load_task_data
 from finetune.tasks import FinetuneTask, predict_all, train_iterations
 from finetune.tokenization import PairEncoder
 from pretrain.checkpoint.args import checkpoint_args, model_config_from_args
+from pretrain.checkpoint.fingerprint import fingerprint_tensors
 from pretrain.config import DTypeName, ModelConfig, ParallelConfig
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
 from pretrain.parallel.layout import check_sizes
@@ -260,7 +261,9 @@ def _report(args: Any, pre: Pretrained, parallel: ParallelConfig, h: dict[str, A
     record = make_result(
         kind="finetune", task=task, method="median" if len(runs) > 1 else "single",
         model={"name": Path(pre.source).name, "iteration": pre.iteration if isinstance(pre.iteration, int) else None,
-               "layout": f"tp{parallel.tp}-pp{parallel.pp}-vp{parallel.vp}", "checkpoint": pre.source},
+               "layout": f"tp{parallel.tp}-pp{parallel.pp}-vp{parallel.vp}", "checkpoint": pre.source,
+               # the pretrained trunk every source of these weights shares (ckpt, HF export, bare BertModel)
+               "fingerprint": fingerprint_tensors(pre.tensors.items(), vocab_size=pre.cfg.vocab_size)},
         metrics=headline, seed=args.seed,
         details={"all_metrics": metrics, "hyperparameters": {**h, "preset": args.preset}, "eval_only": args.eval_only,
                  "runs": [{k: r[k] for k in ("seed", "metrics", "details", "iterations", "final_loss", "files")}

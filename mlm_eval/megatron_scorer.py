@@ -18,6 +18,7 @@ import torch
 
 from mlm_eval.scorer import DTYPE_FLAGS, ScoreOutput
 from mlm_eval.vocab_scoring import gpt_trunk, score_hidden
+from pretrain.checkpoint.fingerprint import fingerprint_tensors
 from pretrain.checkpoint.reader import load_canonical
 from pretrain.config import DTypeName, ModelConfig
 from pretrain.models.gpt import GPTModel
@@ -141,6 +142,8 @@ def read_gpt_checkpoint(ckpt: str, *, tokenizer_cfg: TokenizerConfig | None) -> 
         "iteration": info.iteration if isinstance(info.iteration, int) else None,
         "layout": f"tp{info.tp}-pp{info.pp}-vp{info.vp}",
         "checkpoint": os.fspath(Path(ckpt).resolve()),
+        # The weights' identity across layouts and formats (the leaderboard's row key).
+        "fingerprint": fingerprint_tensors(full.items(), vocab_size=spec.cfg.vocab_size),
     }
     return CanonicalGPT(full=full, cfg=spec.cfg, tokenizer=tokenizer, info=meta)
 

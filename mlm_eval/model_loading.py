@@ -167,6 +167,8 @@ def load_hf_model(spec: ModelSpec, *, batch_size: int) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: slow import
     from transformers.utils import logging as hf_logging
 
+    from pretrain.checkpoint.fingerprint import hf_weights_fingerprint
+
     model_dir = Path(str(spec.hf_model))
     tokenizer_dir = Path(spec.tokenizer_dir) if spec.tokenizer_dir else model_dir
     for flag, path in (("--hf-model", model_dir), ("--tokenizer-dir", tokenizer_dir)):
@@ -180,6 +182,7 @@ def load_hf_model(spec: ModelSpec, *, batch_size: int) -> LoadedModel:
     hf_logging.disable_progress_bar()  # a weight-loading bar per run is noise in an eval's output
     try:
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
+        fingerprint = hf_weights_fingerprint(model.state_dict(), model.config)  # the stored weights
         model = model.to(device=spec.device, dtype=getattr(torch, spec.dtype))
     except (OSError, ValueError, RuntimeError) as exc:
         raise UserError(f"--hf-model {model_dir}: cannot load a causal LM ({_first_line(exc)})") from None
@@ -194,6 +197,7 @@ def load_hf_model(spec: ModelSpec, *, batch_size: int) -> LoadedModel:
         "iteration": None,
         "layout": None,
         "checkpoint": os.fspath(model_dir.resolve()),
+        "fingerprint": fingerprint,
     }
     return LoadedModel(scorer=scorer, tokenizer=tokenizer, info=info, dtype=spec.dtype)
 

@@ -36,7 +36,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 def test_ckpt_equals_exported_hf_model(trained: dict[str, str], task: str) -> None:
     data = "builtin:wikitext_sample.tokens" if task == "wikitext103" else "builtin:lambada_sample.jsonl"
     extra = ["--seq-length", "32", "--overlap", "8"] if task == "wikitext103" else []
-    outs = {}
+    outs, fingerprints = {}, {}
     tok = [
         "--tokenizer-type",
         "GPT2BPETokenizer",
@@ -49,7 +49,10 @@ def test_ckpt_equals_exported_hf_model(trained: dict[str, str], task: str) -> No
                       ("hf", ["--hf-model", trained["hf"]])):  # fmt: skip
         out = Path(trained["root"]) / f"{task}-{name}.json"
         assert eval_main([task, *src, "--data", data, *extra, "--out", str(out), "--no-progress"]) == 0
-        outs[name] = json.loads(out.read_text())["metrics"]
+        record = json.loads(out.read_text())
+        outs[name], fingerprints[name] = record["metrics"], record["model"]["fingerprint"]
+    # One set of weights in three layouts/formats: one fingerprint (the leaderboard's row key).
+    assert len(set(fingerprints.values())) == 1 and fingerprints["ckpt"].startswith("w1:")
     key = "adjusted_ppl" if task == "wikitext103" else "ppl"
     assert outs["ckpt"][key] == pytest.approx(outs["hf"][key], rel=1e-5)
     assert outs["pp2"][key] == pytest.approx(outs["ckpt"][key], rel=1e-6)

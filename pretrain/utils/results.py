@@ -8,7 +8,8 @@ Schema ``mlm-toolkit/result/v1`` (one JSON object per file)::
       "task": "wikitext103" | "lambada" | "mnli" | "qqp" | "squad1" | "squad2" | "race" | "cola" | ...,
       "method": "paper" | "lm-eval" | "last-token" | ...,      # how the metric was computed
       "model": {"name": str, "parameters": int | null, "iteration": int | null,
-                "layout": "tp2-pp1-vp1" | null, "checkpoint": str | null},
+                "layout": "tp2-pp1-vp1" | null, "checkpoint": str | null,
+                "fingerprint": "w1:<64 hex>" | null},   # same weights, same string (any layout/format)
       "metrics": {str: float | int},    # task-specific, see TASK_METRICS
       "seed": int | null,
       "created": ISO-8601 UTC time,
@@ -70,6 +71,7 @@ def make_result(
             "iteration": model.get("iteration"),
             "layout": model.get("layout"),
             "checkpoint": model.get("checkpoint"),
+            "fingerprint": model.get("fingerprint"),  # pretrain.checkpoint.fingerprint of the weights
         },
         "metrics": metrics,
         "seed": seed,
