@@ -263,7 +263,8 @@ def _report(args: Any, pre: Pretrained, parallel: ParallelConfig, h: dict[str, A
         model={"name": Path(pre.source).name, "iteration": pre.iteration if isinstance(pre.iteration, int) else None,
                "layout": f"tp{parallel.tp}-pp{parallel.pp}-vp{parallel.vp}", "checkpoint": pre.source,
                # the pretrained trunk every source of these weights shares (ckpt, HF export, bare BertModel)
-               "fingerprint": fingerprint_tensors(pre.tensors.items(), vocab_size=pre.cfg.vocab_size)},
+               "fingerprint": fingerprint_tensors(pre.tensors.items(), vocab_size=pre.cfg.vocab_size)
+               if len(pre.tensors) else None},  # --eval-only reads no pretrained tensors
         metrics=headline, seed=args.seed,
         details={"all_metrics": metrics, "hyperparameters": {**h, "preset": args.preset}, "eval_only": args.eval_only,
                  "runs": [{k: r[k] for k in ("seed", "metrics", "details", "iterations", "final_loss", "files")}
