@@ -1,12 +1,13 @@
 # Two entry points for a fresh machine with only Python 3.11:
 #   make demo   -- create .venv, install torch 2.13.0 (CPU) and the toolkit, run the end-to-end demo
-#   make test   -- create .venv, install with dev extras, run ruff, mypy and pytest
+#   make test   -- create .venv, install with dev extras, run ruff, mypy and pytest (every test)
+#   make test-fast -- the same without the tests marked slow (multi-process, browser): under 2 minutes
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test lint typecheck pytest clean
+.PHONY: setup demo test test-gpu lint typecheck pytest clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,7 +31,16 @@ typecheck: setup
 pytest: setup
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider -rs tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
+pytest-fast: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider -rs -m "not slow" tests
+
 test: lint typecheck pytest
+
+test-fast: lint typecheck pytest-fast
+
+# CUDA/NCCL lane: TP/PP/DP equivalence under NCCL, bf16/fp16, distributed optimizer (skipped without CUDA).
+test-gpu: setup
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider -rs -m gpu tests
 
 clean:
 	rm -rf $(VENV) build *.egg-info
