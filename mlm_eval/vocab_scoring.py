@@ -43,8 +43,8 @@ def gpt_trunk(
 
 
 def true_vocab_weight(model: GPTModel) -> torch.Tensor:
-    """This TP rank's tied output weight ``[n, h]`` without padded rows (``n`` may be 0)."""
-    weight = model.shared_embedding_weight()
+    """This TP rank's output weight ``[n, h]`` (tied or untied) without padded rows (``n`` may be 0)."""
+    weight = model.output_weight()
     valid = max(0, min(weight.shape[0], model.cfg.vocab_size - model.vocab_start))
     return weight[:valid]
 

@@ -8,12 +8,21 @@ from typing import Literal
 from pretrain.utils.errors import UserError
 
 GeluKind = Literal["tanh", "erf"]
+Normalization = Literal["LayerNorm", "RMSNorm"]
+PositionEmbeddingType = Literal["learned_absolute", "rope"]
 DTypeName = Literal["float32", "bfloat16", "float16"]
 
 
 @dataclass(frozen=True, kw_only=True)
 class ModelConfig:
-    """A GPT-2 / BERT style transformer (paper section 3, Megatron's legacy model).
+    """A GPT-2 / BERT style transformer (paper section 3, Megatron's legacy model), with the
+    options of Llama-family decoders under Megatron's own names and semantics.
+
+    Defaults are GPT-2's. A Llama-style decoder sets ``normalization="RMSNorm"``, ``swiglu``,
+    ``position_embedding_type="rope"``, ``num_query_groups`` (GQA; ``None`` = one group per head),
+    ``untie_embeddings_and_output_weights`` and ``add_bias_linear=False`` (Megatron's
+    ``--disable-bias-linear``); Qwen2 adds ``add_qkv_bias``, Qwen3 ``qk_layernorm``.
+    ``layernorm_epsilon`` is Megatron's ``--norm-epsilon`` for either normalization.
 
     ``vocab_size`` is the tokenizer's true vocabulary; the embedding is padded to a multiple of
     ``make_vocab_size_divisible_by * tp`` (see :func:`pretrain.tensor_parallel.vocab.padded_vocab_size`)
@@ -40,6 +49,25 @@ class ModelConfig:
     # Original BERT (paper figure 7a): LayerNorm after each residual add, a LayerNorm on the
     # embeddings and no final LayerNorm. False = Megatron's pre-LN arrangement (figure 7b).
     post_layernorm: bool = False
+    # Llama-family options (Megatron flag names; defaults keep GPT-2 / BERT unchanged).
+    normalization: Normalization = "LayerNorm"
+    swiglu: bool = False  # fc1 holds [gate; up] (each TP rank its slice of both), silu(gate) * up
+    position_embedding_type: PositionEmbeddingType = "learned_absolute"
+    rotary_base: float = 10000.0
+    rotary_percent: float = 1.0  # fraction of each head's channels that is rotated
+    rotary_seq_len_interpolation_factor: float | None = None  # linear scaling: positions / factor
+    use_rope_scaling: bool = False  # Llama-3.1 frequency scaling with the four values below
+    rope_scaling_factor: float = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_position_embeddings: int = 8192
+    num_query_groups: int | None = None  # GQA/MQA key-value heads (None: multi-head attention)
+    kv_channels: int | None = None  # per-head size (None: hidden_size // num_attention_heads)
+    untie_embeddings_and_output_weights: bool = False
+    add_bias_linear: bool = True  # False = Megatron's --disable-bias-linear
+    add_qkv_bias: bool = False  # QKV bias even without linear biases (Qwen2)
+    qk_layernorm: bool = False  # per-head norm of queries and keys before RoPE (Qwen3)
+    squared_relu: bool = False  # relu(x)^2 instead of GeLU (Megatron's --squared-relu; not with swiglu)
 
     def __post_init__(self) -> None:
         for name in (
@@ -51,7 +79,7 @@ class ModelConfig:
         ):
             if int(getattr(self, name)) <= 0:
                 raise UserError(f"model config: {name} must be positive, got {getattr(self, name)}")
-        if self.hidden_size % self.num_attention_heads:
+        if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
             raise UserError(
                 f"model config: hidden_size {self.hidden_size} is not divisible by "
                 f"num_attention_heads {self.num_attention_heads}"
@@ -63,21 +91,108 @@ class ModelConfig:
             raise UserError(f"model config: gelu must be 'tanh' or 'erf', got {self.gelu!r}")
         if self.params_dtype not in ("float32", "bfloat16", "float16"):
             raise UserError(f"model config: unknown params_dtype {self.params_dtype!r}")
+        self._check_llama_options()
+        if self.squared_relu and self.swiglu:
+            raise UserError("model config: squared_relu and swiglu exclude each other")
+
+    def _check_llama_options(self) -> None:
+        if self.normalization not in ("LayerNorm", "RMSNorm"):
+            raise UserError(
+                f"model config: normalization must be LayerNorm or RMSNorm, got {self.normalization!r}"
+            )
+        if self.position_embedding_type not in ("learned_absolute", "rope"):
+            raise UserError(
+                "model config: position_embedding_type must be learned_absolute or rope, "
+                f"got {self.position_embedding_type!r}"
+            )
+        if self.normalization == "RMSNorm" and self.post_layernorm:
+            raise UserError("model config: RMSNorm is supported with pre-LN models only (not post_layernorm)")
+        for name in ("kv_channels", "num_query_groups", "ffn_hidden_size"):
+            value = getattr(self, name)
+            if value is not None and int(value) <= 0:
+                raise UserError(f"model config: {name} must be positive, got {value}")
+        groups = self.num_query_groups
+        if groups is not None and self.num_attention_heads % groups:
+            raise UserError(
+                f"model config: num_attention_heads {self.num_attention_heads} is not divisible by "
+                f"num_query_groups {groups}"
+            )
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise UserError(f"model config: rotary_percent must be in (0, 1], got {self.rotary_percent}")
+        if self.rotary_base <= 0:
+            raise UserError(f"model config: rotary_base must be positive, got {self.rotary_base}")
+        if self.position_embedding_type == "rope" and self.rotary_dim % 2:
+            raise UserError(
+                f"model config: rotary dimension {self.rotary_dim} (kv_channels x rotary_percent) is odd"
+            )
+        if self.use_rope_scaling and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise UserError("model config: rope_high_freq_factor must exceed rope_low_freq_factor")
+        factor = self.rotary_seq_len_interpolation_factor
+        if factor is not None and factor <= 0:
+            raise UserError(
+                f"model config: rotary_seq_len_interpolation_factor must be positive, got {factor}"
+            )
 
     @property
     def ffn_size(self) -> int:
-        return self.ffn_hidden_size if self.ffn_hidden_size is not None else 4 * self.hidden_size
+        """``ffn_hidden_size``, else 4h, or Megatron's SwiGLU default ``int(8h/3 / 64) * 64``."""
+        if self.ffn_hidden_size is not None:
+            return self.ffn_hidden_size
+        if self.swiglu:
+            return int((4 * self.hidden_size * 2 / 3) / 64) * 64
+        return 4 * self.hidden_size
 
     @property
     def head_dim(self) -> int:
-        return self.hidden_size // self.num_attention_heads
+        """Channels per attention head (Megatron's ``kv_channels``)."""
+        return (
+            self.kv_channels if self.kv_channels is not None else self.hidden_size // self.num_attention_heads
+        )
+
+    @property
+    def query_groups(self) -> int:
+        """Key-value heads: ``num_query_groups``, or one per attention head (multi-head attention)."""
+        return self.num_query_groups if self.num_query_groups is not None else self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels of each head that RoPE rotates (``kv_channels * rotary_percent``)."""
+        return int(self.head_dim * self.rotary_percent)
+
+    @property
+    def qkv_bias(self) -> bool:
+        return self.add_bias_linear or self.add_qkv_bias
 
     def check_tensor_parallel(self, tp: int) -> None:
-        """Raise :class:`UserError` if this model cannot be split ``tp`` ways."""
+        """Raise :class:`UserError` if this model cannot be split ``tp`` ways.
+
+        Key-value groups split over TP ranks (``num_query_groups % tp == 0``) or, when ``tp`` is a
+        multiple of them, are replicated on ``tp / num_query_groups`` ranks each (evaluation and
+        resharding only; see :func:`check_training_tensor_parallel`).
+        """
         if self.num_attention_heads % tp:
             raise UserError(f"num_attention_heads {self.num_attention_heads} is not divisible by --tp {tp}")
         if self.ffn_size % tp:
             raise UserError(f"ffn_hidden_size {self.ffn_size} is not divisible by --tp {tp}")
+        groups = self.query_groups
+        if groups % tp and tp % groups:
+            raise UserError(
+                f"num_query_groups {groups} and --tp {tp}: one must divide the other "
+                "(groups split over ranks, or each group replicated on tp/groups ranks)"
+            )
+
+    def check_training_tensor_parallel(self, tp: int) -> None:
+        """Training needs each key-value group on one rank only (as Megatron): ``tp <= groups``.
+
+        With replicated key-value heads (``tp > num_query_groups``) every replica would receive only
+        the gradient of its own query heads and the copies would drift apart.
+        """
+        self.check_tensor_parallel(tp)
+        if tp > self.query_groups:
+            raise UserError(
+                f"--tp {tp} exceeds num_query_groups {self.query_groups}: training needs every key-value "
+                "group on one rank (replicated key-value heads are for evaluation and resharding only)"
+            )
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,4 +1,8 @@
-"""GPT-2: pre-LN decoder-only transformer with the output layer tied to the word embeddings."""
+"""GPT: pre-LN decoder-only transformer (GPT-2, and Llama-family decoders by configuration).
+
+The output layer is tied to the word embeddings (GPT-2) or, with
+``untie_embeddings_and_output_weights``, a separate vocab-parallel ``language_model.output_layer``.
+"""
 
 from __future__ import annotations
 
@@ -47,7 +51,7 @@ class GPTModel(ShardedModule):
             cfg.vocab_size, tp=ps.tp_size, divisible_by=cfg.make_vocab_size_divisible_by
         )
         self.vocab_start = ps.tp_rank * (self.padded_vocab // ps.tp_size)
-        if post_process and not pre_process:
+        if post_process and not pre_process and not cfg.untie_embeddings_and_output_weights:
             self.word_embeddings_for_head = VocabParallelEmbedding(
                 self.padded_vocab, cfg.hidden_size, ps=ps, dtype=DTYPES[cfg.params_dtype]
             )
@@ -72,12 +76,12 @@ class GPTModel(ShardedModule):
         else:
             assert hidden_states is not None, "a later stage needs hidden_states"
             x = hidden_states
-        x = self.language_model.encoder(x)
+        x = self.language_model.encoder(x, position_ids=position_ids)
         if not self.post_process:
             return x
         logits = parallel_lm_logits(
             x,
-            self.shared_embedding_weight(),
+            self.output_weight(),
             ps=self.ps,
             vocab_start=self.vocab_start,
             true_vocab=self.cfg.vocab_size,
@@ -87,6 +91,18 @@ class GPTModel(ShardedModule):
         return vocab_parallel_cross_entropy(
             logits, labels, vocab_start=self.vocab_start, group=self.ps.tp_group
         )
+
+    def shared_embedding_weight(self) -> torch.Tensor | None:  # type: ignore[override]
+        """The tied word embeddings ``[V/t, h]`` (None when the output layer is untied)."""
+        if self.cfg.untie_embeddings_and_output_weights:
+            return None
+        return super().shared_embedding_weight()
+
+    def output_weight(self) -> torch.Tensor:
+        """The output layer's weight ``[V/t, h]`` on the last stage: tied embeddings or ``output_layer``."""
+        if self.cfg.untie_embeddings_and_output_weights:
+            return self.language_model.output_layer.weight  # type: ignore[union-attr,return-value]
+        return super().shared_embedding_weight()
 
     def full_logits(self, local_logits: torch.Tensor) -> torch.Tensor:
         """Gather vocab-parallel logits ``[b, s, n]`` over the TP group into ``[b, s, V]`` (no padding).

@@ -17,8 +17,9 @@ import zlib
 
 import torch
 
+from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
-from pretrain.models.sharding import is_vocab_tensor, shard_tensor
+from pretrain.models.sharding import is_vocab_tensor, local_rows, row_layout, shard_tensor
 from pretrain.tensor_parallel.layers import partition_dim
 
 SCALED_OUTPUT_LAYERS = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
@@ -42,14 +43,18 @@ def full_init_tensor(
     return torch.empty(shape).normal_(0.0, std, generator=gen)
 
 
-def full_shape(name: str, param: torch.Tensor, *, tp: int, vocab_size: int) -> tuple[int, ...]:
+def full_shape(name: str, param: torch.Tensor, *, tp: int, cfg: ModelConfig) -> tuple[int, ...]:
     """Shape of the canonical full tensor behind a local shard (vocab tensors unpadded)."""
     shape = list(param.shape)
     dim = partition_dim(param)
     if dim is not None:
         shape[dim] *= tp
+    lay = row_layout(name, cfg)
+    if dim == 0 and lay is not None and lay.groups is not None:  # QKV: replicated K/V when tp > groups
+        shape[0] = (cfg.num_attention_heads + 2 * lay.groups) * cfg.head_dim
+        assert local_rows(lay, shape[0], tp) == param.shape[0], name
     if is_vocab_tensor(name):
-        shape[0] = vocab_size
+        shape[0] = cfg.vocab_size
     return tuple(shape)
 
 
@@ -59,9 +64,12 @@ def init_model_parameters(model: ShardedModule, *, seed: int) -> None:
     cfg, ps, padded = model.cfg, model.ps, model.padded_vocab
     for name, param in model.named_parameters():
         key = model.canonical_name(name)
-        shape = full_shape(name, param, tp=ps.tp_size, vocab_size=cfg.vocab_size)
+        shape = full_shape(key, param, tp=ps.tp_size, cfg=cfg)
         full = full_init_tensor(key, shape, seed=seed, std=cfg.init_method_std, num_layers=cfg.num_layers)
         pad = padded if is_vocab_tensor(name) else None
+        lay = row_layout(key, cfg)
         param.copy_(
-            shard_tensor(full, dim=partition_dim(param), tp_rank=ps.tp_rank, tp=ps.tp_size, pad_rows_to=pad)
+            shard_tensor(
+                full, dim=partition_dim(param), tp_rank=ps.tp_rank, tp=ps.tp_size, pad_rows_to=pad, layout=lay
+            )
         )

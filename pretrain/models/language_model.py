@@ -11,13 +11,16 @@ from torch import nn
 from pretrain.config import ModelConfig
 from pretrain.models.transformer import DTYPES, TransformerBlock, layer_norm
 from pretrain.parallel.state import ParallelState
-from pretrain.tensor_parallel.layers import VocabParallelEmbedding, mark_partition
+from pretrain.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, mark_partition
 from pretrain.tensor_parallel.mappings import copy_to_tp_region, gather_from_tp_region
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 
 
 class Embedding(nn.Module):
     """Word (vocab-parallel ``[V/t, h]``) + learned position (+ token-type) embeddings, dropout.
+
+    With ``position_embedding_type="rope"`` there are no position embeddings (the attention
+    rotates queries and keys instead).
 
     Output ``[b, s, h]``, replicated on TP ranks (the word lookup all-reduces over the TP group).
     """
@@ -29,10 +32,11 @@ class Embedding(nn.Module):
             cfg.vocab_size, tp=ps.tp_size, divisible_by=cfg.make_vocab_size_divisible_by
         )
         self.word_embeddings = VocabParallelEmbedding(padded, cfg.hidden_size, ps=ps, dtype=dtype)
-        self.position_embeddings = nn.Embedding(
-            cfg.max_position_embeddings, cfg.hidden_size, device=ps.device, dtype=dtype
-        )
-        mark_partition(self.position_embeddings.weight, None)
+        if cfg.position_embedding_type == "learned_absolute":
+            self.position_embeddings = nn.Embedding(
+                cfg.max_position_embeddings, cfg.hidden_size, device=ps.device, dtype=dtype
+            )
+            mark_partition(self.position_embeddings.weight, None)
         if cfg.num_tokentypes > 0:
             self.tokentype_embeddings = nn.Embedding(
                 cfg.num_tokentypes, cfg.hidden_size, device=ps.device, dtype=dtype
@@ -48,12 +52,14 @@ class Embedding(nn.Module):
         position_ids: torch.Tensor | None = None,
         tokentype_ids: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        s = input_ids.shape[-1]
-        if s > self.max_positions:
-            raise ValueError(f"sequence length {s} exceeds max_position_embeddings {self.max_positions}")
-        if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).expand_as(input_ids)
-        x = self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+        x = self.word_embeddings(input_ids)
+        if hasattr(self, "position_embeddings"):
+            s = input_ids.shape[-1]
+            if s > self.max_positions:
+                raise ValueError(f"sequence length {s} exceeds max_position_embeddings {self.max_positions}")
+            if position_ids is None:
+                position_ids = torch.arange(s, device=input_ids.device).expand_as(input_ids)
+            x = x + self.position_embeddings(position_ids)
         if hasattr(self, "tokentype_embeddings"):
             if tokentype_ids is None:
                 tokentype_ids = torch.zeros_like(input_ids)
@@ -64,7 +70,8 @@ class Embedding(nn.Module):
 
 
 class LanguageModel(nn.Module):
-    """``embedding`` (first stage only) and ``encoder`` (this stage's layers)."""
+    """``embedding`` (first stage only), ``encoder`` (this stage's layers) and, on the last stage
+    of a model with untied embeddings, the vocab-parallel ``output_layer`` ``[V/t, h]``."""
 
     def __init__(
         self,
@@ -79,6 +86,13 @@ class LanguageModel(nn.Module):
         if pre_process:
             self.embedding = Embedding(cfg, ps)
         self.encoder = TransformerBlock(cfg, ps, layer_numbers=layer_numbers, final_layernorm=post_process)
+        if post_process and cfg.untie_embeddings_and_output_weights:
+            padded = padded_vocab_size(
+                cfg.vocab_size, tp=ps.tp_size, divisible_by=cfg.make_vocab_size_divisible_by
+            )
+            self.output_layer = ColumnParallelLinear(
+                cfg.hidden_size, padded, ps=ps, bias=False, dtype=DTYPES[cfg.params_dtype]
+            )
 
 
 def parallel_lm_logits(
@@ -89,7 +103,8 @@ def parallel_lm_logits(
     vocab_start: int,
     true_vocab: int,
 ) -> torch.Tensor:
-    """Vocab-parallel logits ``[b, s, n]`` from ``hidden [b, s, h]`` and the tied ``[V/t, h]`` weight.
+    """Vocab-parallel logits ``[b, s, n]`` from ``hidden [b, s, h]`` and the (tied or untied) output
+    weight ``[V/t, h]``.
 
     ``n`` is the number of *real* vocabulary rows on this rank (``V/t`` except on the rank that
     holds the padding): padded rows are never multiplied, so they cannot take probability mass

@@ -3,6 +3,9 @@
 Activations are ``[b, s, h]`` (batch first, so PyTorch's scaled-dot-product attention applies
 directly). Per layer, forward: two all-reduces over the TP group (after attention and after the
 MLP, g); backward: two all-reduces (f before QKV and before the first MLP GEMM).
+
+The same layer is a Llama-family layer by configuration (:class:`~pretrain.config.ModelConfig`):
+RMSNorm, SwiGLU, RoPE, grouped-query attention, no-bias linears, QKV bias, QK-norm.
 """
 
 from __future__ import annotations
@@ -14,67 +17,106 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config import ModelConfig
+from pretrain.models.norms import DTYPES, layer_norm
+from pretrain.models.rotary import RotaryEmbedding, apply_rotary
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from pretrain.tensor_parallel.random import checkpointed
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def layer_norm(cfg: ModelConfig, ps: ParallelState) -> nn.LayerNorm:
-    """A LayerNorm replicated on all TP ranks (its gradients are identical on every TP rank)."""
-    return nn.LayerNorm(
-        cfg.hidden_size, eps=cfg.layernorm_epsilon, device=ps.device, dtype=DTYPES[cfg.params_dtype]
-    )
+__all__ = ["DTYPES", "ParallelAttention", "ParallelMLP", "TransformerBlock", "TransformerLayer", "layer_norm"]
+Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [b|1, s, rotary_dim]
 
 
 class ParallelMLP(nn.Module):
-    """``h -> ffn/t`` column-parallel, GeLU (local), ``ffn/t -> h`` row-parallel (one all-reduce)."""
+    """``h -> ffn/t`` column-parallel, activation (local), ``ffn/t -> h`` row-parallel (one all-reduce).
+
+    GeLU, or SwiGLU (``cfg.swiglu``): ``dense_h_to_4h`` is ``[2 ffn/t, h]`` holding this rank's
+    ``[gate slice; up slice]`` and the activation is ``silu(gate) * up`` (Megatron's layout).
+    """
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState) -> None:
         super().__init__()
         dtype = DTYPES[cfg.params_dtype]
-        self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, cfg.ffn_size, ps=ps, dtype=dtype)
-        self.dense_4h_to_h = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, ps=ps, dtype=dtype)
+        bias = cfg.add_bias_linear
+        fc1_out = 2 * cfg.ffn_size if cfg.swiglu else cfg.ffn_size
+        self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, fc1_out, ps=ps, bias=bias, dtype=dtype)
+        self.dense_4h_to_h = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, ps=ps, bias=bias, dtype=dtype)
+        self.swiglu = cfg.swiglu
         self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
+        self.squared_relu = cfg.squared_relu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.dense_4h_to_h(F.gelu(self.dense_h_to_4h(x), approximate=self.approximate))
+        y = self.dense_h_to_4h(x)
+        if self.swiglu:
+            gate, up = y.chunk(2, dim=-1)
+            return self.dense_4h_to_h(F.silu(gate) * up)
+        if self.squared_relu:
+            return self.dense_4h_to_h(F.relu(y).square())
+        return self.dense_4h_to_h(F.gelu(y, approximate=self.approximate))
 
 
 class ParallelAttention(nn.Module):
-    """Self-attention with heads split across TP ranks.
+    """Self-attention with heads split across TP ranks (multi-head or grouped-query).
 
-    ``query_key_value``: column-parallel ``[3h/t, h]``, rows ordered ``[heads][3][head_dim]``
-    (checkpoint_version 3.0), so a contiguous row split gives each rank whole heads.
-    ``dense``: row-parallel ``[h, h/t]``. Attention dropout runs under the TP-region generator.
+    ``query_key_value``: column-parallel, rows ``[groups][q heads of the group, k, v][head_dim]``
+    (Megatron's layout; multi-head attention is one group per head, i.e. checkpoint_version 3.0's
+    ``[heads][3][head_dim]``), so a contiguous row split gives each rank whole groups. With more
+    TP ranks than groups each rank holds its query heads and a replica of its group's key/value
+    head (see :mod:`pretrain.models.sharding`). ``dense``: row-parallel ``[h, nq d/t]``.
+    Optional QK-norm (per head, before RoPE) and RoPE. Attention dropout runs under the
+    TP-region generator.
     """
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState) -> None:
         super().__init__()
         dtype = DTYPES[cfg.params_dtype]
         self.heads = cfg.num_attention_heads // ps.tp_size
+        self.groups = max(cfg.query_groups // ps.tp_size, 1)  # key/value heads on this rank
+        self.q_per_group = self.heads // self.groups
         self.head_dim = cfg.head_dim
         self.causal = not cfg.bidirectional
         self.dropout = cfg.attention_dropout
         self.rng = ps.rng
-        self.query_key_value = ColumnParallelLinear(cfg.hidden_size, 3 * cfg.hidden_size, ps=ps, dtype=dtype)
-        self.dense = RowParallelLinear(cfg.hidden_size, cfg.hidden_size, ps=ps, dtype=dtype)
+        rows = (self.heads + 2 * self.groups) * self.head_dim
+        self.query_key_value = ColumnParallelLinear(
+            cfg.hidden_size, rows * ps.tp_size, ps=ps, bias=cfg.qkv_bias, dtype=dtype, local_output_size=rows
+        )
+        proj = cfg.num_attention_heads * cfg.head_dim
+        self.dense = RowParallelLinear(proj, cfg.hidden_size, ps=ps, bias=cfg.add_bias_linear, dtype=dtype)
+        if cfg.qk_layernorm:
+            self.q_layernorm = layer_norm(cfg, ps, cfg.head_dim)
+            self.k_layernorm = layer_norm(cfg, ps, cfg.head_dim)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """``x``: ``[b, s, h]``; ``attn_mask``: bool ``[b, 1, 1|s, s]`` (True = may attend) or None."""
+    def _qkv(self, x: torch.Tensor, rotary: Rotary | None) -> tuple[torch.Tensor, ...]:
+        """q ``[b, heads, s, d]``, k and v ``[b, groups, s, d]`` (QK-norm and RoPE applied)."""
         b, s, _ = x.shape
-        qkv = self.query_key_value(x).view(b, s, self.heads, 3, self.head_dim)
-        q, k, v = (t.transpose(1, 2) for t in qkv.unbind(dim=3))  # each [b, heads, s, head_dim]
+        qkv = self.query_key_value(x).view(b, s, self.groups, self.q_per_group + 2, self.head_dim)
+        q = qkv[:, :, :, : self.q_per_group].reshape(b, s, self.heads, self.head_dim)
+        k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
+        if hasattr(self, "q_layernorm"):
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if rotary is not None:
+            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def forward(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, rotary: Rotary | None = None
+    ) -> torch.Tensor:
+        """``x``: ``[b, s, h]``; ``attn_mask``: bool ``[b, 1, 1|s, s]`` (True = may attend) or None;
+        ``rotary``: RoPE cos/sin ``[b|1, s, rot]`` or None (learned absolute positions)."""
+        b, s, _ = x.shape
+        q, k, v = self._qkv(x, rotary)
         p = self.dropout if self.training else 0.0
-        causal = self.causal and attn_mask is None
+        causal, gqa = self.causal and attn_mask is None, self.groups != self.heads
         if p > 0.0:
             with self.rng.fork():
                 ctx = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=causal
+                    q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=causal, enable_gqa=gqa
                 )
         else:
-            ctx = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, is_causal=causal)
+            ctx = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attn_mask, is_causal=causal, enable_gqa=gqa
+            )
         return self.dense(ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
 
 
@@ -101,16 +143,21 @@ class TransformerLayer(nn.Module):
         # Outside TP regions: the default generator, identical on all TP ranks.
         return F.dropout(x, self.hidden_dropout, self.training) if self.hidden_dropout > 0 else x
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, rotary: Rotary | None = None
+    ) -> torch.Tensor:
         if self.post_ln:
-            x = self.post_attention_layernorm(x + self._drop(self.self_attention(x, attn_mask)))
+            x = self.post_attention_layernorm(x + self._drop(self.self_attention(x, attn_mask, rotary)))
             return self.post_mlp_layernorm(x + self._drop(self.mlp(x)))
-        x = x + self._drop(self.self_attention(self.input_layernorm(x), attn_mask))
+        x = x + self._drop(self.self_attention(self.input_layernorm(x), attn_mask, rotary))
         return x + self._drop(self.mlp(self.post_attention_layernorm(x)))
 
 
 class TransformerBlock(nn.Module):
     """The layers of one pipeline stage (or virtual chunk) and, on the last, the final LayerNorm.
+
+    With RoPE the block computes the cos/sin tables once per forward (from ``position_ids``,
+    default ``0 .. s-1``: every pipeline stage computes them itself) and hands them to its layers.
 
     ``layer_numbers`` are the global indices of the layers held here; module names use local
     indices ``layers.0 .. layers.n-1`` as Megatron's checkpoints do.
@@ -126,13 +173,26 @@ class TransformerBlock(nn.Module):
             self.final_layernorm = layer_norm(cfg, ps)
         self.recompute = cfg.recompute_activations
         self.rng = ps.rng
+        if cfg.position_embedding_type == "rope":
+            self.rotary_pos_emb = RotaryEmbedding(cfg)
 
-    def forward(self, x: torch.Tensor, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+    def rotary(self, x: torch.Tensor, position_ids: torch.Tensor | None) -> Rotary | None:
+        """RoPE cos/sin for ``x [b, s, h]`` at ``position_ids [b|1, s]`` (None without RoPE)."""
+        if not hasattr(self, "rotary_pos_emb"):
+            return None
+        if position_ids is None:
+            position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+        return self.rotary_pos_emb(position_ids, x.dtype)  # type: ignore[no-any-return]
+
+    def forward(
+        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        rotary = self.rotary(x, position_ids)
         for layer in self.layers:
             if self.recompute and self.training and torch.is_grad_enabled():
-                x = checkpointed(layer, self.rng, x, attn_mask)
+                x = checkpointed(layer, self.rng, x, attn_mask, rotary)
             else:
-                x = layer(x, attn_mask)
+                x = layer(x, attn_mask, rotary)
         if hasattr(self, "final_layernorm"):
             x = self.final_layernorm(x)
         return x

@@ -44,7 +44,8 @@ class ColumnParallelLinear(nn.Module):
 
     Input ``[..., in]`` (replicated on TP ranks); output ``[..., out/t]``, or ``[..., out]`` when
     ``gather_output``. Collectives: f (backward all-reduce of the input grad over the TP group);
-    an all-gather of the output when ``gather_output``.
+    an all-gather of the output when ``gather_output``. ``local_output_size`` overrides ``out/t``
+    for layers whose shards are not a plain split (fused QKV with replicated key/value heads).
     """
 
     def __init__(
@@ -56,11 +57,16 @@ class ColumnParallelLinear(nn.Module):
         bias: bool = True,
         gather_output: bool = False,
         dtype: torch.dtype = torch.float32,
+        local_output_size: int | None = None,
     ) -> None:
         super().__init__()
         self.group = ps.tp_group
         self.gather_output = gather_output
-        local_out = _divide(output_size, ps.tp_size, "output size")
+        local_out = (
+            _divide(output_size, ps.tp_size, "output size")
+            if local_output_size is None
+            else local_output_size
+        )
         kw: dict[str, Any] = {"device": ps.device, "dtype": dtype}
         self.weight = mark_partition(nn.Parameter(torch.empty(local_out, input_size, **kw)), 0)
         self.bias = mark_partition(nn.Parameter(torch.empty(local_out, **kw)), 0) if bias else None

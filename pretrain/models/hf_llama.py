@@ -1,0 +1,330 @@
+"""Canonical full Llama-family state dict <-> Hugging Face (Llama, Mistral, Qwen2, Qwen3).
+
+A pure name/tensor mapping (no ``transformers`` import): :data:`LAYER_TABLE` is the one table of
+per-layer tensors of all four families (they share Hugging Face names), :data:`FAMILIES` what
+each family's config switches on. Used by ``mlm-convert to-hf`` / ``from-hf``, the upstream
+Megatron readers and the parity tests.
+
+* ``model.embed_tokens`` <-> ``language_model.embedding.word_embeddings`` (unpadded);
+  ``lm_head`` <-> ``language_model.output_layer`` (untied) or absent (tied);
+  ``model.norm`` <-> ``language_model.encoder.final_layernorm``.
+* ``q_proj``/``k_proj``/``v_proj`` (rows ``[heads][d]``) <-> our fused ``query_key_value`` rows
+  ``[groups][q heads of the group, k, v][d]`` (Megatron's GQA layout), weights and (Qwen2) biases.
+* ``gate_proj`` / ``up_proj`` <-> ``dense_h_to_4h`` rows ``[gate; up]``; ``down_proj`` <->
+  ``dense_4h_to_h``; ``q_norm``/``k_norm`` (Qwen3) <-> ``q_layernorm``/``k_layernorm``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pretrain.config import ModelConfig
+from pretrain.utils.errors import UserError
+
+LM = "language_model."
+
+
+@dataclass(frozen=True)
+class Family:
+    """One Hugging Face model family: its architecture and what its config turns on."""
+
+    model_type: str
+    architecture: str
+    qkv_bias: bool  # q/k/v projections always carry a bias (Qwen2)
+    qk_norm: bool  # per-head RMSNorm of queries and keys (Qwen3)
+
+
+FAMILIES = {
+    f.model_type: f
+    for f in (
+        Family("llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False),
+        Family("mistral", "MistralForCausalLM", qkv_bias=False, qk_norm=False),
+        Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False),
+        Family("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True),
+    )
+}
+
+# (ours under "language_model.encoder.layers.{i}.", HF under "model.layers.{i}.") one-to-one.
+LAYER_TABLE: tuple[tuple[str, str], ...] = (
+    ("input_layernorm.weight", "input_layernorm.weight"),
+    ("self_attention.dense.weight", "self_attn.o_proj.weight"),
+    ("self_attention.q_layernorm.weight", "self_attn.q_norm.weight"),
+    ("self_attention.k_layernorm.weight", "self_attn.k_norm.weight"),
+    ("post_attention_layernorm.weight", "post_attention_layernorm.weight"),
+    ("mlp.dense_4h_to_h.weight", "mlp.down_proj.weight"),
+)
+# Fused tensors: ours -> the HF tensors it concatenates (by kind "weight" / "bias").
+QKV = ("self_attention.query_key_value", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"))
+GATE_UP = ("mlp.dense_h_to_4h", ("mlp.gate_proj", "mlp.up_proj"))
+GLOBAL_TABLE: tuple[tuple[str, str], ...] = (
+    (f"{LM}embedding.word_embeddings.weight", "model.embed_tokens.weight"),
+    (f"{LM}encoder.final_layernorm.weight", "model.norm.weight"),
+    (f"{LM}output_layer.weight", "lm_head.weight"),
+)
+
+
+def fuse_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, groups: int, head_dim: int
+) -> torch.Tensor:
+    """HF ``q [nq d, ...]``, ``k``/``v`` ``[g d, ...]`` -> rows ``[g][nq/g + 2][d]``."""
+    rest = q.shape[1:]
+    qg = q.reshape(groups, -1, head_dim, *rest)
+    kg, vg = k.reshape(groups, 1, head_dim, *rest), v.reshape(groups, 1, head_dim, *rest)
+    return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest).contiguous()
+
+
+def split_qkv(
+    qkv: torch.Tensor, *, groups: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`fuse_qkv`."""
+    rest = qkv.shape[1:]
+    x = qkv.reshape(groups, -1, head_dim, *rest)
+    q = x[:, :-2].reshape(-1, *rest).contiguous()
+    return q, x[:, -2].reshape(-1, *rest).contiguous(), x[:, -1].reshape(-1, *rest).contiguous()
+
+
+def _layer_pairs(cfg: ModelConfig, i: int) -> list[tuple[str, str]]:
+    ours, hf = f"{LM}encoder.layers.{i}.", f"model.layers.{i}."
+    return [
+        (ours + a, hf + b)
+        for a, b in LAYER_TABLE
+        if cfg.qk_layernorm or "q_layernorm" not in a and "k_layernorm" not in a
+    ]
+
+
+def name_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """Every one-to-one (canonical, HF) pair of ``cfg`` (fused QKV and gate/up excluded)."""
+    pairs = [p for p in GLOBAL_TABLE if cfg.untie_embeddings_and_output_weights or "output_layer" not in p[0]]
+    for i in range(cfg.num_layers):
+        pairs += _layer_pairs(cfg, i)
+    return pairs
+
+
+def fused_names(cfg: ModelConfig) -> list[tuple[str, list[str], str]]:
+    """(canonical, HF parts, "qkv" | "gate_up") of every fused tensor of ``cfg``."""
+    out = []
+    kinds = ("weight", "bias") if cfg.qkv_bias else ("weight",)
+    for i in range(cfg.num_layers):
+        ours, hf = f"{LM}encoder.layers.{i}.", f"model.layers.{i}."
+        for kind in kinds:
+            out.append((f"{ours}{QKV[0]}.{kind}", [f"{hf}{p}.{kind}" for p in QKV[1]], "qkv"))
+        out.append((f"{ours}{GATE_UP[0]}.weight", [f"{hf}{p}.weight" for p in GATE_UP[1]], "gate_up"))
+    return out
+
+
+def check_supported(cfg: ModelConfig) -> None:
+    """Raise :class:`UserError` unless ``cfg`` is a Llama-family decoder HF can hold."""
+    problems = []
+    if cfg.normalization != "RMSNorm":
+        problems.append("normalization must be RMSNorm")
+    if not cfg.swiglu:
+        problems.append("swiglu is required")
+    if cfg.position_embedding_type != "rope":
+        problems.append("position_embedding_type must be rope")
+    if cfg.add_bias_linear:
+        problems.append("linear biases must be disabled (--disable-bias-linear)")
+    if cfg.rotary_percent != 1.0:
+        problems.append("rotary_percent must be 1.0")
+    if cfg.bidirectional or cfg.post_layernorm or cfg.num_tokentypes:
+        problems.append("must be a causal pre-LN decoder")
+    if cfg.use_rope_scaling and cfg.rotary_seq_len_interpolation_factor is not None:
+        problems.append("Llama-3 and linear RoPE scaling cannot both be set")
+    if problems:
+        raise UserError("model -> Hugging Face Llama family: " + "; ".join(problems))
+
+
+def canonical_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Canonical full tensors -> a ``*ForCausalLM`` state dict (``lm_head`` only when untied)."""
+    check_supported(cfg)
+    out: dict[str, torch.Tensor] = {}
+    for ours, hf in name_pairs(cfg):
+        if ours not in full:
+            raise UserError(f"checkpoint -> Hugging Face: missing tensor {ours}")
+        out[hf] = full[ours].detach().contiguous().clone()
+    for ours, parts, kind in fused_names(cfg):
+        if ours not in full:
+            raise UserError(f"checkpoint -> Hugging Face: missing tensor {ours}")
+        t = full[ours].detach()
+        pieces = split_qkv(t, groups=cfg.query_groups, head_dim=cfg.head_dim) if kind == "qkv" else t.chunk(2)
+        for name, piece in zip(parts, pieces, strict=True):
+            out[name] = piece.contiguous().clone()
+    return out
+
+
+def hf_to_canonical(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A ``*ForCausalLM`` state dict -> canonical full tensors.
+
+    Raises :class:`UserError` on missing or unexpected tensors; a tied ``lm_head`` present in the
+    file must equal the embeddings.
+    """
+    pairs, fused = name_pairs(cfg), fused_names(cfg)
+    expected = {h for _, h in pairs} | {n for _, parts, _ in fused for n in parts}
+    given = {k for k in hf if not k.endswith("rotary_emb.inv_freq")}
+    if not cfg.untie_embeddings_and_output_weights and "lm_head.weight" in given:
+        if not torch.equal(hf["lm_head.weight"], hf["model.embed_tokens.weight"]):
+            raise UserError("Hugging Face model: tie_word_embeddings is set but lm_head.weight differs")
+        given.discard("lm_head.weight")
+    missing, unexpected = sorted(expected - given), sorted(given - expected)
+    if missing or unexpected:
+        raise UserError(f"Hugging Face -> checkpoint: missing {missing[:5]}, unexpected {unexpected[:5]}")
+    out = {ours: hf[h].contiguous().clone() for ours, h in pairs}
+    for ours, parts, kind in fused:
+        ts = [hf[p] for p in parts]
+        if kind == "qkv":
+            out[ours] = fuse_qkv(*ts, groups=cfg.query_groups, head_dim=cfg.head_dim)
+        else:
+            out[ours] = torch.cat(ts).contiguous()
+    return out
+
+
+def _rope_parameters(hf_config: Any) -> dict[str, Any]:
+    """``rope_parameters`` (transformers 5) or the older ``rope_theta`` + ``rope_scaling``."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    scaling = getattr(hf_config, "rope_scaling", None) or {}
+    params = {**scaling, **params}
+    params.setdefault("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+    params.setdefault("rope_type", params.get("type", "default"))
+    return params
+
+
+def _rope_kwargs(hf_config: Any) -> dict[str, Any]:
+    p = _rope_parameters(hf_config)
+    kw: dict[str, Any] = {"rotary_base": float(p["rope_theta"])}
+    kind = p["rope_type"]
+    if kind == "llama3":
+        kw.update(
+            use_rope_scaling=True,
+            rope_scaling_factor=float(p["factor"]),
+            rope_low_freq_factor=float(p["low_freq_factor"]),
+            rope_high_freq_factor=float(p["high_freq_factor"]),
+            rope_original_max_position_embeddings=int(p["original_max_position_embeddings"]),
+        )
+    elif kind == "linear":
+        kw["rotary_seq_len_interpolation_factor"] = float(p["factor"])
+    elif kind != "default":
+        raise UserError(f"Hugging Face config: rope_type {kind!r} is not supported (default, llama3, linear)")
+    if float(p.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise UserError("Hugging Face config: partial_rotary_factor != 1 is not supported for this family")
+    return kw
+
+
+def _check_hf_config(hf_config: Any, family: Family) -> None:
+    if getattr(hf_config, "hidden_act", "silu") != "silu":
+        raise UserError(f"Hugging Face config: hidden_act {hf_config.hidden_act!r} is not silu")
+    if getattr(hf_config, "mlp_bias", False):
+        raise UserError("Hugging Face config: mlp_bias=True is not supported")
+    if getattr(hf_config, "attention_bias", False):
+        raise UserError("Hugging Face config: attention_bias=True (o_proj bias) is not supported")
+    window = getattr(hf_config, "sliding_window", None)
+    uses_window = getattr(hf_config, "use_sliding_window", family.model_type == "mistral")
+    if uses_window and window is not None and window < hf_config.max_position_embeddings:
+        raise UserError(
+            f"Hugging Face config: sliding_window {window} < max_position_embeddings "
+            f"{hf_config.max_position_embeddings} (sliding-window attention is not supported)"
+        )
+
+
+def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
+    """Our :class:`ModelConfig` from a HF Llama/Mistral/Qwen2/Qwen3 config (``overrides`` win)."""
+    family = FAMILIES.get(getattr(hf_config, "model_type", None) or "")
+    if family is None:
+        raise UserError(
+            f"Hugging Face config: model_type {getattr(hf_config, 'model_type', None)!r} is not one of "
+            f"{', '.join(FAMILIES)}"
+        )
+    _check_hf_config(hf_config, family)
+    heads = hf_config.num_attention_heads
+    kv = getattr(hf_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
+    kw: dict[str, Any] = dict(
+        num_layers=hf_config.num_hidden_layers,
+        hidden_size=hf_config.hidden_size,
+        num_attention_heads=heads,
+        vocab_size=hf_config.vocab_size,
+        max_position_embeddings=hf_config.max_position_embeddings,
+        ffn_hidden_size=hf_config.intermediate_size,
+        hidden_dropout=0.0,
+        attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
+        layernorm_epsilon=hf_config.rms_norm_eps,
+        init_method_std=hf_config.initializer_range,
+        normalization="RMSNorm",
+        swiglu=True,
+        position_embedding_type="rope",
+        num_query_groups=None if kv == heads else kv,
+        kv_channels=None if head_dim * heads == hf_config.hidden_size else head_dim,
+        untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
+        add_bias_linear=False,
+        add_qkv_bias=family.qkv_bias,
+        qk_layernorm=family.qk_norm,
+        **_rope_kwargs(hf_config),
+    )
+    kw.update(overrides)
+    return ModelConfig(**kw)
+
+
+def _rope_config(cfg: ModelConfig) -> dict[str, Any]:
+    params: dict[str, Any] = {"rope_theta": cfg.rotary_base, "rope_type": "default"}
+    if cfg.use_rope_scaling:
+        params.update(
+            rope_type="llama3",
+            factor=cfg.rope_scaling_factor,
+            low_freq_factor=cfg.rope_low_freq_factor,
+            high_freq_factor=cfg.rope_high_freq_factor,
+            original_max_position_embeddings=cfg.rope_original_max_position_embeddings,
+        )
+    elif cfg.rotary_seq_len_interpolation_factor is not None:
+        params.update(rope_type="linear", factor=cfg.rotary_seq_len_interpolation_factor)
+    return params
+
+
+def family_of(cfg: ModelConfig) -> Family:
+    """The HF family that holds ``cfg``: Qwen3 (QK-norm), Qwen2 (QKV bias), else Llama."""
+    if cfg.qk_layernorm:
+        if cfg.add_qkv_bias:
+            raise UserError("model -> Hugging Face: QK-norm together with a QKV bias has no HF family here")
+        return FAMILIES["qwen3"]
+    return FAMILIES["qwen2"] if cfg.add_qkv_bias else FAMILIES["llama"]
+
+
+def hf_config_kwargs(
+    cfg: ModelConfig, *, family: str | None = None, vocab_size: int | None = None,
+    bos_token_id: int | None = None, eos_token_id: int | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Keyword arguments for the family's HF config class (``model_type`` says which)."""
+    check_supported(cfg)
+    fam = FAMILIES[family] if family is not None else family_of(cfg)
+    if fam.qkv_bias != cfg.add_qkv_bias or fam.qk_norm != cfg.qk_layernorm:
+        raise UserError(
+            f"model -> Hugging Face {fam.architecture}: QKV bias / QK-norm do not match the family"
+        )
+    kw: dict[str, Any] = dict(
+        model_type=fam.model_type,
+        architectures=[fam.architecture],
+        vocab_size=cfg.vocab_size if vocab_size is None else vocab_size,
+        hidden_size=cfg.hidden_size,
+        intermediate_size=cfg.ffn_size,
+        num_hidden_layers=cfg.num_layers,
+        num_attention_heads=cfg.num_attention_heads,
+        num_key_value_heads=cfg.query_groups,
+        head_dim=cfg.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=cfg.max_position_embeddings,
+        initializer_range=cfg.init_method_std,
+        rms_norm_eps=cfg.layernorm_epsilon,
+        tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
+        rope_parameters=_rope_config(cfg),
+        attention_dropout=cfg.attention_dropout,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
+    )
+    if fam.model_type in ("llama", "qwen3"):
+        kw.update(attention_bias=False)
+    if fam.model_type == "llama":
+        kw.update(mlp_bias=False)
+    if fam.model_type in ("mistral", "qwen2", "qwen3"):
+        kw.update(sliding_window=None)
+    return kw
