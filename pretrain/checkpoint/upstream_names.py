@@ -122,3 +122,32 @@ def qkv_from_canonical(shard: torch.Tensor, *, version: float, heads: int, head_
     perm = (1, 0, 2) if version < 1.0 else (0, 2, 1)
     x = x.permute(*perm, *range(3, x.dim()))
     return x.reshape(shard.shape).contiguous()
+
+
+_LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.*)$")
+_DIST_TOP = [
+    (LM + "embedding.", "embedding."),
+    (ENC + "final_layernorm.", "decoder.final_layernorm."),
+    (LM + "output_layer.weight", "output_layer.weight"),
+]
+
+
+def to_mcore_key(canonical: str) -> tuple[str, int | None]:
+    """megatron-core ``torch_dist`` key of our canonical tensor, and its layer (stacked keys).
+
+    The inverse of :func:`to_local_name` for GPT models, with the names ``torch_dist`` files use
+    whatever the spec (the TransformerEngine spelling: norms folded into ``linear_qkv`` /
+    ``linear_fc1`` as ``layer_norm_weight``/``layer_norm_bias``). Layers become one stacked key
+    ``decoder.layers.<rest>`` of shape ``[num_layers, ...]``.
+    """
+    m = _LAYER.match(canonical)
+    if m is not None:
+        layer, rest = int(m.group(1)), m.group(2)
+        for mcore, ours in _MCORE_LAYER:  # exact TE names come first in the table
+            if rest == ours or (ours.endswith(".") and rest.startswith(ours)):
+                return "decoder.layers." + mcore + rest[len(ours) :], layer
+        return "decoder.layers." + rest, layer
+    for ours, mcore in _DIST_TOP:
+        if canonical.startswith(ours):
+            return mcore + canonical[len(ours) :], None
+    raise ValueError(f"no megatron-core name for tensor {canonical!r}")

@@ -1,0 +1,187 @@
+"""Write canonical full tensors as a megatron-core ``torch_dist`` checkpoint, streaming.
+
+The output is what ``megatron.core.dist_checkpointing.save`` writes for a ``GPTModel``, so
+megatron-core's ``dist_checkpointing.load`` (and Megatron-LM ``--ckpt-format torch_dist``) accept
+it at any TP/PP: ``ROOT/latest_checkpointed_iteration.txt`` and ``ROOT/iter_N/`` with
+
+* ``.metadata`` + ``__0_0.distcp``: a PyTorch distributed checkpoint keyed by megatron-core's
+  sharded-state-dict keys (:func:`~pretrain.checkpoint.upstream_names.to_mcore_key`): global
+  shapes, layers stacked along a leading axis ``[num_layers, ...]`` and stored one chunk per layer
+  (the chunks megatron-core itself writes along that axis); the word embeddings (and an untied
+  ``output_layer``) padded for the target TP; the ``_extra_state`` byte entries of every linear
+  layer (``<key>/shard_<layer>_<num_layers>``, holding ``[None]`` as the local spec saves them);
+* ``common.pt``: ``args`` (Megatron-LM's Namespace with our record, see
+  :mod:`pretrain.checkpoint.metadata`), ``iteration``, ``checkpoint_version``;
+* ``metadata.json``: the backend names megatron-core checks.
+
+A custom save planner asks the source for each layer's tensor only when the file writer reaches
+it, so memory stays near one tensor. The directory is built under a temporary sibling and renamed
+at the end (nothing half-written).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
+from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
+
+from pretrain.checkpoint.layout import CHECKPOINT_VERSION, iteration_dir, write_tracker
+from pretrain.checkpoint.plan import chunk_slots
+from pretrain.checkpoint.reshard import WriteOptions, _target_args
+from pretrain.checkpoint.types import CanonicalSource
+from pretrain.checkpoint.upstream_names import to_mcore_key
+from pretrain.config import ParallelConfig
+from pretrain.tensor_parallel.vocab import padded_vocab_size
+from pretrain.utils.atomic import atomic_directory, atomic_open
+from pretrain.utils.errors import UserError
+
+METADATA_JSON = {
+    "sharded_backend": "torch_dist",
+    "sharded_backend_version": 1,
+    "common_backend": "torch",
+    "common_backend_version": 1,
+}
+_EXTRA_STATE = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One stored tensor key: its global shape and, per chunk, the canonical tensor it comes from."""
+
+    key: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    parts: tuple[tuple[str, int | None], ...]  # (canonical name, layer) per chunk; layer None: whole
+    pad_rows: int | None  # vocabulary tensors: padded row count
+
+
+def _entries(source: CanonicalSource, tp: int) -> list[_Entry]:
+    spec = source.spec
+    cfg = spec.cfg
+    if spec.kind != "gpt":
+        raise UserError(f"torch_dist output is written for GPT models only (this is a {spec.kind} model)")
+    padded = padded_vocab_size(cfg.vocab_size, tp=tp, divisible_by=cfg.make_vocab_size_divisible_by)
+    slots = chunk_slots(spec, tp=1, pre_process=True, post_process=True, layer_numbers=range(cfg.num_layers))
+    grouped: dict[str, list[tuple[str, int | None, tuple[int, ...], bool]]] = {}
+    for slot in slots:
+        key, layer = to_mcore_key(slot.canonical)
+        shape = (padded, *slot.shape[1:]) if slot.vocab else slot.shape
+        grouped.setdefault(key, []).append((slot.canonical, layer, shape, slot.vocab))
+    dtype = getattr(torch, cfg.params_dtype)
+    out = []
+    for key, items in grouped.items():
+        layered = items[0][1] is not None
+        shape = (len(items), *items[0][2]) if layered else items[0][2]
+        parts = tuple((name, layer) for name, layer, _, _ in items)
+        out.append(_Entry(key, shape, dtype, parts, padded if items[0][3] else None))
+    return out
+
+
+class _StreamingPlanner(DefaultSavePlanner):
+    """Save plan built from the entries; each chunk is fetched from the source when written."""
+
+    def __init__(self, entries: list[_Entry], fetch: Callable[[str, int | None], torch.Tensor]) -> None:
+        super().__init__()
+        self.entries, self.fetch = entries, fetch
+        self.chunk_of: dict[tuple[str, tuple[int, ...]], tuple[str, _Entry]] = {}
+        self.num_layers = max((e.shape[0] for e in entries if e.parts[0][1] is not None), default=0)
+
+    def create_local_plan(self) -> SavePlan:
+        items: list[WriteItem] = []
+        for e in self.entries:
+            props = TensorProperties(dtype=e.dtype)
+            for name, layer in e.parts:
+                offsets = (0,) * len(e.shape) if layer is None else (layer, *(0,) * (len(e.shape) - 1))
+                sizes = e.shape if layer is None else (1, *e.shape[1:])
+                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
+                index = MetadataIndex(e.key, torch.Size(offsets))
+                self.chunk_of[(e.key, tuple(offsets))] = (name, e)
+                items.append(WriteItem(index=index, type=WriteItemType.SHARD,
+                                       tensor_data=TensorWriteData(chunk=chunk, properties=props,
+                                                                   size=torch.Size(e.shape))))  # fmt: skip
+        for stem in _EXTRA_STATE:
+            for layer in range(self.num_layers):
+                key = f"decoder.layers.{'mlp' if 'fc' in stem else 'self_attention'}.{stem}._extra_state"
+                items.append(WriteItem(index=MetadataIndex(f"{key}/shard_{layer}_{self.num_layers}"),
+                                       type=WriteItemType.BYTE_IO))  # fmt: skip
+        self.plan = SavePlan(items, planner_data={})
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
+        if write_item.type == WriteItemType.BYTE_IO:
+            buf = io.BytesIO()
+            torch.save([None], buf)
+            buf.seek(0)
+            return buf
+        key, offsets = write_item.index.fqn, tuple(write_item.index.offset or ())
+        name, entry = self.chunk_of[(key, offsets)]
+        t = self.fetch(name, entry.pad_rows)
+        t = t.to(entry.dtype).contiguous()
+        return t if entry.parts[0][1] is None else t.unsqueeze(0)
+
+
+def _fetcher(source: CanonicalSource) -> Callable[[str, int | None], torch.Tensor]:
+    def fetch(name: str, pad_rows: int | None) -> torch.Tensor:
+        full = source.tensor(name)
+        if pad_rows is not None:
+            if full.shape[0] > pad_rows:
+                raise UserError(
+                    f"tensor {name}: {full.shape[0]} rows exceed the padded vocabulary {pad_rows}"
+                )
+            full = torch.cat([full, full.new_zeros((pad_rows - full.shape[0], *full.shape[1:]))])
+        return full
+
+    return fetch
+
+
+def write_torch_dist(
+    source: CanonicalSource,
+    save: str | Path,
+    target: ParallelConfig,
+    *,
+    options: WriteOptions | None = None,
+    extra_files: Callable[[Path], object] | None = None,
+) -> Path:
+    """Write ``source`` as a ``torch_dist`` checkpoint for layout ``target`` into the new ``save``.
+
+    ``target`` sets the vocabulary padding and the layout recorded in ``args``; the stored
+    tensors are global, so megatron-core may load them at any TP/PP.
+    """
+    source.spec.cfg.check_tensor_parallel(target.tp)
+    entries = _entries(source, target.tp)
+    options = options or WriteOptions()
+    args: Any = _target_args(source, target, options)
+    for name, value in (
+        ("ckpt_format", "torch_dist"),
+        ("use_legacy_models", False),
+        ("use_mcore_models", True),
+    ):
+        setattr(args, name, value) if not isinstance(args, dict) else args.__setitem__(name, value)
+    save = Path(save)
+    with atomic_directory(save) as tmp:
+        it_dir = iteration_dir(tmp, options.iteration)
+        it_dir.mkdir(parents=True)
+        with warnings.catch_warnings():  # "assuming ... a single process": intended
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.save({}, storage_writer=FileSystemWriter(str(it_dir), thread_count=1),
+                     planner=_StreamingPlanner(entries, _fetcher(source)), no_dist=True)  # fmt: skip
+        common = {"args": args, "iteration": options.iteration, "checkpoint_version": CHECKPOINT_VERSION}
+        with atomic_open(it_dir / "common.pt", "wb") as fh:
+            torch.save(common, fh)
+        with atomic_open(it_dir / "metadata.json", "w") as fh:
+            json.dump(METADATA_JSON, fh)
+        write_tracker(tmp, options.iteration)
+        if extra_files is not None:
+            extra_files(tmp)
+    return save
