@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config import ModelConfig
+from pretrain.inference.kv_cache import KVCache, LayerKVCache
 from pretrain.models.norms import DTYPES, layer_norm
 from pretrain.models.rotary import RotaryEmbedding, apply_rotary
 from pretrain.parallel.state import ParallelState
@@ -100,12 +101,20 @@ class ParallelAttention(nn.Module):
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def forward(
-        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, rotary: Rotary | None = None
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        rotary: Rotary | None = None,
+        kv_cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
         """``x``: ``[b, s, h]``; ``attn_mask``: bool ``[b, 1, 1|s, s]`` (True = may attend) or None;
-        ``rotary``: RoPE cos/sin ``[b|1, s, rot]`` or None (learned absolute positions)."""
+        ``rotary``: RoPE cos/sin ``[b|1, s, rot]`` or None (learned absolute positions).
+        ``kv_cache`` (incremental decoding): this rank's keys/values of earlier positions; the new
+        ones are appended and attention spans all of them (``attn_mask`` ``[b, 1, s, cached + s]``)."""
         b, s, _ = x.shape
         q, k, v = self._qkv(x, rotary)
+        if kv_cache is not None:
+            k, v = kv_cache.update(k, v)
         p = self.dropout if self.training else 0.0
         causal, gqa = self.causal and attn_mask is None, self.groups != self.heads
         if p > 0.0:
@@ -144,12 +153,17 @@ class TransformerLayer(nn.Module):
         return F.dropout(x, self.hidden_dropout, self.training) if self.hidden_dropout > 0 else x
 
     def forward(
-        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, rotary: Rotary | None = None
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        rotary: Rotary | None = None,
+        kv_cache: LayerKVCache | None = None,
     ) -> torch.Tensor:
         if self.post_ln:
-            x = self.post_attention_layernorm(x + self._drop(self.self_attention(x, attn_mask, rotary)))
+            attn = self.self_attention(x, attn_mask, rotary, kv_cache)
+            x = self.post_attention_layernorm(x + self._drop(attn))
             return self.post_mlp_layernorm(x + self._drop(self.mlp(x)))
-        x = x + self._drop(self.self_attention(self.input_layernorm(x), attn_mask, rotary))
+        x = x + self._drop(self.self_attention(self.input_layernorm(x), attn_mask, rotary, kv_cache))
         return x + self._drop(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -185,12 +199,20 @@ class TransformerBlock(nn.Module):
         return self.rotary_pos_emb(position_ids, x.dtype)  # type: ignore[no-any-return]
 
     def forward(
-        self, x: torch.Tensor, attn_mask: torch.Tensor | None = None, position_ids: torch.Tensor | None = None
+        self,
+        x: torch.Tensor,
+        attn_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        kv_cache: KVCache | None = None,
     ) -> torch.Tensor:
+        """``kv_cache``: incremental decoding (:mod:`pretrain.inference`); ``position_ids`` then
+        continue after the cached positions (RoPE rotates each new key/query at its own position)."""
         rotary = self.rotary(x, position_ids)
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             if self.recompute and self.training and torch.is_grad_enabled():
                 x = checkpointed(layer, self.rng, x, attn_mask, rotary)
+            elif kv_cache is not None:
+                x = layer(x, attn_mask, rotary, kv_cache.layer(i))
             else:
                 x = layer(x, attn_mask, rotary)
         if hasattr(self, "final_layernorm"):

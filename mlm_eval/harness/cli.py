@@ -1,0 +1,51 @@
+"""``mlm-lm-eval``: lm-evaluation-harness's own command line with the ``mlm`` model registered.
+
+Every ``lm_eval`` flag works unchanged::
+
+    mlm-lm-eval --model mlm --model_args ckpt=DIR,dtype=bf16,batch_size=16 --tasks hellaswag
+    torchrun --nproc-per-node 4 -m mlm_eval.harness --model mlm --model_args ckpt=DIR,tp=2,pp=2 --tasks ...
+
+lm-eval 0.4.13 resolves ``--model`` only against models imported into its registry, with no
+plugin discovery; harness versions that read the ``lm_eval.models`` entry-point group (declared
+in our ``pyproject.toml``) find ``mlm`` from the plain ``lm_eval`` command too. This command
+registers every installed ``lm_eval.models`` entry point lazily, then runs the harness.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+import sys
+
+from pretrain.utils.errors import cli_entry
+
+
+def register_entry_points() -> list[str]:
+    """Register each ``lm_eval.models`` entry point the harness does not know yet; their names."""
+    from lm_eval.api.registry import model_registry
+
+    names = []
+    for ep in md.entry_points(group="lm_eval.models"):
+        if ep.name not in model_registry:
+            model_registry.register(ep.name, target=f"{ep.module}:{ep.attr}")
+            names.append(ep.name)
+    return names
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    """Run the harness CLI (``lm_eval``'s ``cli_evaluate``) with our backend available."""
+    if argv is not None:
+        sys.argv = [sys.argv[0], *argv]
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    import mlm_eval.harness.backend  # noqa: F401  (registers "mlm" even when not pip-installed)
+
+    register_entry_points()
+    from lm_eval.__main__ import cli_evaluate
+
+    cli_evaluate()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""One rank's share of a harness run: the model stage, its scorer, tokenizer and DP position.
+
+Loads ``ckpt`` through the evaluation's checkpoint loading (any layout and era, tokenizer from
+the checkpoint): in one process (resharded in memory), or under ``torchrun`` as this rank's
+TP shard of its pipeline stage, data parallel over ``world / (tp * pp)`` replicas.
+
+:meth:`HarnessEngine.score` and :meth:`HarnessEngine.generate` take *all* rows/prompts on
+every rank, sort them longest first, deal them round-robin to the data-parallel replicas (each
+row is computed by exactly one replica, its model-parallel ranks together), and return every
+result, in the caller's order, on every rank (all-gather over the data-parallel group). A row's
+result never depends on the rows it is batched with.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from mlm_eval.harness.requests import Row, deal, length_order
+from mlm_eval.scorer import DTYPE_FLAGS, LMScorer, ScoredRow, ScoreOutput, score_rows
+from pretrain.inference.generate import GenerationConfig, StopFn, generate
+from pretrain.models.gpt import GPTModel
+from pretrain.parallel.state import ParallelState
+from pretrain.tokenizer.base import Tokenizer
+from pretrain.tokenizer.factory import TokenizerConfig
+from pretrain.utils.errors import UserError
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, kw_only=True)
+class EngineConfig:
+    """Which checkpoint, how it is split and run."""
+
+    ckpt: str
+    tp: int = 1
+    pp: int = 1
+    device: str = "cpu"
+    dtype: str = "float32"  # a pretrain.models.transformer.DTYPES name (or an mlm-eval flag: bf16)
+    batch_size: int = 16  # rows per forward (per pipeline microbatch under PP)
+    tokenizer: TokenizerConfig | None = None  # None: the checkpoint's own
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "batch_size"):
+            if int(getattr(self, name)) < 1:
+                raise UserError(f"model_args {name}={getattr(self, name)}: must be >= 1")
+
+
+class _ModelParallelOnly:
+    """Hides a data-parallel scorer's DP methods: the engine deals rows to replicas itself."""
+
+    def __init__(self, scorer: LMScorer) -> None:
+        self.inner = scorer
+        self.max_length = scorer.max_length
+        self.vocab_size = scorer.vocab_size
+
+    def score(self, input_ids: torch.Tensor, target_ids: torch.Tensor) -> ScoreOutput:
+        return self.inner.score(input_ids, target_ids)
+
+
+# GEMMs with fewer rows than this may take another kernel path (gemv, small-M code) whose
+# rounding differs; the one-process scorer pads both the trunk and the output layer up to a
+# multiple of it so that a row's scores do not depend on the rows batched with it.
+ROW_MULTIPLE = 16
+
+
+class BatchInvariantScorer:
+    """One-process scorer whose per-row results do not depend on the batch (see ``ROW_MULTIPLE``).
+
+    The trunk runs on ``[b, w]`` with ``w`` rounded up to a multiple of ``ROW_MULTIPLE`` (extra
+    right padding: invisible to earlier positions under causal attention), and the output layer
+    on the scored hidden rows padded with zero rows to a multiple of ``ROW_MULTIPLE``.
+    """
+
+    def __init__(self, model: GPTModel) -> None:
+        self.model = model.eval()
+        self.max_length = model.cfg.max_position_embeddings
+        self.vocab_size = model.cfg.vocab_size
+
+    @torch.inference_mode()
+    def score(self, input_ids: torch.Tensor, target_ids: torch.Tensor) -> ScoreOutput:
+        from mlm_eval.megatron_scorer import scored_width
+        from mlm_eval.vocab_scoring import gpt_trunk, score_hidden
+
+        device = self.model.ps.device
+        b, s = target_ids.shape
+        nll = torch.zeros((b, s), dtype=torch.float64)
+        hit = torch.zeros((b, s), dtype=torch.bool)
+        width = scored_width(target_ids)
+        if width == 0:
+            return ScoreOutput(nll=nll, is_argmax=hit)
+        padded = min(-(-width // ROW_MULTIPLE) * ROW_MULTIPLE, self.max_length)
+        ids = torch.zeros((b, padded), dtype=torch.long)
+        ids[:, : min(s, padded)] = input_ids[:, :padded]
+        hidden = gpt_trunk(self.model, input_ids=ids.to(device))[:, :width]
+        mask = target_ids[:, :width] >= 0
+        rows = hidden[mask.to(device)]
+        n = rows.shape[0]
+        extra = -n % ROW_MULTIPLE
+        rows = torch.cat([rows, rows.new_zeros((extra, rows.shape[1]))])
+        targets = torch.cat([target_ids[:, :width][mask], torch.zeros(extra, dtype=torch.long)])
+        out = score_hidden(self.model, rows, targets.to(device))
+        nll[:, :width][mask] = out.nll[:n].cpu()
+        hit[:, :width][mask] = out.is_argmax[:n].cpu()
+        return ScoreOutput(nll=nll, is_argmax=hit)
+
+
+class HarnessEngine:
+    """This rank's model stage with the scorer and tokenizer (see module docstring)."""
+
+    def __init__(
+        self,
+        model: GPTModel,
+        scorer: LMScorer,
+        tokenizer: Tokenizer,
+        *,
+        batch_size: int,
+        rows_per_call: int | None = None,
+        info: dict[str, Any] | None = None,
+        distributed: bool = False,
+        progress: bool = True,
+    ) -> None:
+        self.model = model
+        self.ps: ParallelState = model.ps
+        self.scorer = _ModelParallelOnly(scorer)
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+        self.rows_per_call = rows_per_call or batch_size
+        self.distributed = distributed
+        self.progress = progress
+        self.info: dict[str, Any] = {**(info or {}), "layout": self.layout}
+        self.is_main = self.ps.rank == 0
+
+    @classmethod
+    def load(cls, cfg: EngineConfig) -> HarnessEngine:
+        """Load ``cfg.ckpt`` (one process, or this rank's shard under torchrun)."""
+        from mlm_eval.megatron_scorer import MegatronGPTScorer, load_megatron_gpt
+        from mlm_eval.parallel_scorer import EvalParallelConfig, launched_distributed, load_parallel_gpt
+
+        dtype = DTYPE_FLAGS.get(cfg.dtype, cfg.dtype)
+        if cfg.tp * cfg.pp > 1 or launched_distributed():
+            parallel = EvalParallelConfig(tp=cfg.tp, pp=cfg.pp, device=cfg.device)
+            scorer, encoder, info, _ = load_parallel_gpt(
+                cfg.ckpt,
+                parallel=parallel,
+                tokenizer_cfg=cfg.tokenizer,
+                batch_size=cfg.batch_size,
+                dtype=dtype,
+            )
+            return cls(scorer.chunk, scorer, encoder.tokenizer, batch_size=cfg.batch_size,
+                       rows_per_call=cfg.batch_size * scorer.microbatches_per_call, info={**info, "dtype": dtype},
+                       distributed=True, progress=cfg.progress)  # fmt: skip
+        one, encoder, info = load_megatron_gpt(
+            cfg.ckpt, tokenizer_cfg=cfg.tokenizer, batch_size=cfg.batch_size, device=cfg.device, dtype=dtype
+        )
+        assert isinstance(one, MegatronGPTScorer)
+        return cls(one.model, BatchInvariantScorer(one.model), encoder.tokenizer, batch_size=cfg.batch_size, info={**info, "dtype": dtype},
+                   progress=cfg.progress)  # fmt: skip
+
+    @property
+    def layout(self) -> str:
+        return f"tp{self.ps.tp_size}-pp{self.ps.pp_size}-dp{self.ps.dp_size}"
+
+    @property
+    def max_length(self) -> int:
+        return int(self.model.cfg.max_position_embeddings)
+
+    def score(self, rows: Sequence[Row], *, desc: str = "scoring") -> list[ScoredRow]:
+        """Every row's scored NLLs/argmax hits, in order, on every rank (each row scored once)."""
+        mine = deal(length_order([len(inp) for inp, _ in rows]), self.ps.dp_size, self.ps.dp_rank)
+        local = score_rows(self.scorer, [rows[i] for i in mine], batch_size=self.rows_per_call, desc=desc,
+                           progress=self.progress and self.is_main)  # fmt: skip
+        return self._gather(len(rows), mine, local)
+
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        gen: GenerationConfig,
+        *,
+        stop: StopFn | None = None,
+        progress: Callable[[int], None] | None = None,
+    ) -> list[list[int]]:
+        """Generated ids per prompt, in order, on every rank. ``stop(i, ids)``: prompt ``i`` is done.
+
+        Prompts are batched ``batch_size`` at a time, longest first; row ``i`` samples with seed
+        offset ``i`` so its tokens do not depend on its batch.
+        """
+        mine = deal(length_order([len(p) for p in prompts]), self.ps.dp_size, self.ps.dp_rank)
+        local: list[list[int]] = []
+        step = self.batch_size
+        for lo in range(0, len(mine), step):
+            ids = mine[lo : lo + step]
+            row_stop = None
+            if stop is not None:
+                row_stop = lambda row, toks, ids=ids: stop(ids[row], toks)  # noqa: E731
+            local += generate(self.model, [prompts[i] for i in ids], gen, stop=row_stop, seeds=ids)
+            if progress is not None:
+                progress(len(ids) * self.ps.dp_size)
+        return self._gather(len(prompts), mine, local)
+
+    def _gather(self, n: int, mine: list[int], local: list[T]) -> list[T]:
+        """All replicas' results placed at their original indices (all-gather over dp_group)."""
+        parts: list[Any] = [(mine, local)]
+        if self.ps.dp_group is not None and self.ps.dp_size > 1:
+            parts = [None] * self.ps.dp_size
+            dist.all_gather_object(parts, (mine, local), group=self.ps.dp_group)
+        out: list[Any] = [None] * n
+        for idx, res in parts:
+            for i, r in zip(idx, res, strict=True):
+                out[i] = r
+        assert all(r is not None for r in out), "a row was scored by no replica"
+        return out
+
+    def close(self) -> None:
+        """Release the process group this engine created under torchrun."""
+        if self.distributed and dist.is_initialized():
+            dist.barrier()
+            dist.destroy_process_group()
