@@ -21,10 +21,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from mlm_eval.report_collect import collect_results
-from mlm_eval.report_render import ReportMeta, format_value, meta_cells, notes, write_outputs
+from mlm_eval.report_columns import Column, format_params
+from mlm_eval.report_render import ReportMeta, cell_text, details_text, notes, rank_text, write_outputs
 from mlm_eval.report_table import (
     REDUCE_RULES,
-    Column,
     Leaderboard,
     SortKey,
     TableConfig,
@@ -104,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
     board = build_leaderboard(
         collection.records,
         TableConfig(sort_by=config.sort_by, reduce=config.reduce, with_paper=config.with_paper),
+        collection.hygiene,
     )
     meta = ReportMeta(
         directories=collection.directories,
@@ -125,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
 def rich_tables(board: Leaderboard, width: int) -> list[Table]:
     """The leaderboard for the terminal, its task columns split over tables that fit ``width``.
 
-    Best cells are bold green, reference rows dim italic.
+    Best cells are bold green, marks follow the value in brackets, reference rows dim italic.
     """
     chunks: list[list[Column]] = [[]]
     used = _META_WIDTH
@@ -139,18 +140,21 @@ def rich_tables(board: Leaderboard, width: int) -> list[Table]:
     tables = []
     for i, chunk in enumerate(chunks):
         title = "Leaderboard" + (f" ({i + 1}/{len(chunks)})" if len(chunks) > 1 else "")
-        table = Table(title=title, caption="bold green: best among runs; ↓ lower is better; ref: paper")
+        table = Table(title=title, caption="bold green: best among full runs; ↓ lower is better; ref: paper")
         table.add_column("#", justify="right")
-        table.add_column("Model (params, iteration, layout)", max_width=_MODEL_WIDTH)
+        table.add_column("Model (params; details)", max_width=_MODEL_WIDTH)
         for col in chunk:
             table.add_column(escape(col.label), justify="right", max_width=_HEADER_WRAP, overflow="fold")
         for row in board.rows:
-            rank, name, params, iteration, layout = (escape(t) for t in meta_cells(row))
-            cells = [rank, f"{name}\n[dim]{params}, it {iteration}, {layout}[/]"]
+            name = escape(f"{row.name} (paper, {row.table})" if row.reference else row.name)
+            details = escape(f"{format_params(row.parameters)}; {details_text(row)}")
+            cells = [escape(rank_text(row)), f"{name}\n[dim]{details}[/]"]
             for col in chunk:
                 cell = row.cells.get(col.key)
-                text = format_value(cell.value if cell else None)
-                cells.append(f"[bold green]{text}[/]" if cell and cell.best else text)
+                text = escape(cell_text(cell, col))
+                text = f"[bold green]{text}[/]" if cell and cell.best else text
+                marks = cell.marks() if cell else []
+                cells.append(text + (f"\n[yellow]{escape('[' + ', '.join(marks) + ']')}[/]" if marks else ""))
             table.add_row(*cells, style="dim italic" if row.reference else None)
         tables.append(table)
     return tables

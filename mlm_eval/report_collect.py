@@ -9,9 +9,17 @@ Two formats are understood, both mapped onto one :class:`RunRecord`:
   tagged with source ``lm-eval-harness`` and method ``lm-eval-harness``.
 
 Accuracy-like metrics (accuracy, F1, exact match, MCC, correlations) are normalised to percent,
-the scale of the paper's tables: harness values are always fractions; our records may say
-``details.metric_scale = "percent" | "fraction"``, otherwise a record whose accuracy-like values all
-lie in [-1, 1] is read as fractions. Anything else (unreadable, foreign, invalid) becomes a
+the scale of the paper's tables. The report never guesses a unit from the values: a record that
+declares its unit (``metric_unit``/``metric_scale`` = ``"percent" | "fraction"``, top level or in
+``details``, or a per-metric ``units`` map) is read as declared; an older record without one is read
+by its producer's definition of the metric: ``mlm-eval`` (kind ``eval``) and lm-evaluation-harness
+write fractions, ``mlm-finetune`` (kind ``finetune``) writes percent.
+
+Besides the metrics, each record says how far it can be trusted: ``partial`` (``--limit N``),
+the weights' ``dtype`` during evaluation (bf16/fp16 are reduced precision), ``sample_data`` (the
+built-in samples, not the real test set) and the weights ``fingerprint`` (the row key, see
+:mod:`pretrain.checkpoint.fingerprint`). Contamination records (task ``contamination``) are kept
+apart as :class:`HygieneRecord`. Anything else (unreadable, foreign, invalid) becomes a
 :class:`SkippedFile` with a reason; collecting never raises for a bad file.
 """
 
@@ -36,7 +44,19 @@ SOURCE_HARNESS = "lm-eval-harness"
 EXTRA_METRICS: dict[str, tuple[str, ...]] = {"wikitext103": ("byte_perplexity", "bits_per_byte")}
 # Records in the result schema that describe data, not a model.
 NON_MODEL_TASKS = frozenset({"contamination"})
-_PERCENT_PREFIXES = ("accuracy", "acc", "f1", "exact_match", "em", "mcc", "pearson", "spearman")
+_PERCENT_PREFIXES = ("accuracy", "acc", "f1", "exact_match", "em", "mcc", "pearson", "spearman", "share")
+UNITS = ("percent", "fraction")
+# Each producer's definition of its accuracy-like metrics, for records that declare no unit.
+_PRODUCER_SCALE = {"eval": "fraction", "finetune": "percent"}
+REDUCED_DTYPES = frozenset({"bfloat16", "float16"})
+DTYPE_NAMES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+}
+_BUILTIN_DIRS = ("/mlm_eval/builtin/", "/finetune/builtin/")
 
 # lm-evaluation-harness task -> (our task, {harness metric: our metric}).
 HARNESS_TASKS: dict[str, tuple[str, dict[str, str]]] = {
@@ -69,11 +89,13 @@ class MalformedResult(ValueError):
 
 @dataclass(frozen=True, kw_only=True)
 class ModelKey:
-    """Identity of one leaderboard row: a model at one checkpoint in one layout."""
+    """What a record says about its model: name, training iteration, the layout or format it was
+    read in (``tp2-pp2-vp1``; ``None`` for a Hugging Face directory) and the weights fingerprint."""
 
     name: str
     iteration: int | None
     layout: str | None
+    fingerprint: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -90,6 +112,33 @@ class RunRecord:
     checkpoint: str | None
     metrics: Mapping[str, float]
     seed: int | None
+    created: _dt.datetime
+    dtype: str | None = None  # the weights' dtype during the run ("float32", "bfloat16", ...)
+    limit: int | None = None  # --limit N: only the first N examples/windows (a partial result)
+    sample_data: bool = False  # the built-in sample data, not the real test set
+    unit_rule: str = "declared"  # how accuracy-like values were scaled: "declared" or "producer"
+
+    @property
+    def partial(self) -> bool:
+        return self.limit is not None
+
+    @property
+    def reduced_precision(self) -> bool:
+        return self.dtype in REDUCED_DTYPES
+
+
+@dataclass(frozen=True, kw_only=True)
+class HygieneRecord:
+    """A contamination result: the share (percent) of an eval set's n-grams found in training data.
+
+    It belongs to the model whose name or fingerprint it carries (``mlm-eval contamination --name``)."""
+
+    path: Path
+    name: str
+    fingerprint: str | None
+    eval_task: str
+    n: int | None
+    share: float
     created: _dt.datetime
 
 
@@ -109,6 +158,7 @@ class Collection:
     skipped: tuple[SkippedFile, ...]
     directories: tuple[Path, ...]
     files_seen: int
+    hygiene: tuple[HygieneRecord, ...] = ()
 
 
 def is_percent_metric(metric: str) -> bool:
@@ -124,15 +174,23 @@ def collect_results(directories: Sequence[str | Path]) -> Collection:
         if not d.is_dir():
             raise UserError(f"--results {d}: not a directory")
     records: list[RunRecord] = []
+    hygiene: list[HygieneRecord] = []
     skipped: list[SkippedFile] = []
     files = _json_files(dirs)
     for path in files:
         try:
-            records.extend(read_result_file(path))
+            for item in read_result_file(path):
+                (hygiene if isinstance(item, HygieneRecord) else records).append(item)  # type: ignore[arg-type]
         except MalformedResult as exc:
             if str(exc) != LEADERBOARD_SCHEMA:  # our own report output is not a result, quietly
                 skipped.append(SkippedFile(path=path, reason=str(exc)))
-    return Collection(records=tuple(records), skipped=tuple(skipped), directories=dirs, files_seen=len(files))
+    return Collection(
+        records=tuple(records),
+        skipped=tuple(skipped),
+        directories=dirs,
+        files_seen=len(files),
+        hygiene=tuple(hygiene),
+    )
 
 
 def _json_files(dirs: Iterable[Path]) -> list[Path]:
@@ -144,7 +202,7 @@ def _json_files(dirs: Iterable[Path]) -> list[Path]:
     return list(seen.values())
 
 
-def read_result_file(path: Path) -> list[RunRecord]:
+def read_result_file(path: Path) -> list[RunRecord | HygieneRecord]:
     """Parse one file into records; raises :class:`MalformedResult` with the reason otherwise."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
@@ -159,9 +217,11 @@ def read_result_file(path: Path) -> list[RunRecord]:
     if "schema" in data:
         if data["schema"] != RESULT_SCHEMA:
             raise MalformedResult(f"unknown schema {data['schema']!r} (expected {RESULT_SCHEMA!r})")
+        if data.get("task") in NON_MODEL_TASKS:
+            return [_parse_hygiene(path, data)]
         return [_parse_toolkit(path, data)]
     if isinstance(data.get("results"), dict) and ("config" in data or "versions" in data):
-        return _parse_harness(path, data)
+        return list(_parse_harness(path, data))
     raise MalformedResult("not a result file: no 'schema' field and not lm-evaluation-harness output")
 
 
@@ -170,35 +230,120 @@ def _parse_toolkit(path: Path, data: dict[str, Any]) -> RunRecord:
     if kind not in ("eval", "finetune"):
         raise MalformedResult(f"field 'kind': expected 'eval' or 'finetune', got {kind!r}")
     task = _nonempty(_field(data, "task", str), "task")
-    if task in NON_MODEL_TASKS:
-        raise MalformedResult(f"task {task!r} is a data-hygiene result, not a model result")
     model = _field(data, "model", dict)
-    details = data.get("details") or {}
+    raw_details = data.get("details")
+    details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
     metrics = _metrics(_field(data, "metrics", dict), task)
-    scale = details.get("metric_scale") if isinstance(details, dict) else None
+    scaled, rule = _to_percent(metrics, _declared_units(data, details), _PRODUCER_SCALE[kind])
     return RunRecord(
         path=path,
         source=SOURCE_TOOLKIT,
         kind=kind,
         task=task,
         method=_nonempty(_field(data, "method", str), "method"),
-        model=ModelKey(
-            name=_nonempty(_field(model, "name", str, "model.name"), "model.name"),
-            iteration=_optional(model, "iteration", int, "model.iteration"),
-            layout=_optional(model, "layout", str, "model.layout"),
-        ),
+        model=_model_key(model),
         parameters=_optional(model, "parameters", int, "model.parameters"),
         checkpoint=_optional(model, "checkpoint", str, "model.checkpoint"),
-        metrics=_to_percent(metrics, scale),
+        metrics=scaled,
         seed=_optional(data, "seed", int, "seed"),
         created=_timestamp(_field(data, "created", str)),
+        dtype=_dtype(data, details),
+        limit=_limit(data, details),
+        sample_data=_sample_data(data, details),
+        unit_rule=rule,
     )
+
+
+def _model_key(model: dict[str, Any]) -> ModelKey:
+    fingerprint = model.get("fingerprint")
+    if fingerprint is not None and not (isinstance(fingerprint, str) and fingerprint.strip()):
+        raise MalformedResult(f"field 'model.fingerprint': expected a string, got {fingerprint!r}")
+    return ModelKey(
+        name=_nonempty(_field(model, "name", str, "model.name"), "model.name"),
+        iteration=_optional(model, "iteration", int, "model.iteration"),
+        layout=_optional(model, "layout", str, "model.layout"),
+        fingerprint=fingerprint,
+    )
+
+
+def _parse_hygiene(path: Path, data: dict[str, Any]) -> HygieneRecord:
+    model = _field(data, "model", dict)
+    raw_details = data.get("details")
+    details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
+    metrics = _field(data, "metrics", dict)
+    share = metrics.get("share")
+    if not _is_number(share):
+        raise MalformedResult(f"field 'metrics.share': expected a finite number, got {share!r}")
+    method = _field(data, "method", str)
+    eval_task = (
+        details.get("eval_task") if isinstance(details.get("eval_task"), str) else method.split("-")[0]
+    )
+    n = details.get("n")
+    (scaled, _) = _to_percent({"share": float(share)}, _declared_units(data, details), "fraction")
+    return HygieneRecord(
+        path=path,
+        name=_nonempty(_field(model, "name", str, "model.name"), "model.name"),
+        fingerprint=model.get("fingerprint") if isinstance(model.get("fingerprint"), str) else None,
+        eval_task=str(eval_task),
+        n=n if _is_int(n) else None,
+        share=scaled["share"],
+        created=_timestamp(_field(data, "created", str)),
+    )
+
+
+def _declared_units(data: dict[str, Any], details: dict[str, Any]) -> dict[str, str] | str | None:
+    """The unit a record declares for its accuracy-like metrics (all, or per metric)."""
+    for obj in (data, details):
+        units = obj.get("units")
+        if isinstance(units, dict):
+            return {str(k): str(v) for k, v in units.items()}
+        for key in ("metric_unit", "metric_scale", "unit"):
+            value = obj.get(key)
+            if value is not None:
+                if value not in UNITS:
+                    raise MalformedResult(f"field {key!r}: expected 'percent' or 'fraction', got {value!r}")
+                return str(value)
+    return None
+
+
+def _dtype(data: dict[str, Any], details: dict[str, Any]) -> str | None:
+    hyper = details.get("hyperparameters")
+    for value in (
+        data.get("dtype"),
+        details.get("dtype"),
+        isinstance(hyper, dict) and hyper.get("params_dtype"),
+    ):
+        if isinstance(value, str) and value:
+            return DTYPE_NAMES.get(value, value)
+    return None
+
+
+def _limit(data: dict[str, Any], details: dict[str, Any]) -> int | None:
+    for value in (data.get("limit"), details.get("limit")):
+        if _is_int(value):
+            return int(value)
+    if data.get("partial") is True or details.get("partial") is True:
+        return 0  # partial without a recorded count
+    return None
+
+
+def _sample_data(data: dict[str, Any], details: dict[str, Any]) -> bool:
+    for value in (data.get("sample_data"), details.get("sample_data")):
+        if isinstance(value, bool):
+            return value
+    label = details.get("data")  # older mlm-eval records: the data file's path or builtin:NAME
+    if isinstance(label, str):
+        return label.startswith("builtin:") or any(marker in label for marker in _BUILTIN_DIRS)
+    return False
 
 
 def _parse_harness(path: Path, data: dict[str, Any]) -> list[RunRecord]:
     raw_config = data.get("config")
     config: dict[str, Any] = raw_config if isinstance(raw_config, dict) else {}
     name = _harness_model_name(data, config)
+    model_args = _harness_args(config)
+    dtype = model_args.get("dtype")
+    limit = config.get("limit")
     params = config.get("model_num_parameters")
     created = _harness_time(path, data)
     seed = config.get("random_seed")
@@ -221,9 +366,14 @@ def _parse_harness(path: Path, data: dict[str, Any]) -> list[RunRecord]:
                     model=ModelKey(name=name, iteration=None, layout=None),
                     parameters=params if _is_int(params) else None,
                     checkpoint=None,
-                    metrics=_to_percent(metrics, "fraction"),
+                    metrics=_to_percent(metrics, None, "fraction")[0],
                     seed=seed if _is_int(seed) else None,
                     created=created,
+                    dtype=DTYPE_NAMES.get(dtype, dtype)
+                    if isinstance(dtype, str) and dtype != "auto"
+                    else None,
+                    limit=int(limit) if _is_number(limit) else None,
+                    unit_rule="producer",
                 )
             )
     if not records:
@@ -248,16 +398,20 @@ def _harness_metrics(values: dict[str, Any], names: dict[str, str]) -> dict[str,
 def _harness_model_name(data: dict[str, Any], config: dict[str, Any]) -> str:
     name = data.get("model_name")
     if not isinstance(name, str) or not name:
-        args = config.get("model_args")
-        if isinstance(args, str):
-            args = dict(p.partition("=")[::2] for p in args.split(",") if p)
-        name = args.get("pretrained") if isinstance(args, dict) else None
+        name = _harness_args(config).get("pretrained")
     if not isinstance(name, str) or not name:
         name = config.get("model") if isinstance(config.get("model"), str) else None
     if not name:
         raise MalformedResult("lm-evaluation-harness file: no model name in config.model_args")
     # A local path names the model by its last component.
     return name.rstrip("/").rsplit("/", 1)[-1] if name.startswith(("/", ".")) else name
+
+
+def _harness_args(config: dict[str, Any]) -> dict[str, Any]:
+    args = config.get("model_args")
+    if isinstance(args, str):
+        args = dict(p.partition("=")[::2] for p in args.split(",") if p)
+    return args if isinstance(args, dict) else {}
 
 
 def _harness_time(path: Path, data: dict[str, Any]) -> _dt.datetime:
@@ -267,12 +421,18 @@ def _harness_time(path: Path, data: dict[str, Any]) -> _dt.datetime:
     return _dt.datetime.fromtimestamp(seconds, tz=_dt.timezone.utc)
 
 
-def _to_percent(metrics: dict[str, float], scale: Any) -> dict[str, float]:
-    pct = [v for k, v in metrics.items() if is_percent_metric(k)]
-    if scale not in ("percent", "fraction"):
-        scale = "fraction" if pct and all(-1.0 <= v <= 1.0 for v in pct) else "percent"
-    factor = 100.0 if scale == "fraction" else 1.0
-    return {k: v * factor if is_percent_metric(k) else v for k, v in metrics.items()}
+def _to_percent(
+    metrics: dict[str, float], declared: dict[str, str] | str | None, producer: str
+) -> tuple[dict[str, float], str]:
+    """Accuracy-like metrics in percent, by the declared unit, else by the producer's definition."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        unit = declared.get(key) if isinstance(declared, dict) else declared
+        if unit is not None and unit not in UNITS:
+            raise MalformedResult(f"field 'units.{key}': expected 'percent' or 'fraction', got {unit!r}")
+        factor = 100.0 if is_percent_metric(key) and (unit or producer) == "fraction" else 1.0
+        out[key] = value * factor
+    return out, "producer" if declared is None else "declared"
 
 
 def leaderboard_metrics(task: str) -> tuple[str, ...] | None:

@@ -1,111 +1,110 @@
-"""Build the leaderboard: one row per model checkpoint, one column per task metric.
+"""Build the leaderboard: one row per model (weights), one column per task metric.
 
-Rows are keyed by (model name, iteration, layout); columns by (task, metric, method). The method
-stays in the column for zero-shot evaluations because ``paper``, ``lm-eval``, ``last-token`` and
-``lm-eval-harness`` numbers are not comparable; finetuning has one official metric per task, so its
-method is folded into the column. Duplicate runs of one cell are reduced with ``latest`` or
-``median`` (over seeds) and the rule is stated in every output. Paper rows are references: listed
-after the runs, never ranked, never marked best.
+A row is a set of weights: records with the same weights fingerprint (every layout, reshard and
+Hugging Face export of one checkpoint) share it; a record without a fingerprint is keyed by its
+model name and iteration. The layouts and formats a row was evaluated in are its detail. Columns
+are (task, metric, method): the method stays in the column for zero-shot evaluations because
+``paper``, ``lm-eval``, ``last-token`` and ``lm-eval-harness`` numbers are not comparable;
+finetuning has one official metric per task, so its method is folded into the column.
+
+Per (model, task, method, dtype) the newest *full* result is kept (a partial ``--limit`` run only
+when no full run exists), or with ``--reduce median`` the median over seeds. A cell shows the kept
+result in full precision if there is one (bf16/fp16 otherwise, marked); the other kept results are
+listed as its variants. Paper rows are references: after the runs, never ranked, never best.
 """
 
 from __future__ import annotations
 
-import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
-
-import pandas as pd
+from dataclasses import dataclass, field, replace
 
 from mlm_eval.paper_reference import PAPER_ROWS, PaperRow
-from mlm_eval.report_collect import RunRecord, is_percent_metric
+from mlm_eval.report_collect import HygieneRecord, RunRecord
+from mlm_eval.report_columns import (
+    MISSING,
+    Column,
+    column_key,
+    format_value,
+    make_columns,
+    meaningful_gap,
+)
 from pretrain.utils.errors import UserError
-from pretrain.utils.results import TASK_METRICS
 
-MISSING = "—"
+__all__ = ["MISSING", "Column", "column_key", "format_value"]
 REDUCE_RULES = ("latest", "median")
-TASK_LABELS = {
-    "wikitext103": "WikiText-103",
-    "lambada": "LAMBADA",
-    "mnli": "MNLI",
-    "qqp": "QQP",
-    "squad1": "SQuAD 1.1",
-    "squad2": "SQuAD 2.0",
-    "race": "RACE",
-    "cola": "CoLA",
-    "sst2": "SST-2",
-    "mrpc": "MRPC",
-    "stsb": "STS-B",
-    "qnli": "QNLI",
-    "rte": "RTE",
-    "wnli": "WNLI",
-}
-METRIC_LABELS = {
-    "adjusted_ppl": "adj. ppl",
-    "token_ppl": "token ppl",
-    "word_perplexity": "word ppl",
-    "byte_perplexity": "byte ppl",
-    "bits_per_byte": "bits/byte",
-    "accuracy": "acc",
-    "accuracy_m": "m acc",
-    "accuracy_mm": "mm acc",
-    "accuracy_middle": "middle acc",
-    "accuracy_high": "high acc",
-    "exact_match": "EM",
-    "f1": "F1",
-    "mcc": "MCC",
-    "pearson": "Pearson",
-    "spearman": "Spearman",
-}
-_LOWER_HINTS = ("ppl", "perplexity", "loss", "bits_per", "bpb", "error")
-_PLAIN_METHODS = ("paper", "")
-
-
-@dataclass(frozen=True, kw_only=True)
-class Column:
-    """One leaderboard column: a metric of a task computed one way."""
-
-    task: str
-    metric: str
-    method: str
-    lower_is_better: bool
-    percent: bool
-
-    @property
-    def key(self) -> str:
-        return column_key(self.task, self.metric, self.method)
-
-    @property
-    def label(self) -> str:
-        metric = "all acc" if (self.task, self.metric) == ("race", "accuracy") else None
-        metric = metric or METRIC_LABELS.get(self.metric, self.metric)
-        arrow = "↓" if self.lower_is_better else "↑"
-        text = f"{TASK_LABELS.get(self.task, self.task)} {metric}{' %' if self.percent else ''} {arrow}"
-        return text if self.method in _PLAIN_METHODS else f"{text} [{self.method}]"
 
 
 @dataclass(frozen=True, kw_only=True)
 class Cell:
-    """A reduced value with where it came from."""
+    """A reduced value with its provenance and marks."""
 
     value: float
-    best: bool
-    n_runs: int
-    seeds: tuple[int | None, ...]
-    sources: tuple[str, ...]
+    best: bool = False
+    n_runs: int = 1
+    seeds: tuple[int | None, ...] = ()
+    sources: tuple[str, ...] = ()
+    dtype: str | None = None
+    limit: int | None = None  # a partial result (--limit N; 0: partial, count unknown)
+    sample_data: bool = False
+    reduced_precision: bool = False
+    contamination: float | None = None  # percent of the eval set's n-grams found in training data
+    variants: tuple[tuple[str, float], ...] = ()  # other kept results: (description, value)
+
+    @property
+    def partial(self) -> bool:
+        return self.limit is not None
+
+    @property
+    def comparable(self) -> bool:
+        """A full run on real data: may be ranked and marked best."""
+        return not self.partial and not self.sample_data
+
+    def marks(self) -> list[str]:
+        """Short plain-text marks, in a fixed order (see :data:`MARK_LEGEND`)."""
+        out = []
+        if self.partial:
+            out.append(f"partial n={self.limit}" if self.limit else "partial")
+        if self.reduced_precision:
+            out.append(_SHORT_DTYPES.get(self.dtype or "", self.dtype or "reduced precision"))
+        if self.sample_data:
+            out.append("sample data")
+        if self.contamination is not None:
+            out.append(f"contaminated {format_value(self.contamination, percent=True)}%")
+        return out
+
+
+_SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16"}
+MARK_LEGEND = (
+    ("partial", "a --limit run on the first N examples only: not comparable, never ranked or best"),
+    ("bf16/fp16", "evaluated with reduced-precision (bfloat16/float16) weights"),
+    ("sample data", "the built-in sample data, not the real test set; never ranked or best"),
+    (
+        "contaminated X%",
+        "X% of the eval set's n-grams occur in the model's training data (mlm-eval contamination)",
+    ),
+)
 
 
 @dataclass(frozen=True, kw_only=True)
 class Row:
-    """A model checkpoint (a run row) or a published paper row (``reference``)."""
+    """A model (a run row) or a published paper row (``reference``)."""
 
     rank: int | None
     reference: bool
     name: str
     parameters: int | None
     iteration: int | None
-    layout: str | None
-    note: str
     cells: Mapping[str, Cell]
+    fingerprint: str | None = None
+    aliases: tuple[str, ...] = ()  # other model names its records carry
+    formats: tuple[str, ...] = ()  # layouts / formats it was evaluated in
+    note: str = ""
+    table: str | None = None  # the paper table of a reference row
+
+    @property
+    def layout(self) -> str | None:
+        return ", ".join(self.formats) or None
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,36 +127,14 @@ class TableConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class Leaderboard:
-    """The finished table: run rows sorted best first, then reference rows."""
+    """The finished table: ranked run rows, unranked run rows, then reference rows."""
 
     columns: tuple[Column, ...]
     rows: tuple[Row, ...]
     sort_column: Column
     reduce: str
     rule: str
-
-    def to_frame(self) -> pd.DataFrame:
-        """Numeric table (NaN where missing), one row per :class:`Row`, columns by label."""
-        records = [
-            {
-                "rank": row.rank,
-                "reference": row.reference,
-                "name": row.name,
-                "parameters": row.parameters,
-                "iteration": row.iteration,
-                "layout": row.layout,
-                **{c.label: row.cells[c.key].value if c.key in row.cells else math.nan for c in self.columns},
-            }
-            for row in self.rows
-        ]
-        return pd.DataFrame.from_records(records).astype(
-            {"rank": "Int64", "parameters": "Int64", "iteration": "Int64"}
-        )
-
-
-def column_key(task: str, metric: str, method: str) -> str:
-    """``task:metric``, plus ``@method`` for a non-default method (the ``--sort-by`` syntax)."""
-    return f"{task}:{metric}" if method in _PLAIN_METHODS else f"{task}:{metric}@{method}"
+    unmatched_hygiene: tuple[HygieneRecord, ...] = field(default=())
 
 
 def parse_sort_key(text: str) -> SortKey:
@@ -169,45 +146,40 @@ def parse_sort_key(text: str) -> SortKey:
     return SortKey(task=task, metric=metric or None, method=method or None)
 
 
-def lower_is_better(task: str, metric: str) -> bool:
-    """Known metrics from ``TASK_METRICS``; unknown ones by name (perplexities, losses)."""
-    known = TASK_METRICS.get(task, {})
-    if metric in known:
-        return known[metric]
-    return any(hint in metric.lower() for hint in _LOWER_HINTS)
-
-
 def reduce_rule(rule: str) -> str:
     """The sentence stating how duplicate runs were reduced."""
+    head = "Per model, task, method and dtype the full runs win over partial (--limit) runs; then "
     if rule == "latest":
-        return (
-            "Duplicate runs of the same model, task and method: the most recent run "
-            "(by its 'created' time) is shown."
-        )
-    return (
-        "Duplicate runs of the same model, task and method: the median over seeds is shown "
-        "(the latest run per seed; with an even count, the mean of the two middle values)."
+        return head + "the most recent run (by its 'created' time) is shown."
+    return head + (
+        "the median over seeds is shown (the latest run per seed; with an even count, the mean of "
+        "the two middle values)."
     )
 
 
-def build_leaderboard(records: Sequence[RunRecord], config: TableConfig) -> Leaderboard:
-    """Reduce duplicates, pivot into rows and columns, rank by the sort column, mark the best."""
+def build_leaderboard(
+    records: Sequence[RunRecord], config: TableConfig, hygiene: Sequence[HygieneRecord] = ()
+) -> Leaderboard:
+    """Group records into models, reduce duplicates, rank by the sort column, mark the best."""
     if config.reduce not in REDUCE_RULES:
         raise UserError(f"--reduce {config.reduce!r}: expected one of {', '.join(REDUCE_RULES)}")
-    reduced = _reduce(_long_frame(records), config.reduce)
     refs = PAPER_ROWS if config.with_paper else ()
-    columns = _columns(reduced, refs)
-    sort_column = _find_sort_column(columns, reduced, config.sort_by)
-    runs = _run_rows(reduced)
+    triples = {(r.task, m, _column_method(r.kind, r.method)) for r in records for m in r.metrics}
+    columns = make_columns(triples)  # only columns some run has; references fill those they share
+    sort_column = _find_sort_column(columns, triples, config.sort_by)
+    groups = _group_models(records)
+    runs = [_run_row(key, recs, columns, config.reduce) for key, recs in groups.items()]
+    runs, unmatched = _attach_hygiene(runs, hygiene, columns)
     runs = _rank(_mark_best(runs, columns), sort_column)
-    ref_rows = [_reference_row(p) for p in refs]
-    ref_rows.sort(key=lambda r: _sort_value(r, sort_column)[:2])  # stable: paper order among ties
+    ref_rows = [_reference_row(p, columns) for p in refs]
+    ref_rows = sorted((r for r in ref_rows if r.cells), key=lambda r: _sort_value(r, sort_column)[:3])
     return Leaderboard(
         columns=columns,
         rows=tuple(runs + ref_rows),
         sort_column=sort_column,
         reduce=config.reduce,
         rule=reduce_rule(config.reduce),
+        unmatched_hygiene=tuple(unmatched),
     )
 
 
@@ -215,82 +187,115 @@ def _column_method(kind: str, method: str) -> str:
     return "" if kind == "finetune" else method
 
 
-def _long_frame(records: Sequence[RunRecord]) -> pd.DataFrame:
-    """One line per (record, metric); ``None`` keys become strings so groupby keeps them."""
-    lines = [
-        {
-            "name": r.model.name,
-            "iteration": -1 if r.model.iteration is None else r.model.iteration,
-            "layout": r.model.layout or "",
-            "parameters": r.parameters,
-            "task": r.task,
-            "method": _column_method(r.kind, r.method),
-            "metric": metric,
-            "value": value,
-            "seed": r.seed,
-            "seed_key": "none" if r.seed is None else str(r.seed),
-            "created": r.created,
-            "path": str(r.path),
-        }
-        for r in records
-        for metric, value in r.metrics.items()
-    ]
-    return pd.DataFrame.from_records(lines)
+def _group_models(records: Sequence[RunRecord]) -> dict[str, list[RunRecord]]:
+    """Records by weights: the fingerprint, else ``name@iteration``."""
+    groups: dict[str, list[RunRecord]] = {}
+    for r in records:
+        key = r.model.fingerprint or f"name:{r.model.name}@{r.model.iteration}"
+        groups.setdefault(key, []).append(r)
+    return groups
 
 
-def _reduce(long: pd.DataFrame, rule: str) -> pd.DataFrame:
-    cell = ["name", "iteration", "layout", "task", "method", "metric"]
-    ordered = long.sort_values(["created", "path"], kind="stable")
+def _run_row(key: str, recs: list[RunRecord], columns: Sequence[Column], rule: str) -> Row:
+    newest = max(recs, key=lambda r: (r.created, str(r.path)))
+    counts = Counter(r.model.name for r in recs)  # the most used name, then the newest record's
+    names = sorted(counts, key=lambda n: (-counts[n], n != newest.model.name, n))
+    params = [r.parameters for r in recs if r.parameters is not None]
+    iterations = {r.model.iteration for r in recs if r.model.iteration is not None}
+    cells = {}
+    for col in columns:
+        picked = [r for r in recs if _in_column(r, col)]
+        if picked:
+            cells[col.key] = _reduce_cell(picked, col.metric, rule)
+    return Row(
+        rank=None,
+        reference=False,
+        name=names[0],
+        aliases=tuple(names[1:]),
+        parameters=max(set(params), key=params.count) if params else None,
+        iteration=max(iterations) if iterations else None,
+        cells=cells,
+        fingerprint=newest.model.fingerprint,
+        formats=tuple(sorted({_format_of(r) for r in recs})),
+    )
+
+
+def _in_column(r: RunRecord, col: Column) -> bool:
+    return r.task == col.task and col.metric in r.metrics and _column_method(r.kind, r.method) == col.method
+
+
+def _format_of(r: RunRecord) -> str:
+    if r.model.layout:
+        return r.model.layout
+    return "lm-eval-harness" if r.source == "lm-eval-harness" else "HF"
+
+
+def _reduce_cell(recs: list[RunRecord], metric: str, rule: str) -> Cell:
+    """Per dtype: full runs win over partial ones, then latest/median; full precision shown first."""
+    by_dtype: dict[str | None, list[RunRecord]] = {}
+    for r in recs:
+        by_dtype.setdefault(r.dtype, []).append(r)
+    kept = []
+    for group in by_dtype.values():
+        full = [r for r in group if not r.partial]
+        kept.append(_reduce_group(full or group, metric, rule, n_total=len(group)))
+    kept.sort(key=lambda c: (c.reduced_precision, c.partial, c.sample_data))
+    shown, others = kept[0], kept[1:]
+    variants = tuple((o.dtype or "dtype not recorded") + (", partial" if o.partial else "") for o in others)
+    return replace(shown, variants=tuple(zip(variants, (o.value for o in others), strict=True)))
+
+
+def _reduce_group(recs: list[RunRecord], metric: str, rule: str, *, n_total: int) -> Cell:
+    ordered = sorted(recs, key=lambda r: (r.created, str(r.path)))
+    latest = ordered[-1]
     if rule == "latest":
-        picked = ordered.groupby(cell, sort=False).tail(1)
-        return picked.assign(
-            n_runs=ordered.groupby(cell, sort=False)["value"].transform("size").loc[picked.index],
-            seeds=picked["seed"].map(lambda s: (s,)),
-            sources=picked["path"].map(lambda p: (p,)),
-        )
-    per_seed = ordered.groupby([*cell, "seed_key"], sort=False).tail(1)
-    grouped = per_seed.groupby(cell, sort=False)
-    out = grouped.agg(
-        value=("value", "median"),
-        parameters=("parameters", "first"),
-        n_runs=("value", "size"),
-        seeds=("seed", tuple),
-        sources=("path", tuple),
-    )
-    return out.reset_index()
-
-
-def _columns(reduced: pd.DataFrame, refs: Sequence[PaperRow]) -> tuple[Column, ...]:
-    keys = set(zip(reduced["task"], reduced["metric"], reduced["method"], strict=True))
-    for ref in refs:
-        keys |= {(t, m, "paper" if ref.kind == "eval" else "") for t, m in ref.values}
-    task_order = list(TASK_LABELS)
-
-    def order(key: tuple[str, str, str]) -> tuple[int, str, int, str, int, str]:
-        task, metric, method = key
-        metrics = list(TASK_METRICS.get(task, {}))
-        return (
-            task_order.index(task) if task in task_order else len(task_order),
-            task,
-            metrics.index(metric) if metric in metrics else len(metrics),
-            metric,
-            0 if method in _PLAIN_METHODS else 1,
-            method,
-        )
-
-    return tuple(
-        Column(
-            task=t, metric=m, method=me, lower_is_better=lower_is_better(t, m), percent=is_percent_metric(m)
-        )
-        for t, m, me in sorted(keys, key=order)
+        chosen, value = [latest], latest.metrics[metric]
+    else:
+        per_seed = {r.seed: r for r in ordered}  # the latest run per seed
+        chosen = list(per_seed.values())
+        values = sorted(r.metrics[metric] for r in chosen)
+        mid = len(values) // 2
+        value = values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+    return Cell(
+        value=float(value),
+        n_runs=n_total if rule == "latest" else len(chosen),
+        seeds=tuple(r.seed for r in chosen),
+        sources=tuple(sorted({str(r.path) for r in chosen})),
+        dtype=latest.dtype,
+        limit=latest.limit,
+        sample_data=any(r.sample_data for r in chosen),
+        reduced_precision=latest.reduced_precision,
     )
 
 
-def _find_sort_column(columns: Sequence[Column], reduced: pd.DataFrame, want: SortKey | None) -> Column:
-    triples = zip(reduced["task"], reduced["metric"], reduced["method"], strict=True)
-    with_runs = {f"{t}:{m}:{me}" for t, m, me in triples}
+def _attach_hygiene(
+    rows: list[Row], hygiene: Sequence[HygieneRecord], columns: Sequence[Column]
+) -> tuple[list[Row], list[HygieneRecord]]:
+    """The newest contamination share of (model, eval task) beside that model's scores on the task."""
+    latest: dict[tuple[str, str], HygieneRecord] = {}
+    for h in sorted(hygiene, key=lambda h: h.created):
+        latest[(h.fingerprint or h.name, h.eval_task)] = h
+    used: set[tuple[str, str]] = set()
+    out = []
+    for row in rows:
+        ids = {row.name, *row.aliases} | ({row.fingerprint} if row.fingerprint else set())
+        cells = dict(row.cells)
+        marked: set[tuple[str, str]] = set()  # beside the first metric of each task and method
+        for col in columns:
+            hit = next((latest[(i, col.task)] for i in sorted(ids) if (i, col.task) in latest), None)
+            if hit is not None and col.key in cells and (col.task, col.method) not in marked:
+                cells[col.key] = replace(cells[col.key], contamination=hit.share)
+                used.add((hit.fingerprint or hit.name, col.task))
+                marked.add((col.task, col.method))
+        out.append(replace(row, cells=cells))
+    return out, [h for k, h in latest.items() if k not in used]
+
+
+def _find_sort_column(
+    columns: Sequence[Column], with_runs: set[tuple[str, str, str]], want: SortKey | None
+) -> Column:
     if want is None:  # default: the first column (in task order) that has a run
-        return next(c for c in columns if f"{c.task}:{c.metric}:{c.method}" in with_runs)
+        return next(c for c in columns if (c.task, c.metric, c.method) in with_runs)
     for col in columns:
         method_ok = (
             want.method is None or want.method == col.method or (want.method == "paper" and col.method == "")
@@ -302,83 +307,65 @@ def _find_sort_column(columns: Sequence[Column], reduced: pd.DataFrame, want: So
     raise UserError(f"--sort-by {text!r}: no such column in the results; available: {available}")
 
 
-def _run_rows(reduced: pd.DataFrame) -> list[Row]:
-    rows: list[Row] = []
-    for (name, iteration, layout), group in reduced.groupby(["name", "iteration", "layout"], sort=True):
-        params = group["parameters"].dropna()
-        cells = {
-            column_key(t, m, me): Cell(
-                value=float(v),
-                best=False,
-                n_runs=int(n),
-                seeds=tuple(None if pd.isna(x) else int(x) for x in s),
-                sources=tuple(sorted(set(src))),
-            )
-            for t, m, me, v, n, s, src in zip(
-                group["task"],
-                group["metric"],
-                group["method"],
-                group["value"],
-                group["n_runs"],
-                group["seeds"],
-                group["sources"],
-                strict=True,
-            )
-        }
-        rows.append(
-            Row(
-                rank=None,
-                reference=False,
-                name=str(name),
-                parameters=int(params.mode().iloc[0]) if len(params) else None,
-                iteration=None if iteration == -1 else int(iteration),
-                layout=layout or None,
-                note="",
-                cells=cells,
-            )
-        )
-    return rows
-
-
-def _reference_row(ref: PaperRow) -> Row:
-    cells = {}
-    for (task, metric), value in ref.values.items():
-        method = "paper" if ref.kind == "eval" else ""
-        cells[column_key(task, metric, method)] = Cell(
-            value=value, best=False, n_runs=0, seeds=(), sources=(ref.table,)
-        )
+def _reference_row(ref: PaperRow, columns: Sequence[Column]) -> Row:
+    method = "paper" if ref.kind == "eval" else ""
+    keys = {c.key for c in columns}
+    cells = {
+        key: Cell(value=value, n_runs=0, sources=(ref.table,))
+        for (task, metric), value in ref.values.items()
+        if (key := column_key(task, metric, method)) in keys
+    }
     return Row(
         rank=None,
         reference=True,
-        name=f"{ref.name} (paper, {ref.table})",
+        name=ref.name,
         parameters=ref.parameters,
         iteration=ref.iteration,
-        layout=None,
-        note=f"reference, {ref.table}: {ref.note}",
         cells=cells,
+        formats=(f"paper {ref.table}",),
+        note=f"paper {ref.table}: {ref.note}",
+        table=ref.table,
     )
 
 
 def _mark_best(rows: list[Row], columns: Sequence[Column]) -> list[Row]:
-    """Best per column among runs only, where at least two runs compete; ties are all marked."""
+    """Best per column among comparable runs (full, real data), where at least two compete and the
+    best beats the runner-up by at least the precision the value is reported with; ties: none."""
     best: dict[str, float] = {}
     for col in columns:
-        values = [r.cells[col.key].value for r in rows if col.key in r.cells]
-        if len(values) >= 2:
-            best[col.key] = min(values) if col.lower_is_better else max(values)
+        values = sorted(
+            (r.cells[col.key].value for r in rows if col.key in r.cells and r.cells[col.key].comparable),
+            reverse=not col.lower_is_better,
+        )
+        if len(values) >= 2 and meaningful_gap(values[0], values[1], col):
+            best[col.key] = values[0]
     return [
-        replace(r, cells={k: replace(c, best=c.value == best.get(k)) for k, c in r.cells.items()})
+        replace(
+            r,
+            cells={k: replace(c, best=c.comparable and c.value == best.get(k)) for k, c in r.cells.items()},
+        )
         for r in rows
     ]
 
 
 def _rank(rows: list[Row], col: Column) -> list[Row]:
-    """Best first by the sort column; rows without a value come last, unranked."""
+    """Best first by the sort column; rows without a comparable value come last, unranked."""
     ordered = sorted(rows, key=lambda r: _sort_value(r, col))
-    return [replace(r, rank=i + 1 if col.key in r.cells else None) for i, r in enumerate(ordered)]
+    return [replace(r, rank=i + 1 if _ranked(r, col) else None) for i, r in enumerate(ordered)]
 
 
-def _sort_value(row: Row, col: Column) -> tuple[int, float, str, int]:
+def _ranked(row: Row, col: Column) -> bool:
     cell = row.cells.get(col.key)
-    value = math.inf if cell is None else (cell.value if col.lower_is_better else -cell.value)
-    return (cell is None, value, row.name, -1 if row.iteration is None else row.iteration)
+    return cell is not None and cell.comparable
+
+
+def _sort_value(row: Row, col: Column) -> tuple[int, int, float, str, int]:
+    cell = row.cells.get(col.key)
+    value = float("inf") if cell is None else (cell.value if col.lower_is_better else -cell.value)
+    return (
+        cell is None,
+        not _ranked(row, col),
+        value,
+        row.name,
+        -1 if row.iteration is None else row.iteration,
+    )

@@ -1,11 +1,14 @@
-"""The leaderboard page renders in a real browser (headless Chromium), where one is installed.
+"""The leaderboard page in a real browser (headless Chromium) at a laptop width of 1400 px.
 
-Skipped with a reason when no Chromium is found; ``tests/test_report.py`` parses the same page
-without a browser and always runs.
+The demo's results plus a dozen realistic ones and the paper's rows: the page must not overflow
+horizontally, the table must not be cut off (no horizontal scrolling inside its box either), and
+every plot image must be decoded. Skipped with a reason when no Chromium is installed
+(``apt-get install chromium``); ``tests/test_report_html.py`` checks the same page without a browser.
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -16,69 +19,100 @@ import pytest
 from matplotlib.image import imread
 
 from mlm_eval.cli import main as eval_main
-from tests.test_report import write_fixtures
+from tests import report_fixtures as rf
 from tests.test_report_html import png_size
 
+WIDTH, HEIGHT = 1400, 900
 CHROMIUM_FLAGS = (
     "--headless",
     "--no-sandbox",
     "--disable-gpu",
     "--disable-quic",
     "--no-first-run",
+    "--hide-scrollbars",
     "--disable-background-networking",
     "--disable-component-update",
     "--disable-sync",
+    f"--window-size={WIDTH},{HEIGHT}",
 )
+# Appended to a copy of the page: measures the layout after load and writes it into the DOM.
+PROBE = """<script>
+window.addEventListener("load", function () {
+  const box = document.querySelector("div.scroll"), table = document.getElementById("leaderboard");
+  const out = {
+    viewport: window.innerWidth,
+    pageWidth: document.documentElement.scrollWidth,
+    boxWidth: box.clientWidth,
+    tableWidth: table.scrollWidth,
+    images: Array.from(document.images).map(function (i) {
+      return {complete: i.complete, width: i.naturalWidth, shown: i.getBoundingClientRect().width};
+    }),
+  };
+  const pre = document.createElement("pre");
+  pre.id = "probe";
+  pre.textContent = JSON.stringify(out);
+  document.body.appendChild(pre);
+});
+</script>"""
 
 
 def _chromium() -> str | None:
     if Path("/usr/bin/chromium").exists():
         return "/usr/bin/chromium"
-    return shutil.which("chromium")
+    return shutil.which("chromium") or shutil.which("chromium-browser")
 
 
 CHROMIUM = _chromium()
-pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium at /usr/bin/chromium or on PATH")
+pytestmark = [
+    pytest.mark.slow,  # starts a browser
+    pytest.mark.skipif(CHROMIUM is None, reason="no chromium at /usr/bin/chromium or on PATH"),
+]
 
 
 def _browser(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     assert CHROMIUM is not None
     profile = tmp_path / "chromium-profile"
     cmd = [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=90, check=False)
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
 
 
 @pytest.fixture(scope="module")
 def page(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("report")
-    write_fixtures(root / "results")
-    assert (
-        eval_main(["report", "--results", str(root / "results"), "--out", str(root / "out"), "--with-paper"])
-        == 0
-    )
-    return root / "out" / "leaderboard.html"
+    rf.write_demo(root / "results")
+    rf.write_realistic(root / "results")
+    out = root / "out"
+    assert eval_main(["report", "--results", str(root / "results"), "--out", str(out), "--with-paper"]) == 0
+    return out / "leaderboard.html"
 
 
-def test_rendered_dom_has_table_rows_and_images(page: Path, tmp_path: Path) -> None:
-    proc = _browser(tmp_path, "--dump-dom", page.as_uri())
-    dom = proc.stdout
-    assert proc.returncode == 0 and '<table class="leaderboard" id="leaderboard">' in dom, proc.stderr[-2000:]
-    # Runs ranked by WikiText-103 adjusted ppl (lower first), references marked, best in bold.
-    assert re.search(r"<td class=\"meta\">1</td><td class=\"meta\">gpt-b</td>", dom)
-    assert dom.count('<tr class="reference">') == 8
-    assert re.search(r'<td class="num best"[^>]*><strong>20\.00</strong></td>', dom)
-    images = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', dom)
-    assert len(images) == 2
+def test_nothing_overflows_at_1400px_and_every_plot_is_shown(page: Path, tmp_path: Path) -> None:
+    probed = tmp_path / "probed.html"
+    probed.write_text(page.read_text().replace("</body>", PROBE + "\n</body>"))
+    proc = _browser(tmp_path, "--virtual-time-budget=5000", "--dump-dom", probed.as_uri())
+    match = re.search(r'<pre id="probe">(.*?)</pre>', proc.stdout)
+    assert proc.returncode == 0 and match, proc.stderr[-2000:]
+    layout = json.loads(match.group(1).replace("&quot;", '"'))
+    assert layout["viewport"] == WIDTH
+    assert layout["pageWidth"] <= WIDTH, layout  # no horizontal scrollbar on the page
+    assert layout["tableWidth"] <= layout["boxWidth"], layout  # the table is not cut off in its box
+    assert len(layout["images"]) == 2
+    for image in layout["images"]:  # decoded, and shown no wider than the page
+        assert image["complete"] and image["width"] > 600 and 0 < image["shown"] <= WIDTH, image
 
 
-def test_screenshot_is_a_non_blank_png(page: Path, tmp_path: Path) -> None:
+def test_screenshot_at_laptop_width_shows_the_table(page: Path, tmp_path: Path) -> None:
     shot = tmp_path / "shot.png"
-    proc = _browser(tmp_path, f"--screenshot={shot}", "--window-size=1200,1600", page.as_uri())
+    proc = _browser(tmp_path, f"--screenshot={shot}", page.as_uri())
     assert proc.returncode == 0 and shot.exists(), proc.stderr[-2000:]
-    assert png_size(shot.read_bytes()) == (1200, 1600)
+    assert png_size(shot.read_bytes()) == (WIDTH, HEIGHT)
     pixels = imread(shot)[..., :3]
     # A blank page is one colour; the table, its shaded cells and the text give many.
     assert pixels.std() > 0.05
     assert len(np.unique(pixels.reshape(-1, 3), axis=0)) > 50
-    # The top-left region holds the heading and the table: dark text pixels must be present.
-    assert (pixels[:400, :900].mean(axis=2) < 0.3).mean() > 0.005
+    # Text reaches the right part of the table (the last columns are on screen, not cut off).
+    right = pixels[150:700, WIDTH - 300 : WIDTH - 40]
+    assert (right.mean(axis=2) < 0.4).mean() > 0.002
+    # The best cells' green shading is on screen.
+    green = (pixels[..., 1] > pixels[..., 0] + 0.03) & (pixels[..., 1] > pixels[..., 2] + 0.03)
+    assert green[:HEIGHT].mean() > 0.0005

@@ -1,26 +1,30 @@
-"""The leaderboard HTML page without a browser: parsed, checked for the table, marks and plots."""
+"""The leaderboard HTML page without a browser: parsed, checked for the grouped header, rows, marks,
+the inline script and the embedded plots."""
 
 from __future__ import annotations
 
 import base64
 import struct
 from html.parser import HTMLParser
-from pathlib import Path
+
+import pytest
 
 from mlm_eval.cli import main as eval_main
-from mlm_eval.report_table import MISSING
-from tests.test_report import results_dir as results_dir  # noqa: F401  (pytest fixture)
+from tests import report_fixtures as rf
 
 
 class _PageParser(HTMLParser):
-    """Collects the leaderboard table's cells (by row) and the images' src attributes."""
+    """Collects the leaderboard table's cells (by row, with their classes), images and scripts."""
 
     def __init__(self) -> None:
         super().__init__()
         self.rows: list[list[str]] = []
         self.row_classes: list[str] = []
+        self.cell_classes: list[list[str]] = []
         self.images: list[str] = []
         self.bold: list[str] = []
+        self.scripts: list[dict[str, str | None]] = []
+        self.links: list[str] = []
         self._in_table = self._in_cell = self._in_bold = False
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
@@ -29,14 +33,22 @@ class _PageParser(HTMLParser):
             self._in_table = True
         elif self._in_table and tag == "tr":
             self.rows.append([])
+            self.cell_classes.append([])
             self.row_classes.append(a.get("class") or "")
         elif self._in_table and tag in ("td", "th"):
             self._in_cell = True
             self.rows[-1].append("")
+            self.cell_classes[-1].append(a.get("class") or "")
+        elif self._in_cell and tag == "span" and self.rows[-1][-1]:
+            self.rows[-1][-1] += " | "  # name | details, value | mark
         elif tag == "strong":
             self._in_bold = True
         elif tag == "img":
             self.images.append(a.get("src") or "")
+        elif tag == "script":
+            self.scripts.append(a)
+        elif tag == "link":
+            self.links.append(a.get("href") or "")
 
     def handle_endtag(self, tag: str) -> None:
         if tag == "table":
@@ -60,23 +72,50 @@ def png_size(data: bytes) -> tuple[int, int]:
     return width, height
 
 
-def test_html_is_self_contained_with_table_and_embedded_plots(results_dir: Path, tmp_path: Path) -> None:
-    out = tmp_path / "report"
-    eval_main(["report", "--results", str(results_dir), "--out", str(out), "--with-paper"])
-    page = (out / "leaderboard.html").read_text()
-    assert "http://" not in page and "https://" not in page and "<script" not in page
+@pytest.fixture(scope="module")
+def page(tmp_path_factory: pytest.TempPathFactory) -> str:
+    root = tmp_path_factory.mktemp("html")
+    rf.write_demo(root / "results")
+    rf.write_realistic(root / "results")
+    assert (
+        eval_main(["report", "--results", str(root / "results"), "--out", str(root / "out"), "--with-paper"])
+        == 0
+    )
+    return (root / "out" / "leaderboard.html").read_text()
+
+
+def test_page_is_self_contained(page: str) -> None:
     parser = _PageParser()
     parser.feed(page)
-    header, *body = parser.rows
-    assert header[:6] == ["#", "Model", "Params", "Iteration", "Layout", "WikiText-103 adj. ppl ↓"]
-    first = body[0]
-    assert first[:6] == ["1", "gpt-b", "350M", "2000", "tp1-pp1-vp1", "20.00"]
-    assert first[header.index("LAMBADA acc % ↑")] == MISSING
-    assert "20.00" in parser.bold and "45.50" in parser.bold and "10.81" not in parser.bold
-    ref_rows = [r for r, cls in zip(parser.rows, parser.row_classes, strict=True) if cls == "reference"]
-    assert len(ref_rows) == 8 and all(r[0] == "ref" for r in ref_rows)
+    assert "http://" not in page and "https://" not in page and not parser.links
+    assert parser.scripts == [{}]  # one inline script (sorting, filtering), nothing loaded
+    assert 'id="filter"' in page and 'id="show-refs"' in page and "position: sticky" in page
     assert len(parser.images) == 2
     for src in parser.images:
         assert src.startswith("data:image/png;base64,")
         width, height = png_size(base64.b64decode(src.split(",", 1)[1]))
-        assert width > 300 and height > 200
+        assert width > 600 and height > 300
+
+
+def test_grouped_header_rows_marks_and_best(page: str) -> None:
+    parser = _PageParser()
+    parser.feed(page)
+    families, tasks, metrics, *body = parser.rows
+    assert families[:3] == ["#", "Model", "Params"]
+    assert families[3:] == ["Zero-shot LM", "GLUE", "SQuAD"]
+    assert tasks[:3] == ["WikiText-103", "WikiText-103 [harness]", "LAMBADA"]
+    assert metrics[:2] == ["adj. ppl ↓", "token ppl ↓"] and "acc % ↑" in metrics
+    runs = [r for r, cls in zip(body, parser.row_classes[3:], strict=True) if cls != "reference"]
+    refs = [r for r, cls in zip(body, parser.row_classes[3:], strict=True) if cls == "reference"]
+    assert len(runs) == 8 and len(refs) == 8 and all(r[0] == "ref" for r in refs)
+    first = runs[0]
+    assert first[:3] == ["1", "gpt-1.3b | w1:d4d4d4d4d4d4; iter 300000; tp4-pp2-vp1", "1.32B"]
+    assert first[3] == "15.72 | bf16"
+    demo = next(r for r in runs if r[1].startswith("demo-gpt"))
+    assert "HF, tp1-pp1-vp1, tp2-pp2-vp1" in demo[1] and demo[3] == "2.171e7 | sample data"
+    g345 = next(r for r in runs if r[1].startswith("gpt-345m | w1:b2"))
+    lambada_acc = 3 + metrics.index("acc % ↑")
+    assert g345[lambada_acc] == "44.32 | contaminated 0.83%"
+    g760 = next(r for r in runs if r[1].startswith("gpt-760m"))
+    assert g760[0] == "—" and g760[lambada_acc] == "54.00 | partial n=100"
+    assert sorted(parser.bold) == ["15.72", "58.12", "6.020"]  # gpt-1.3b: the only meaningful bests
