@@ -14,7 +14,7 @@ import torch
 
 from pretrain.config import ModelConfig, ParallelConfig
 from pretrain.models.base import ShardedModule
-from pretrain.models.sharding import is_vocab_tensor
+from pretrain.models.sharding import RowLayout, is_vocab_tensor, row_layout
 from pretrain.parallel.layout import compute_layout
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.partition import StageLayers, stage_layer_numbers
@@ -50,6 +50,7 @@ class Slot:
     dim: int | None
     shape: tuple[int, ...]
     vocab: bool  # rows are the padded vocabulary
+    layout: RowLayout | None = None  # SwiGLU / GQA row structure (see pretrain.models.sharding)
 
 
 def meta_chunk(
@@ -75,7 +76,14 @@ def chunk_slots(
         spec, tp=tp, pre_process=pre_process, post_process=post_process, layer_numbers=layer_numbers
     )
     return [
-        Slot(name, chunk.canonical_name(name), partition_dim(p), tuple(p.shape), is_vocab_tensor(name))
+        Slot(
+            name,
+            chunk.canonical_name(name),
+            partition_dim(p),
+            tuple(p.shape),
+            is_vocab_tensor(name),
+            row_layout(name, spec.cfg),
+        )  # fmt: skip
         for name, p in chunk.named_parameters()
     ]
 

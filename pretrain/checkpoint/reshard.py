@@ -64,7 +64,8 @@ def _shard(full: torch.Tensor, slot: Slot, *, tp_rank: int, tp: int, padded: int
         raise UserError(
             f"tensor {slot.canonical}: {full.shape[0]} rows exceed the padded vocabulary {padded}"
         )
-    out = shard_tensor(full, dim=slot.dim, tp_rank=tp_rank, tp=tp, pad_rows_to=padded if slot.vocab else None)
+    pad = padded if slot.vocab else None
+    out = shard_tensor(full, dim=slot.dim, tp_rank=tp_rank, tp=tp, pad_rows_to=pad, layout=slot.layout)
     if tuple(out.shape) != slot.shape:
         raise UserError(
             f"tensor {slot.canonical}: target shard shape {tuple(out.shape)} != expected {slot.shape} "

@@ -85,8 +85,8 @@ class ParallelAttention(nn.Module):
         proj = cfg.num_attention_heads * cfg.head_dim
         self.dense = RowParallelLinear(proj, cfg.hidden_size, ps=ps, bias=cfg.add_bias_linear, dtype=dtype)
         if cfg.qk_layernorm:
-            self.q_layernorm = layer_norm(cfg, ps, cfg.head_dim)
-            self.k_layernorm = layer_norm(cfg, ps, cfg.head_dim)
+            self.q_layernorm = layer_norm(cfg, ps, cfg.head_dim, per_head=True)
+            self.k_layernorm = layer_norm(cfg, ps, cfg.head_dim, per_head=True)
 
     def _qkv(self, x: torch.Tensor, rotary: Rotary | None) -> tuple[torch.Tensor, ...]:
         """q ``[b, heads, s, d]``, k and v ``[b, groups, s, d]`` (QK-norm and RoPE applied)."""

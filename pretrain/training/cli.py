@@ -29,6 +29,7 @@ from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
 from pretrain.parallel.layout import check_sizes
 from pretrain.pipeline.partition import stage_layer_numbers
 from pretrain.tokenizer.factory import TokenizerConfig, add_tokenizer_arguments, build_tokenizer
+from pretrain.training.architecture_args import add_architecture_args, architecture_options
 from pretrain.training.config import TrainingConfig
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
@@ -49,6 +50,7 @@ def add_model_args(p: OneLineParser) -> None:
     g.add_argument("--recompute-activations", action="store_true")
     g.add_argument("--apply-residual-connection-post-layernorm", "--post-layernorm", dest="post_layernorm",
                    action="store_true", help="BERT: original post-LN arrangement (paper figure 7a)")  # fmt: skip
+    add_architecture_args(g)  # Llama-family options (Megatron names)
 
 
 def add_parallel_args(p: OneLineParser) -> None:
@@ -145,9 +147,9 @@ def configs_from_args(args: Any, *, world_size: int) -> dict[str, Any]:
         make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, hidden_dropout=args.hidden_dropout,
         attention_dropout=args.attention_dropout, init_method_std=args.init_method_std, gelu=args.gelu,
         recompute_activations=args.recompute_activations, params_dtype=dtype, bidirectional=bert,
-        num_tokentypes=2 if bert else 0, post_layernorm=args.post_layernorm,
+        num_tokentypes=2 if bert else 0, post_layernorm=args.post_layernorm, **architecture_options(args),
     )  # fmt: skip
-    model.check_tensor_parallel(parallel.tp)
+    model.check_training_tensor_parallel(parallel.tp)
     if args.seq_length > model.max_position_embeddings:
         raise UserError(
             f"--seq-length {args.seq_length} exceeds --max-position-embeddings {model.max_position_embeddings}"
