@@ -4,9 +4,7 @@ Two formats are understood, both mapped onto one :class:`RunRecord`:
 
 * our own ``mlm-toolkit/result/v1`` records (see :mod:`pretrain.utils.results`), written by
   ``mlm-eval`` and ``mlm-finetune``;
-* lm-evaluation-harness result files (``{"results": {"wikitext": {"word_perplexity,none": ...}},
-  "config": {"model_args": ...}}``, and the older form without the ``,none`` filter suffix),
-  tagged with source ``lm-eval-harness`` and method ``lm-eval-harness``.
+* lm-evaluation-harness result files (read by :mod:`mlm_eval.report_harness`).
 
 Accuracy-like metrics (accuracy, F1, exact match, MCC, correlations) are normalised to percent,
 the scale of the paper's tables. The report never guesses a unit from the values: a record that
@@ -57,30 +55,6 @@ DTYPE_NAMES = {
     "float": "float32",
 }
 _BUILTIN_DIRS = ("/mlm_eval/builtin/", "/finetune/builtin/")
-
-# lm-evaluation-harness task -> (our task, {harness metric: our metric}).
-HARNESS_TASKS: dict[str, tuple[str, dict[str, str]]] = {
-    "wikitext": (
-        "wikitext103",
-        {
-            "word_perplexity": "word_perplexity",
-            "byte_perplexity": "byte_perplexity",
-            "bits_per_byte": "bits_per_byte",
-        },
-    ),
-    # Older harness versions call the LAMBADA perplexity "ppl".
-    "lambada_openai": ("lambada", {"acc": "accuracy", "perplexity": "ppl", "ppl": "ppl"}),
-    "lambada": ("lambada", {"acc": "accuracy", "perplexity": "ppl", "ppl": "ppl"}),
-    "mnli": ("mnli", {"acc": "accuracy_m"}),
-    "mnli_mismatch": ("mnli", {"acc": "accuracy_mm"}),
-    "qqp": ("qqp", {"acc": "accuracy", "f1": "f1"}),
-    "cola": ("cola", {"mcc": "mcc"}),
-    "sst2": ("sst2", {"acc": "accuracy"}),
-    "mrpc": ("mrpc", {"acc": "accuracy", "f1": "f1"}),
-    "qnli": ("qnli", {"acc": "accuracy"}),
-    "rte": ("rte", {"acc": "accuracy"}),
-    "wnli": ("wnli", {"acc": "accuracy"}),
-}
 
 
 class MalformedResult(ValueError):
@@ -221,7 +195,9 @@ def read_result_file(path: Path) -> list[RunRecord | HygieneRecord]:
             return [_parse_hygiene(path, data)]
         return [_parse_toolkit(path, data)]
     if isinstance(data.get("results"), dict) and ("config" in data or "versions" in data):
-        return list(_parse_harness(path, data))
+        from mlm_eval.report_harness import parse_harness  # it builds on this module's records
+
+        return list(parse_harness(path, data))
     raise MalformedResult("not a result file: no 'schema' field and not lm-evaluation-harness output")
 
 
@@ -234,7 +210,7 @@ def _parse_toolkit(path: Path, data: dict[str, Any]) -> RunRecord:
     raw_details = data.get("details")
     details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
     metrics = _metrics(_field(data, "metrics", dict), task)
-    scaled, rule = _to_percent(metrics, _declared_units(data, details), _PRODUCER_SCALE[kind])
+    scaled, rule = to_percent(metrics, _declared_units(data, details), _PRODUCER_SCALE[kind])
     return RunRecord(
         path=path,
         source=SOURCE_TOOLKIT,
@@ -272,20 +248,20 @@ def _parse_hygiene(path: Path, data: dict[str, Any]) -> HygieneRecord:
     details: dict[str, Any] = raw_details if isinstance(raw_details, dict) else {}
     metrics = _field(data, "metrics", dict)
     share = metrics.get("share")
-    if not _is_number(share):
+    if not is_number(share):
         raise MalformedResult(f"field 'metrics.share': expected a finite number, got {share!r}")
     method = _field(data, "method", str)
     eval_task = (
         details.get("eval_task") if isinstance(details.get("eval_task"), str) else method.split("-")[0]
     )
     n = details.get("n")
-    (scaled, _) = _to_percent({"share": float(share)}, _declared_units(data, details), "fraction")
+    (scaled, _) = to_percent({"share": float(share)}, _declared_units(data, details), "fraction")
     return HygieneRecord(
         path=path,
         name=_nonempty(_field(model, "name", str, "model.name"), "model.name"),
         fingerprint=model.get("fingerprint") if isinstance(model.get("fingerprint"), str) else None,
         eval_task=str(eval_task),
-        n=n if _is_int(n) else None,
+        n=n if is_int(n) else None,
         share=scaled["share"],
         created=_timestamp(_field(data, "created", str)),
     )
@@ -320,8 +296,8 @@ def _dtype(data: dict[str, Any], details: dict[str, Any]) -> str | None:
 
 def _limit(data: dict[str, Any], details: dict[str, Any]) -> int | None:
     for value in (data.get("limit"), details.get("limit")):
-        if _is_int(value):
-            return int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
     if data.get("partial") is True or details.get("partial") is True:
         return 0  # partial without a recorded count
     return None
@@ -337,91 +313,7 @@ def _sample_data(data: dict[str, Any], details: dict[str, Any]) -> bool:
     return False
 
 
-def _parse_harness(path: Path, data: dict[str, Any]) -> list[RunRecord]:
-    raw_config = data.get("config")
-    config: dict[str, Any] = raw_config if isinstance(raw_config, dict) else {}
-    name = _harness_model_name(data, config)
-    model_args = _harness_args(config)
-    dtype = model_args.get("dtype")
-    limit = config.get("limit")
-    params = config.get("model_num_parameters")
-    created = _harness_time(path, data)
-    seed = config.get("random_seed")
-    records: list[RunRecord] = []
-    unknown: list[str] = []
-    for harness_task, values in sorted(data["results"].items()):
-        if harness_task not in HARNESS_TASKS or not isinstance(values, dict):
-            unknown.append(str(harness_task))
-            continue
-        task, names = HARNESS_TASKS[harness_task]
-        metrics = _harness_metrics(values, names)
-        if metrics:
-            records.append(
-                RunRecord(
-                    path=path,
-                    source=SOURCE_HARNESS,
-                    kind="eval",
-                    task=task,
-                    method=SOURCE_HARNESS,
-                    model=ModelKey(name=name, iteration=None, layout=None),
-                    parameters=params if _is_int(params) else None,
-                    checkpoint=None,
-                    metrics=_to_percent(metrics, None, "fraction")[0],
-                    seed=seed if _is_int(seed) else None,
-                    created=created,
-                    dtype=DTYPE_NAMES.get(dtype, dtype)
-                    if isinstance(dtype, str) and dtype != "auto"
-                    else None,
-                    limit=int(limit) if _is_number(limit) else None,
-                    unit_rule="producer",
-                )
-            )
-    if not records:
-        found = ", ".join(unknown) or "none"
-        raise MalformedResult(f"lm-evaluation-harness file without a leaderboard task (tasks: {found})")
-    return records
-
-
-def _harness_metrics(values: dict[str, Any], names: dict[str, str]) -> dict[str, float]:
-    """Keep unfiltered (``,none``) or suffix-less metrics; stderr and aliases are dropped."""
-    out: dict[str, float] = {}
-    for key, value in values.items():
-        metric, _, filt = str(key).partition(",")
-        if filt not in ("", "none") or metric not in names:
-            continue
-        if not _is_number(value):
-            raise MalformedResult(f"results metric {key!r}: expected a finite number, got {value!r}")
-        out[names[metric]] = float(value)
-    return out
-
-
-def _harness_model_name(data: dict[str, Any], config: dict[str, Any]) -> str:
-    name = data.get("model_name")
-    if not isinstance(name, str) or not name:
-        name = _harness_args(config).get("pretrained")
-    if not isinstance(name, str) or not name:
-        name = config.get("model") if isinstance(config.get("model"), str) else None
-    if not name:
-        raise MalformedResult("lm-evaluation-harness file: no model name in config.model_args")
-    # A local path names the model by its last component.
-    return name.rstrip("/").rsplit("/", 1)[-1] if name.startswith(("/", ".")) else name
-
-
-def _harness_args(config: dict[str, Any]) -> dict[str, Any]:
-    args = config.get("model_args")
-    if isinstance(args, str):
-        args = dict(p.partition("=")[::2] for p in args.split(",") if p)
-    return args if isinstance(args, dict) else {}
-
-
-def _harness_time(path: Path, data: dict[str, Any]) -> _dt.datetime:
-    stamp: Any = data.get("date")
-    # Older harness files carry no date: fall back to the file's modification time.
-    seconds = float(stamp) if _is_number(stamp) else path.stat().st_mtime
-    return _dt.datetime.fromtimestamp(seconds, tz=_dt.timezone.utc)
-
-
-def _to_percent(
+def to_percent(
     metrics: dict[str, float], declared: dict[str, str] | str | None, producer: str
 ) -> tuple[dict[str, float], str]:
     """Accuracy-like metrics in percent, by the declared unit, else by the producer's definition."""
@@ -452,7 +344,7 @@ def _metrics(raw: dict[str, Any], task: str) -> dict[str, float]:
     for key, value in raw.items():
         if wanted is not None and key not in wanted:
             continue
-        if not _is_number(value):
+        if not is_number(value):
             raise MalformedResult(f"field 'metrics.{key}': expected a finite number, got {value!r}")
         out[str(key)] = float(value)
     if not out:
@@ -488,9 +380,9 @@ def _nonempty(value: str, label: str) -> str:
     return value
 
 
-def _is_int(value: Any) -> bool:
+def is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _is_number(value: Any) -> bool:
+def is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)

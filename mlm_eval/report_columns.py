@@ -18,12 +18,14 @@ from pretrain.utils.results import TASK_METRICS
 MISSING = "—"
 SIG_FIGS = 4
 PERCENT_DECIMALS = 2
+HYGIENE_TASK = "contamination"  # columns: share of an eval set's n-grams in the training data
 # Task families in display order, each with its tasks in order.
 FAMILIES: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Zero-shot LM", ("wikitext103", "lambada")),
     ("GLUE", ("mnli", "qqp", "cola", "sst2", "mrpc", "stsb", "qnli", "rte", "wnli")),
     ("SQuAD", ("squad1", "squad2")),
     ("RACE", ("race",)),
+    ("Data hygiene", (HYGIENE_TASK,)),
 )
 OTHER_FAMILY = "Other"
 TASK_LABELS = {
@@ -41,6 +43,7 @@ TASK_LABELS = {
     "qnli": "QNLI",
     "rte": "RTE",
     "wnli": "WNLI",
+    HYGIENE_TASK: "Train-data overlap",
 }
 METRIC_LABELS = {
     "adjusted_ppl": "adj. ppl",
@@ -92,6 +95,8 @@ class Column:
     def metric_label(self) -> str:
         if (self.task, self.metric) == ("race", "accuracy"):
             return "all acc"
+        if self.task == HYGIENE_TASK:  # the metric is the eval set
+            return TASK_LABELS.get(self.metric, self.metric)
         return METRIC_LABELS.get(self.metric, self.metric)
 
     @property
@@ -156,7 +161,11 @@ def make_columns(triples: Iterable[tuple[str, str, str]]) -> tuple[Column, ...]:
 
     return tuple(
         Column(
-            task=t, metric=m, method=me, lower_is_better=lower_is_better(t, m), percent=is_percent_metric(m)
+            task=t,
+            metric=m,
+            method=me,
+            lower_is_better=t == HYGIENE_TASK or lower_is_better(t, m),
+            percent=t == HYGIENE_TASK or is_percent_metric(m),
         )
         for t, m, me in sorted(set(triples), key=order)
     )

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from mlm_eval.paper_reference import PAPER_ROWS, PaperRow
 from mlm_eval.report_collect import HygieneRecord, RunRecord
 from mlm_eval.report_columns import (
+    HYGIENE_TASK,
     MISSING,
     Column,
     column_key,
@@ -170,6 +171,8 @@ def build_leaderboard(
     groups = _group_models(records)
     runs = [_run_row(key, recs, columns, config.reduce) for key, recs in groups.items()]
     runs, unmatched = _attach_hygiene(runs, hygiene, columns)
+    hygiene_keys = {k for r in runs for k in r.cells if k.startswith(HYGIENE_TASK + ":")}
+    columns = make_columns({*triples, *(tuple(k.split(":")) + ("",) for k in hygiene_keys)})
     runs = _rank(_mark_best(runs, columns), sort_column)
     ref_rows = [_reference_row(p, columns) for p in refs]
     ref_rows = sorted((r for r in ref_rows if r.cells), key=lambda r: _sort_value(r, sort_column)[:3])
@@ -287,6 +290,12 @@ def _attach_hygiene(
                 cells[col.key] = replace(cells[col.key], contamination=hit.share)
                 used.add((hit.fingerprint or hit.name, col.task))
                 marked.add((col.task, col.method))
+        for task in sorted({c.task for c in columns if c.key in cells}):  # the Data hygiene columns
+            hit = next((latest[(i, task)] for i in sorted(ids) if (i, task) in latest), None)
+            if hit is not None:
+                cells[column_key(HYGIENE_TASK, task, "")] = Cell(
+                    value=hit.share, seeds=(None,), sources=(str(hit.path),)
+                )
         out.append(replace(row, cells=cells))
     return out, [h for k, h in latest.items() if k not in used]
 
@@ -337,7 +346,7 @@ def _mark_best(rows: list[Row], columns: Sequence[Column]) -> list[Row]:
             (r.cells[col.key].value for r in rows if col.key in r.cells and r.cells[col.key].comparable),
             reverse=not col.lower_is_better,
         )
-        if len(values) >= 2 and meaningful_gap(values[0], values[1], col):
+        if col.task != HYGIENE_TASK and len(values) >= 2 and meaningful_gap(values[0], values[1], col):
             best[col.key] = values[0]
     return [
         replace(

@@ -71,13 +71,13 @@ def _day(d: int) -> str:
 def write_demo(root: Path) -> None:
     """What ``mlm-demo`` leaves: a tp2/pp2 GPT evaluated on the built-in samples in three layouts/formats
     (tp2/pp2, its tp1 reshard, its HF export) and a tiny BERT finetuned on the built-in SST-2 task."""
-    gpt = {"name": "demo-gpt", "fingerprint": DEMO_GPT, "params": 3_449_216, "iteration": 200}
-    sample = {"data": "builtin:wikitext_sample.tokens", "dtype": "float32"}
+    gpt: dict[str, Any] = {"name": "demo-gpt", "fingerprint": DEMO_GPT, "params": 3_449_216, "iteration": 200}
+    sample: dict[str, Any] = {"data": "builtin:wikitext_sample.tokens", "dtype": "float32"}
     result(root / "demo/wikitext103-tp2.json", task="wikitext103", metrics={"adjusted_ppl": 21712037.97,
            "token_ppl": 5211.2}, created=_day(1), layout="tp2-pp2-vp1", details=sample, **gpt)  # fmt: skip
     result(root / "demo/wikitext103-tp1.json", task="wikitext103", metrics={"adjusted_ppl": 21712036.37,
            "token_ppl": 5211.1}, created=_day(2), layout="tp1-pp1-vp1", details=sample, **gpt)  # fmt: skip
-    lam = {"data": "builtin:lambada_sample.jsonl", "dtype": "float32"}
+    lam: dict[str, Any] = {"data": "builtin:lambada_sample.jsonl", "dtype": "float32"}
     result(root / "demo/lambada-hf.json", task="lambada", metrics={"accuracy": 0.02, "ppl": 1509398406.4},
            created=_day(2), details=lam, **{**gpt, "name": "hf_gpt2"})  # fmt: skip
     result(root / "demo/finetune_sst2/results.json", kind="finetune", method="single", task="sst2",
@@ -90,8 +90,8 @@ def write_realistic(root: Path) -> None:
     bf16 run, a harness file, BERT finetuning in percent and in fraction from older records, and a
     contamination record."""
     ev, ft = root / "eval", root / "finetune"
-    g345 = {"name": "gpt-345m", "fingerprint": GPT345, "params": M345, "iteration": 300_000}
-    full = {"data": WIKI, "dtype": "float32"}
+    g345: dict[str, Any] = {"name": "gpt-345m", "fingerprint": GPT345, "params": M345, "iteration": 300_000}
+    full: dict[str, Any] = {"data": WIKI, "dtype": "float32"}
     result(ev / "345m-wiki-tp2pp2.json", task="wikitext103", metrics={"adjusted_ppl": 19.84, "token_ppl": 25.31},
            created=_day(5), layout="tp2-pp2-vp1", details=full, **g345)  # fmt: skip
     # Its HF export in bf16: same weights, a reduced-precision variant of the same cell.
@@ -104,12 +104,12 @@ def write_realistic(root: Path) -> None:
     result(ev / "345m-lambada-limit.json", task="lambada", metrics={"accuracy": 0.6, "ppl": 7.1}, created=_day(9),
            layout="tp1-pp1-vp1", details={"data": LAMBADA, "limit": 50}, top={"partial": True, "limit": 50},
            **g345)  # fmt: skip
-    early = {**g345, "fingerprint": GPT345_EARLY, "iteration": 100_000}
+    early: dict[str, Any] = {**g345, "fingerprint": GPT345_EARLY, "iteration": 100_000}
     result(ev / "345m-100k-wiki.json", task="wikitext103", metrics={"adjusted_ppl": 24.61}, created=_day(3),
            layout="tp2-pp2-vp1", details=full, **early)  # fmt: skip
     result(ev / "345m-100k-lambada.json", task="lambada", metrics={"accuracy": 0.3901, "ppl": 14.2},
            created=_day(3), layout="tp2-pp2-vp1", details={"data": LAMBADA}, **early)  # fmt: skip
-    g13 = {
+    g13: dict[str, Any] = {
         "name": "gpt-1.3b",
         "fingerprint": GPT13B,
         "params": B13,
@@ -120,17 +120,17 @@ def write_realistic(root: Path) -> None:
            details={"data": WIKI, "dtype": "bfloat16"}, **g13)  # fmt: skip
     result(ev / "1.3b-lambada.json", task="lambada", metrics={"accuracy": 0.5812, "ppl": 6.02}, created=_day(7),
            top={"metric_unit": "fraction", "dtype": "float32"}, **g13)  # fmt: skip
-    g760 = {"name": "gpt-760m", "fingerprint": GPT760, "params": M760, "iteration": 200_000}
+    g760: dict[str, Any] = {"name": "gpt-760m", "fingerprint": GPT760, "params": M760, "iteration": 200_000}
     result(ev / "760m-lambada-limit.json", task="lambada", metrics={"accuracy": 0.54, "ppl": 8.1},
            created=_day(8), layout="tp1-pp1-vp1", details={"data": LAMBADA, "limit": 100}, **g760)  # fmt: skip
-    harness = {
+    harness: dict[str, Any] = {
         "results": {"wikitext": {"word_perplexity,none": 37.37, "byte_perplexity,none": 1.6,
                                  "bits_per_byte,none": 0.678}},
         "config": {"model": "hf", "model_args": "pretrained=gpt2,dtype=float32", "model_num_parameters": 124439808},
         "date": 1709900000.0,
     }  # fmt: skip
     (root / "lm_eval_gpt2.json").write_text(json.dumps(harness))
-    b336 = {"name": "bert-336m", "fingerprint": BERT336, "params": B336, "iteration": 2_000_000}
+    b336: dict[str, Any] = {"name": "bert-336m", "fingerprint": BERT336, "params": B336, "iteration": 2_000_000}
     result(ft / "mnli.json", kind="finetune", method="median", task="mnli", metrics={"accuracy_m": 89.12,
            "accuracy_mm": 89.41}, created=_day(10), layout="tp1-pp1-vp1", top={"metric_unit": "percent"},
            **b336)  # fmt: skip

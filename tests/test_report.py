@@ -271,7 +271,15 @@ def test_one_row_per_weights_with_layouts_and_formats_as_detail(realistic: Path)
     tasks = {c.task for c in board.columns}
     assert "squad2" not in tasks and "race" not in tasks and "squad1" in tasks
     families = list(dict.fromkeys(c.family for c in board.columns))
-    assert families == ["Zero-shot LM", "GLUE", "SQuAD"]
+    assert families == ["Zero-shot LM", "GLUE", "SQuAD", "Data hygiene"]
+    # The contamination record of gpt-345m's training data on LAMBADA: a Data hygiene column too.
+    hygiene = board.columns[-1]
+    assert (hygiene.key, hygiene.label) == (
+        "contamination:lambada",
+        "n-gram overlap with training data LAMBADA % ↓",
+    )
+    g345 = _row(board, "gpt-345m", 300_000)
+    assert _value(g345, hygiene.key) == pytest.approx(0.83) and not g345.cells[hygiene.key].best
 
 
 def test_full_results_win_partial_and_bf16_runs_are_marked(realistic: Path) -> None:
@@ -413,7 +421,7 @@ def test_md_csv_json_carry_the_same_rows_values_and_marks(
     rows = list(csv.DictReader(io.StringIO((out / "leaderboard.csv").read_text())))
     assert doc["schema"] == "mlm-toolkit/leaderboard/v1"
     assert [r["name"] for r in doc["rows"]] == [r["model"].split(" (paper")[0] for r in rows]
-    assert {c["family"] for c in doc["columns"]} == {"Zero-shot LM", "GLUE", "SQuAD"}
+    assert {c["family"] for c in doc["columns"]} == {"Zero-shot LM", "GLUE", "SQuAD", "Data hygiene"}
     wt = next(c for c in doc["columns"] if c["key"] == WT)
     assert (wt["unit"], wt["lower_is_better"]) == ("ppl", True)
     by_name = {r["name"]: r for r in doc["rows"]}

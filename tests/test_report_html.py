@@ -102,7 +102,7 @@ def test_grouped_header_rows_marks_and_best(page: str) -> None:
     parser.feed(page)
     families, tasks, metrics, *body = parser.rows
     assert families[:3] == ["#", "Model", "Params"]
-    assert families[3:] == ["Zero-shot LM", "GLUE", "SQuAD"]
+    assert families[3:] == ["Zero-shot LM", "GLUE", "SQuAD", "Data hygiene"]
     assert tasks[:3] == ["WikiText-103", "WikiText-103 [harness]", "LAMBADA"]
     assert metrics[:2] == ["adj. ppl ↓", "token ppl ↓"] and "acc % ↑" in metrics
     runs = [r for r, cls in zip(body, parser.row_classes[3:], strict=True) if cls != "reference"]
