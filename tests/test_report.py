@@ -276,7 +276,7 @@ def test_one_row_per_weights_with_layouts_and_formats_as_detail(realistic: Path)
     hygiene = board.columns[-1]
     assert (hygiene.key, hygiene.label) == (
         "contamination:lambada",
-        "n-gram overlap with training data LAMBADA % ↓",
+        "Train-data overlap LAMBADA % ↓",
     )
     g345 = _row(board, "gpt-345m", 300_000)
     assert _value(g345, hygiene.key) == pytest.approx(0.83) and not g345.cells[hygiene.key].best
