@@ -30,8 +30,10 @@ from finetune.presets import SIZES, TASK_NAMES, get_preset
 from finetune.task_data import load_task_data
 from finetune.tasks import FinetuneTask, predict_all, train_iterations
 from finetune.tokenization import PairEncoder
-from pretrain.checkpoint.args import checkpoint_args, model_config_from_args
+from pretrain.checkpoint.args import training_metadata
 from pretrain.checkpoint.fingerprint import fingerprint_tensors
+from pretrain.checkpoint.metadata import require_metadata
+from pretrain.checkpoint.types import FinetuneRecord
 from pretrain.config import DTypeName, ModelConfig, ParallelConfig
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
 from pretrain.parallel.layout import check_sizes
@@ -53,9 +55,11 @@ def build_parser() -> OneLineParser:
     src.add_argument("--hf-model", help="local Hugging Face BERT directory (weights + tokenizer)")
     g.add_argument("--data-dir", required=True, help="official task files (GLUE TSV, SQuAD JSON, RACE dirs)")
     tok = g.add_mutually_exclusive_group()
-    tok.add_argument("--tokenizer-dir", help="Hugging Face tokenizer directory")
+    tok.add_argument("--tokenizer-dir", help="tokenizer directory (with --ckpt: checked against the checkpoint's)")
     tok.add_argument("--vocab-file", help="BERT WordPiece vocab.txt")
     g.add_argument("--cased", action="store_true", help="--vocab-file is cased (default: lower case)")
+    g.add_argument("--force-tokenizer", action="store_true",
+                   help="use --tokenizer-dir/--vocab-file even if it differs from the checkpoint's tokenizer")  # fmt: skip
     g.add_argument("--eval-only", action="store_true", help="evaluate the finetuned --ckpt, no training")
     t = p.add_argument_group("finetuning (default: the --preset)")
     t.add_argument("--preset", choices=SIZES, default="336m")
@@ -113,14 +117,12 @@ def _eval_only_source(args: Any) -> Pretrained:
         raise UserError("--eval-only needs --ckpt DIR (a checkpoint written by mlm-finetune --save)")
     it_dir = resolve_iteration(args.ckpt, None)
     ckpt_args = load_rank_file(next(iter(list_rank_dirs(it_dir).values())) / MODEL_FILE).get("args") or {}
-    done = (ckpt_args.get("mlm_toolkit") or {}).get("finetune") or {}
-    if done.get("task") != args.task:
-        raise UserError(
-            f"--ckpt {args.ckpt}: not a {args.task} finetuning checkpoint (task {done.get('task')!r})"
-        )
+    meta = require_metadata(ckpt_args, source=f"--ckpt {args.ckpt}")
+    task = meta.finetune.task if meta.finetune is not None else None
+    if task != args.task:
+        raise UserError(f"--ckpt {args.ckpt}: not a {args.task} finetuning checkpoint (task {task!r})")
     tok_dir = args.tokenizer_dir or Path(args.ckpt) / "tokenizer"
-    return Pretrained(cfg=model_config_from_args(ckpt_args, source=args.ckpt), tensors={},
-                      tokenizer=tokenizer_from_dir(tok_dir), source=args.ckpt)  # fmt: skip
+    return Pretrained(cfg=meta.model, tensors={}, tokenizer=tokenizer_from_dir(tok_dir), source=args.ckpt)
 
 
 def _model_cfg(args: Any, pre: Pretrained, seq_length: int) -> ModelConfig:
@@ -146,11 +148,10 @@ def _parallel(args: Any, cfg: ModelConfig) -> tuple[ParallelConfig, int]:
 
 
 def _save_tokenizer(tokenizer: Any, path: Path) -> None:
-    path.mkdir(parents=True, exist_ok=True)
-    if hasattr(tokenizer, "save_pretrained"):
-        tokenizer.save_pretrained(str(path))
-    else:
-        tokenizer.save(str(path / "tokenizer.json"))
+    """The tokenizer's files beside the finetuned checkpoint (what its record names)."""
+    from pretrain.tokenizer.loader import save_tokenizer
+
+    save_tokenizer(tokenizer, path)
 
 
 def _run_seed(args: Any, k: int, ctx: dict[str, Any]) -> dict[str, Any]:
@@ -226,7 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     h = _hyper(args)
     pre = _eval_only_source(args) if args.eval_only else load_pretrained(
         ckpt=args.ckpt, hf_model=args.hf_model, tokenizer_dir=args.tokenizer_dir, vocab_file=args.vocab_file,
-        lower_case=not args.cased)  # fmt: skip
+        lower_case=not args.cased, force_tokenizer=getattr(args, "force_tokenizer", False))  # fmt: skip
     cfg = _model_cfg(args, pre, h["seq_length"])
     parallel, dp = _parallel(args, cfg)
     micro = args.micro_batch_size or max(1, min(8, h["global_batch_size"] // dp))
@@ -236,13 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     data = load_task_data(args.task, args.data_dir, encoder, **({"doc_stride": args.doc_stride,
                           "max_query_length": args.max_query_length, "null_threshold": args.null_score_diff_threshold}
                           if args.task in ("squad", "squad2") else {}))  # fmt: skip
-    extra = {"finetune": {"task": args.task, "head": dataclasses.asdict(data.head), "source": pre.source},
-             "argv": list(argv if argv is not None else sys.argv[1:])}  # fmt: skip
+    record = FinetuneRecord(task=args.task, head=dataclasses.asdict(data.head), source=pre.source)
     from pretrain.training.loop import setup_parallel
 
     ps = setup_parallel(parallel, seed=args.seed)
     ctx = {"hyper": h, "data": data, "ps": ps, "micro": micro, "cfg": cfg, "pre": pre,
-           "ckpt_args": checkpoint_args(cfg, parallel, model_type="bert", extra=extra)}  # fmt: skip
+           "ckpt_args": training_metadata(cfg, parallel, kind="bert", tokenizer=pre.tokenizer, save=None,
+                                          write_tokenizer=False, finetune=record,
+                                          argv=list(argv if argv is not None else sys.argv[1:]))}  # fmt: skip
     runs = [_run_seed(args, k, ctx) for k in range(args.seeds)]
     metrics = _median(runs)
     if ps.rank == 0:

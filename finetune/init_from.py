@@ -2,11 +2,12 @@
 
 * ``--ckpt DIR``: any Megatron-layout checkpoint (ours or upstream, any TP/PP/VP, legacy or
   ``torch_dist``) through :func:`pretrain.checkpoint.reader.open_checkpoint`; tensors are read
-  lazily (memory-mapped), one full tensor at a time. The tokenizer comes from ``--tokenizer-dir``
-  / ``--vocab-file``, else the checkpoint's ``tokenizer/`` directory, else its saved tokenizer
-  arguments.
+  lazily (memory-mapped), one full tensor at a time. The tokenizer is the checkpoint's own
+  (``tokenizer/``, or the files its args name); ``--tokenizer-dir`` / ``--vocab-file`` are checked
+  against it (``--force-tokenizer`` overrides).
 * ``--hf-model DIR``: ``BertModel`` (e.g. sentence-transformers), ``BertForPreTraining`` or
-  ``MegatronBertForPreTraining`` weights, with the tokenizer in the same directory.
+  ``MegatronBertForPreTraining`` weights, with the tokenizer in the same directory (a directory
+  without one is refused unless ``--tokenizer-dir`` / ``--vocab-file`` is given).
 
 Only the trunk is taken (embeddings, layers, pooler); masked-LM and sentence-order heads are
 dropped. The finetuning head, and the pooler when the source has none, keep their seeded fresh
@@ -27,6 +28,7 @@ import torch
 from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
 from pretrain.models.sharding import load_full_state_dict
+from pretrain.tokenizer.base import Tokenizer
 from pretrain.utils.errors import UserError
 
 log = logging.getLogger(__name__)
@@ -63,7 +65,7 @@ class Pretrained:
 
     cfg: ModelConfig
     tensors: Mapping[str, torch.Tensor]
-    tokenizer: Any  # transformers fast tokenizer or tokenizers.Tokenizer (for PairEncoder)
+    tokenizer: Tokenizer  # the same objects as pretraining (PairEncoder uses its backend_tokenizer)
     source: str
     iteration: int | str | None = None
     layout: str | None = None
@@ -95,61 +97,27 @@ def load_trunk(model: ShardedModule, tensors: Mapping[str, torch.Tensor]) -> lis
 # --- tokenizers ------------------------------------------------------------------------------------
 
 
-def tokenizer_from_dir(path: str | Path) -> Any:
-    """A Hugging Face fast tokenizer from a local directory."""
-    from transformers import AutoTokenizer
+def tokenizer_from_dir(path: str | Path, *, flag: str = "--tokenizer-dir") -> Tokenizer:
+    """The tokenizer in a local directory (the one loader, :mod:`pretrain.tokenizer.loader`)."""
+    from pretrain.tokenizer.loader import load_tokenizer_dir
 
-    if not Path(path).is_dir():
-        raise UserError(f"--tokenizer-dir {path}: not a directory")
-    try:
-        return AutoTokenizer.from_pretrained(str(path), use_fast=True)
-    except Exception as exc:
-        if (Path(path) / "tokenizer.json").is_file():  # a bare tokenizers file (saved from --vocab-file)
-            from tokenizers import Tokenizer
-
-            return Tokenizer.from_file(str(Path(path) / "tokenizer.json"))
-        raise UserError(
-            f"--tokenizer-dir {path}: cannot load a tokenizer ({type(exc).__name__}: {exc})"
-        ) from None
+    return load_tokenizer_dir(path, flag=flag)
 
 
-def tokenizer_from_vocab(vocab_file: str | Path, *, lower_case: bool = True) -> Any:
-    """A BERT WordPiece tokenizer (``tokenizers.Tokenizer``) from ``vocab.txt``."""
-    from tokenizers import BertWordPieceTokenizer
+def tokenizer_from_vocab(vocab_file: str | Path, *, lower_case: bool = True) -> Tokenizer:
+    """A BERT WordPiece tokenizer from ``vocab.txt`` (Megatron's ``BertWordPiece*``)."""
+    from pretrain.tokenizer.factory import TokenizerConfig, build_tokenizer
 
-    if not Path(vocab_file).is_file():
-        raise UserError(f"--vocab-file {vocab_file}: no such file")
-    try:
-        wp = BertWordPieceTokenizer(str(vocab_file), lowercase=lower_case)
-    except Exception as exc:
-        raise UserError(f"--vocab-file {vocab_file}: cannot load a WordPiece vocabulary ({exc})") from None
-    return wp._tokenizer
-
-
-def _tokenizer_from_ckpt(root: Path, args: Mapping[str, Any]) -> Any:
-    if (root / "tokenizer").is_dir():
-        return tokenizer_from_dir(root / "tokenizer")
-    tok = (args.get("mlm_toolkit") or {}).get("tokenizer") or {}
-    kind = tok.get("tokenizer_type")
-    if kind in ("BertWordPieceLowerCase", "BertWordPieceCase") and tok.get("vocab_file"):
-        return tokenizer_from_vocab(tok["vocab_file"], lower_case=kind == "BertWordPieceLowerCase")
-    if kind == "HuggingFaceTokenizer" and tok.get("model_path"):
-        return tokenizer_from_dir(tok["model_path"])
-    raise UserError(
-        f"--ckpt {root}: no tokenizer recorded in the checkpoint; pass --vocab-file or --tokenizer-dir"
-    )
-
-
-def _vocab_size(tokenizer: Any) -> int:
-    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)
-    return int(backend.get_vocab_size(with_added_tokens=True))
+    kind = "BertWordPieceLowerCase" if lower_case else "BertWordPieceCase"
+    return build_tokenizer(TokenizerConfig(kind, vocab_file=str(vocab_file)))
 
 
 # --- sources ---------------------------------------------------------------------------------------
 
 
-def _from_ckpt(path: Path, tokenizer: Any) -> Pretrained:
-    from pretrain.checkpoint.reader import open_checkpoint
+def _from_ckpt(path: Path, tokenizer: Tokenizer | None, force: bool) -> Pretrained:
+    from pretrain.checkpoint.opener import open_checkpoint
+    from pretrain.tokenizer.loader import check_tokenizer, resolve_tokenizer
 
     if not path.exists():
         raise UserError(f"--ckpt {path}: no such directory")
@@ -158,7 +126,14 @@ def _from_ckpt(path: Path, tokenizer: Any) -> Pretrained:
         raise UserError(f"--ckpt {path}: holds a {reader.spec.kind} model; finetuning needs a BERT")
     info = getattr(reader, "info", None)
     if tokenizer is None:
-        tokenizer = _tokenizer_from_ckpt(path, getattr(reader, "args", {}) or {})
+        resolved = resolve_tokenizer(reader, required=True)
+        assert resolved is not None
+        tokenizer = resolved.tokenizer
+    else:
+        meta = reader.metadata
+        check_tokenizer(tokenizer, what="the given tokenizer", model_vocab=reader.spec.cfg.vocab_size,
+                        recorded=None if meta is None else meta.tokenizer, model_source=f"--ckpt {path}",
+                        force=force)  # fmt: skip
     layout = None if info is None else f"tp{info.tp}-pp{info.pp}-vp{info.vp}"
     return Pretrained(cfg=reader.spec.cfg, tensors=_TrunkTensors(reader), tokenizer=tokenizer,
                       source=str(path), iteration=getattr(info, "iteration", None), layout=layout)  # fmt: skip
@@ -190,11 +165,11 @@ def hf_trunk_to_canonical(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -
     return {k: v for k, v in full.items() if k.startswith(TRUNK_PREFIX)}
 
 
-def _from_hf(path: Path, tokenizer: Any) -> Pretrained:
+def _from_hf(path: Path, tokenizer: Tokenizer | None) -> Pretrained:
     from transformers import AutoConfig
 
-    from pretrain.checkpoint.hf_io import _read_hf_state  # the one HF weight-file reader
     from pretrain.models.hf_bert import model_config_from_hf
+    from tools.hf_io import read_hf_state  # the one HF weight-file reader
 
     if not (path / "config.json").is_file():
         raise UserError(f"--hf-model {path}: no config.json (not a Hugging Face model directory)")
@@ -203,15 +178,15 @@ def _from_hf(path: Path, tokenizer: Any) -> Pretrained:
     except Exception as exc:
         raise UserError(f"--hf-model {path}: cannot read config.json ({type(exc).__name__}: {exc})") from None
     cfg = model_config_from_hf(config)
-    tensors = hf_trunk_to_canonical(_read_hf_state(path), cfg)
-    return Pretrained(
-        cfg=cfg, tensors=tensors, tokenizer=tokenizer or tokenizer_from_dir(path), source=str(path)
-    )
+    tensors = hf_trunk_to_canonical(read_hf_state(path), cfg)
+    tokenizer = tokenizer or tokenizer_from_dir(path, flag="--hf-model")  # none there: refused
+    return Pretrained(cfg=cfg, tensors=tensors, tokenizer=tokenizer, source=str(path))
 
 
 def load_pretrained(
     *, ckpt: str | Path | None = None, hf_model: str | Path | None = None,
     tokenizer_dir: str | Path | None = None, vocab_file: str | Path | None = None, lower_case: bool = True,
+    force_tokenizer: bool = False,
 ) -> Pretrained:  # fmt: skip
     """The pretrained trunk and tokenizer of exactly one of ``ckpt`` / ``hf_model``."""
     if (ckpt is None) == (hf_model is None):
@@ -221,10 +196,13 @@ def load_pretrained(
         tokenizer = tokenizer_from_dir(tokenizer_dir)
     elif vocab_file is not None:
         tokenizer = tokenizer_from_vocab(vocab_file, lower_case=lower_case)
-    pre = _from_ckpt(Path(ckpt), tokenizer) if ckpt is not None else _from_hf(Path(str(hf_model)), tokenizer)
-    if _vocab_size(pre.tokenizer) > pre.cfg.vocab_size:
+    if ckpt is not None:
+        pre = _from_ckpt(Path(ckpt), tokenizer, force_tokenizer)
+    else:
+        pre = _from_hf(Path(str(hf_model)), tokenizer)
+    if pre.tokenizer.vocab_size > pre.cfg.vocab_size:
         raise UserError(
-            f"the tokenizer has {_vocab_size(pre.tokenizer)} tokens but the model's vocabulary only "
+            f"the tokenizer has {pre.tokenizer.vocab_size} tokens but the model's vocabulary only "
             f"{pre.cfg.vocab_size}; is it the model's tokenizer?"
         )
     return pre

@@ -77,7 +77,9 @@ def _backend_of(tokenizer: Any) -> Tokenizer:
 
 
 def _special_id(tokenizer: Any, backend: Tokenizer, attr: str, token: str) -> int:
-    value = getattr(tokenizer, attr, None)
+    value = getattr(tokenizer, attr, None)  # transformers' name
+    if not isinstance(value, int):  # our pretrain.tokenizer.Tokenizer: cls / sep / pad
+        value = getattr(tokenizer, attr.removesuffix("_token_id"), None)
     if isinstance(value, int):
         return value
     found = backend.token_to_id(token)
@@ -89,8 +91,8 @@ def _special_id(tokenizer: Any, backend: Tokenizer, attr: str, token: str) -> in
 class PairEncoder:
     """Builds padded ``[CLS] A [SEP] B [SEP]`` inputs from text or token ids.
 
-    ``tokenizer`` is a ``transformers.PreTrainedTokenizerFast`` or a ``tokenizers.Tokenizer``
-    (for example ``tokenizers.BertWordPieceTokenizer(...)._tokenizer``).
+    ``tokenizer`` is one of our :class:`pretrain.tokenizer.Tokenizer` objects (the same ones
+    pretraining uses), a ``transformers.PreTrainedTokenizerFast`` or a ``tokenizers.Tokenizer``.
     """
 
     def __init__(self, tokenizer: Any, max_seq_length: int) -> None:

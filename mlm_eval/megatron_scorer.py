@@ -3,8 +3,8 @@
 ``load_megatron_gpt(ckpt, ...)`` reads any Megatron-layout checkpoint the checkpoint tools can
 read (ours or upstream, any TP/PP/VP layout and era, ``torch_dist`` too) into canonical full
 tensors, builds a single-process :class:`~pretrain.models.gpt.GPTModel`, and wraps it in
-:class:`MegatronGPTScorer`. The tokenizer comes from the Megatron tokenizer flags, or from the
-tokenizer configuration our checkpoints store when none are given.
+:class:`MegatronGPTScorer`. The tokenizer is the checkpoint's own (its ``tokenizer/`` directory,
+or the files upstream ``args`` name); tokenizer flags are checked against it.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ from typing import Any, cast
 import torch
 
 from mlm_eval.scorer import DTYPE_FLAGS, ScoreOutput
-from mlm_eval.vocab_scoring import gpt_trunk, score_hidden
+from mlm_eval.vocab_scoring import score_hidden, scored_hidden
 from pretrain.checkpoint.fingerprint import fingerprint_tensors
-from pretrain.checkpoint.reader import load_canonical
+from pretrain.checkpoint.opener import open_checkpoint
 from pretrain.config import DTypeName, ModelConfig
 from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import load_full_state_dict
@@ -27,6 +27,13 @@ from pretrain.models.transformer import DTYPES
 from pretrain.parallel.state import ParallelState
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.tokenizer.factory import TokenizerConfig, build_tokenizer
+from pretrain.tokenizer.loader import (
+    ResolvedTokenizer,
+    check_tokenizer,
+    load_tokenizer_dir,
+    record_of,
+    resolve_tokenizer,
+)
 from pretrain.utils.errors import UserError
 
 
@@ -51,7 +58,8 @@ class MegatronGPTScorer:
     """:class:`~mlm_eval.scorer.LMScorer` over our GPT (one process, eval mode, no dropout).
 
     ``score`` runs rows ``batch_size`` at a time in inference mode: the trunk gives hidden states
-    ``[b, s, h]``, and only the rows with a target ``>= 0`` go through the tied output layer
+    ``[b, s, h]`` (when at most half the columns are scored, its last layer computes queries and
+    MLP only at scored positions), and only the rows with a target ``>= 0`` go through the output layer
     (trimmed to the true vocabulary, so padded rows can never win an argmax or take mass).
     Trailing columns no row scores are cut before the forward (causal: they cannot matter).
     """
@@ -76,9 +84,9 @@ class MegatronGPTScorer:
             if width == 0:
                 continue
             ids, tgt = input_ids[lo : lo + self.batch_size, :width], tgt[:, :width]
-            hidden = gpt_trunk(self.model, input_ids=ids.to(device))
             mask = tgt >= 0
-            out = score_hidden(self.model, hidden[mask.to(device)], tgt[mask].to(device))
+            hidden = scored_hidden(self.model, mask.to(device), input_ids=ids.to(device))
+            out = score_hidden(self.model, hidden, tgt[mask].to(device))
             nll[lo : lo + len(tgt), :width][mask] = out.nll.cpu()
             hit[lo : lo + len(tgt), :width][mask] = out.is_argmax.cpu()
         return ScoreOutput(nll=nll, is_argmax=hit)
@@ -103,15 +111,39 @@ def eval_model_config(cfg: ModelConfig, dtype: DTypeName | str) -> ModelConfig:
     )
 
 
-def _tokenizer(args_tok: TokenizerConfig | None, saved: dict[str, Any] | None, ckpt: str) -> Tokenizer:
-    if args_tok is not None:
-        return build_tokenizer(args_tok)
-    if not saved:
-        raise UserError(
-            f"--ckpt {ckpt}: the checkpoint stores no tokenizer; give --tokenizer-type and its files"
-        )
-    files = {k: saved.get(k) for k in ("vocab_file", "merge_file", "model_path")}
-    return build_tokenizer(TokenizerConfig(tokenizer_type=str(saved.get("tokenizer_type")), **files))
+@dataclass(frozen=True, kw_only=True)
+class TokenizerChoice:
+    """The tokenizer flags of an evaluation: Megatron's (``--tokenizer-type`` and files) or a
+    directory (``--tokenizer-dir``), and ``--force-tokenizer``. None given: the checkpoint's own."""
+
+    megatron: TokenizerConfig | None = None
+    directory: str | None = None
+    force: bool = False
+
+
+def _open_with_tokenizer(ckpt: str, choice: TokenizerChoice) -> tuple[Any, ResolvedTokenizer]:
+    """The opened checkpoint and its checked tokenizer (see ``pretrain.tokenizer.loader``)."""
+    reader = open_checkpoint(ckpt)
+    if choice.megatron is not None:
+        tok = build_tokenizer(choice.megatron)
+        what = f"--tokenizer-type {choice.megatron.tokenizer_type}"
+    elif choice.directory is not None:
+        tok = load_tokenizer_dir(choice.directory)
+        what = f"--tokenizer-dir {choice.directory}"
+    else:
+        resolved = resolve_tokenizer(reader, required=True)
+        assert resolved is not None
+        if not reader.info.vocab_known:
+            reader = open_checkpoint(ckpt, tokenizer_size=resolved.tokenizer.vocab_size,
+                                     tokenizer_source=resolved.source)  # fmt: skip
+        return reader, resolved
+    if not reader.info.vocab_known:  # the flag's tokenizer tells the true vocabulary
+        reader = open_checkpoint(ckpt, tokenizer_size=tok.vocab_size, tokenizer_source=what)
+    meta = reader.metadata
+    forced = check_tokenizer(tok, what=what, model_vocab=reader.spec.cfg.vocab_size,
+                             recorded=None if meta is None else meta.tokenizer,
+                             model_source=f"--ckpt {ckpt}", force=choice.force)  # fmt: skip
+    return reader, ResolvedTokenizer(tokenizer=tok, source=what, record=record_of(tok), forced=tuple(forced))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -124,18 +156,29 @@ class CanonicalGPT:
     info: dict[str, Any]  # the result record's "model": name, parameters, iteration, layout, checkpoint
 
 
-def read_gpt_checkpoint(ckpt: str, *, tokenizer_cfg: TokenizerConfig | None) -> CanonicalGPT:
-    """Read ``ckpt`` (any layout the checkpoint tools read) and its tokenizer; no model is built."""
+def read_gpt_checkpoint(
+    ckpt: str, *, tokenizer_cfg: TokenizerChoice | TokenizerConfig | None = None
+) -> CanonicalGPT:
+    """Read ``ckpt`` (any layout the checkpoint tools read) and its tokenizer; no model is built.
+
+    The tokenizer is the checkpoint's own unless flags name one, which is then checked against it
+    (vocabulary, special ids, probe encoding; ``force`` overrides and ``info["tokenizer"]`` says so).
+    """
     if not Path(ckpt).exists():
         raise UserError(f"--ckpt {ckpt}: no such directory")
-    full, spec, info = load_canonical(ckpt)
+    choice = (
+        tokenizer_cfg
+        if isinstance(tokenizer_cfg, TokenizerChoice)
+        else TokenizerChoice(megatron=tokenizer_cfg)
+    )
+    reader, resolved = _open_with_tokenizer(ckpt, choice)
+    spec, info = reader.spec, reader.info
     if spec.kind != "gpt":
         raise UserError(f"--ckpt {ckpt}: holds a {spec.kind} model; zero-shot LM evaluation needs a GPT")
-    tokenizer = _tokenizer(tokenizer_cfg, _saved_tokenizer(ckpt), ckpt)
-    if tokenizer.vocab_size > info.padded_vocab_size:
-        raise UserError(
-            f"tokenizer has {tokenizer.vocab_size} tokens but --ckpt {ckpt} only {info.padded_vocab_size}"
-        )
+    if not info.vocab_known:
+        raise UserError(f"--ckpt {ckpt}: the true vocabulary size is unknown ({info.vocab_source})")
+    full = {name: reader.tensor(name).clone() for name in reader.names()}
+    tokenizer = resolved.tokenizer
     meta = {
         "name": Path(ckpt).resolve().name,
         "parameters": info.num_parameters,
@@ -144,6 +187,11 @@ def read_gpt_checkpoint(ckpt: str, *, tokenizer_cfg: TokenizerConfig | None) -> 
         "checkpoint": os.fspath(Path(ckpt).resolve()),
         # The weights' identity across layouts and formats (the leaderboard's row key).
         "fingerprint": fingerprint_tensors(full.items(), vocab_size=spec.cfg.vocab_size),
+        "tokenizer": {
+            "source": resolved.source,
+            "type": tokenizer.tokenizer_type,
+            "forced": list(resolved.forced),
+        },
     }
     return CanonicalGPT(full=full, cfg=spec.cfg, tokenizer=tokenizer, info=meta)
 
@@ -151,7 +199,7 @@ def read_gpt_checkpoint(ckpt: str, *, tokenizer_cfg: TokenizerConfig | None) -> 
 def load_megatron_gpt(
     ckpt: str,
     *,
-    tokenizer_cfg: TokenizerConfig | None,
+    tokenizer_cfg: TokenizerChoice | TokenizerConfig | None,
     batch_size: int,
     device: str = "cpu",
     dtype: str = "float32",
@@ -161,13 +209,3 @@ def load_megatron_gpt(
     model = GPTModel(eval_model_config(read.cfg, dtype), ParallelState.single(device=device))
     load_full_state_dict(model, read.full)
     return MegatronGPTScorer(model, batch_size=batch_size), PretrainTextEncoder(read.tokenizer), read.info
-
-
-def _saved_tokenizer(ckpt: str) -> dict[str, Any] | None:
-    """The tokenizer config our checkpoints keep in ``args.mlm_toolkit.tokenizer`` (None otherwise)."""
-    from pretrain.checkpoint.reader import open_checkpoint
-
-    args = getattr(open_checkpoint(ckpt), "args", None)
-    args = args() if callable(args) else args
-    tok = (args or {}).get("mlm_toolkit", {}).get("tokenizer") if isinstance(args, dict) else None
-    return tok if isinstance(tok, dict) else None

@@ -34,6 +34,7 @@ class ModelSpec:
     dtype: str = "float32"  # a pretrain.models.transformer.DTYPES name
     tp: int = 1
     pp: int = 1
+    force_tokenizer: bool = False  # use a flag's tokenizer that differs from the checkpoint's
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSpec:
@@ -49,6 +50,7 @@ class ModelSpec:
             dtype=DTYPE_FLAGS[args.dtype],
             tp=args.tensor_model_parallel_size,
             pp=args.pipeline_model_parallel_size,
+            force_tokenizer=bool(getattr(args, "force_tokenizer", False)),
         )
 
 
@@ -83,8 +85,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--vocab-file", metavar="PATH", help="tokenizer vocabulary file (with --ckpt)")
     group.add_argument("--merge-file", metavar="PATH", help="BPE merges file (with --ckpt)")
     group.add_argument(
-        "--tokenizer-dir", metavar="DIR", help="a Hugging Face tokenizer directory to use instead"
-    )
+        "--tokenizer-dir", metavar="DIR",
+        help="a tokenizer directory to use instead of the model's own (with --ckpt: checked against the checkpoint's)",
+    )  # fmt: skip
+    group.add_argument("--force-tokenizer", action="store_true",
+                       help="use the given tokenizer even if it differs from the checkpoint's (the result says so)")  # fmt: skip
     group.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
     group.add_argument(
         "--dtype", choices=tuple(DTYPE_FLAGS), default="fp32", help="model weights' dtype (default fp32)"
@@ -128,14 +133,18 @@ def load_scorer(args: argparse.Namespace) -> LoadedModel:
 
 def _load_ckpt(spec: ModelSpec, args: argparse.Namespace) -> LoadedModel:
     """Our/upstream Megatron checkpoint of any layout, resharded in memory to one process."""
-    from mlm_eval.megatron_scorer import load_megatron_gpt
+    from mlm_eval.megatron_scorer import TokenizerChoice, load_megatron_gpt
     from mlm_eval.parallel_scorer import launched_distributed
     from pretrain.tokenizer.factory import TokenizerConfig
 
-    tok_cfg = None
+    megatron = None
     if spec.tokenizer_type is not None:
-        tok_cfg = TokenizerConfig(tokenizer_type=spec.tokenizer_type, vocab_file=spec.vocab_file,
-                                  merge_file=spec.merge_file, model_path=spec.tokenizer_dir)  # fmt: skip
+        megatron = TokenizerConfig(tokenizer_type=spec.tokenizer_type, vocab_file=spec.vocab_file,
+                                   merge_file=spec.merge_file, model_path=spec.tokenizer_dir)  # fmt: skip
+    elif spec.vocab_file is not None or spec.merge_file is not None:
+        raise UserError("--vocab-file/--merge-file need --tokenizer-type (or use --tokenizer-dir DIR)")
+    tok_cfg = TokenizerChoice(megatron=megatron, directory=None if megatron else spec.tokenizer_dir,
+                              force=spec.force_tokenizer)  # fmt: skip
     if spec.tp * spec.pp > 1 or launched_distributed():
         return _load_ckpt_parallel(spec, args, tok_cfg)
     scorer, encoder, info = load_megatron_gpt(str(spec.ckpt), tokenizer_cfg=tok_cfg, batch_size=args.batch_size,

@@ -24,7 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mlm_eval.megatron_scorer import PretrainTextEncoder, eval_model_config, read_gpt_checkpoint, scored_width
+from mlm_eval.megatron_scorer import (
+    PretrainTextEncoder,
+    TokenizerChoice,
+    eval_model_config,
+    read_gpt_checkpoint,
+    scored_width,
+)
 from mlm_eval.scorer import ScoredRow, ScoreOutput
 from mlm_eval.vocab_scoring import gpt_trunk, score_hidden
 from pretrain.config import ParallelConfig
@@ -179,7 +185,7 @@ def load_parallel_gpt(
     ckpt: str,
     *,
     parallel: EvalParallelConfig,
-    tokenizer_cfg: TokenizerConfig | None,
+    tokenizer_cfg: TokenizerChoice | TokenizerConfig | None,
     batch_size: int,
     dtype: str = "float32",
 ) -> tuple[ParallelGPTScorer, PretrainTextEncoder, dict[str, Any], ParallelState]:

@@ -59,7 +59,7 @@ def rewrite_upstream(root: Path, cfg: ModelConfig, *, version: float, era: str, 
     """
     for path in sorted(root.glob("iter_*/mp_rank_*/" + MODEL_FILE)):
         state = torch.load(path, weights_only=True)
-        tp = state["args"]["tensor_model_parallel_size"]
+        tp = state["args"].tensor_model_parallel_size  # our args: a Megatron-named Namespace
         for key in [k for k in state if k.startswith("model")]:
             state[key] = _rewrite_chunk(state[key], cfg, tp=tp, version=version, era=era)
         state["args"], state["checkpoint_version"] = args, version

@@ -14,7 +14,7 @@ from pretrain.checkpoint.fingerprint import (
     short_fingerprint,
     weights_fingerprint,
 )
-from pretrain.checkpoint.hf_io import import_hf
+from tools.hf_io import import_hf
 from pretrain.checkpoint.plan import ModelSpec
 from pretrain.checkpoint.reader import open_checkpoint
 from pretrain.checkpoint.reshard import DictSource
@@ -38,7 +38,7 @@ def test_layouts_reshard_and_hf_export_share_one_fingerprint(tmp_path: Path, ful
     src = write_ours(tmp_path / "tp2pp2", CFG, full, tp=2, pp=2)
     assert convert_main(["reshard", "--load", str(src), "--save", str(tmp_path / "tp1"),
                          "--target-tp", "1", "--target-pp", "1"]) == 0  # fmt: skip
-    assert convert_main(["to-hf", "--load", str(src), "--save", str(tmp_path / "hf")]) == 0
+    assert convert_main(["to-hf", "--weights-only", "--load", str(src), "--save", str(tmp_path / "hf")]) == 0
     two, one = open_checkpoint(src), open_checkpoint(tmp_path / "tp1")
     assert (two.info.tp, two.info.pp, one.info.tp) == (2, 2, 1)  # padded to 1024 rows on disk
     assert weights_fingerprint(two) == weights_fingerprint(one) == expected

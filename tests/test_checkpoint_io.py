@@ -30,7 +30,7 @@ def test_single_process_round_trip(tmp_path: Path) -> None:
     save_checkpoint(tmp_path, 20, [model], ps, args=args, opt_param_scheduler={"num_steps": 20})
     assert read_tracker(tmp_path) == 20
     rank_file = tmp_path / "iter_0000020" / "mp_rank_00" / "model_optim_rng.pt"
-    state = torch.load(rank_file, weights_only=True)
+    state = torch.load(rank_file, weights_only=True)  # args: a Namespace, allow-listed on import
     assert state["checkpoint_version"] == 3.0 and state["iteration"] == 20
     emb = state["model"]["language_model"]["embedding"]["word_embeddings"]["weight"]
     assert emb.shape == (1024, cfg.hidden_size)  # padded for tp=1

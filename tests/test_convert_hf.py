@@ -27,7 +27,9 @@ def test_to_hf_gpt_logits_match_ours(tmp_path: Path, gelu: str) -> None:
     cfg = tiny_config(num_layers=4, gelu=gelu, layernorm_epsilon=1e-6)
     full = full_weights(cfg)
     write_ours(tmp_path / "ck", cfg, full, tp=2, pp=2)
-    assert main(["to-hf", "--load", str(tmp_path / "ck"), "--save", str(tmp_path / "hf")]) == 0
+    assert (
+        main(["to-hf", "--weights-only", "--load", str(tmp_path / "ck"), "--save", str(tmp_path / "hf")]) == 0
+    )
     loaded: Any = GPT2LMHeadModel.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
     hf, info = loaded
     assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys"))
@@ -43,11 +45,14 @@ def test_to_hf_gpt_logits_match_ours(tmp_path: Path, gelu: str) -> None:
 
 def _hf_round_trip(tmp_path: Path, model, *, tp: int, pp: int, vp: int = 1) -> None:
     model.save_pretrained(str(tmp_path / "src"))
-    argv = ["from-hf", "--load", str(tmp_path / "src"), "--save", str(tmp_path / "ck")]
+    argv = ["from-hf", "--weights-only", "--load", str(tmp_path / "src"), "--save", str(tmp_path / "ck")]
     assert main([*argv, "--tp", str(tp), "--pp", str(pp), "--vp", str(vp)]) == 0
     assert main(["reshard", "--load", str(tmp_path / "ck"), "--save", str(tmp_path / "ck2"),
                  "--target-tp", "1", "--target-pp", "2", "--target-vp", "2"]) == 0  # fmt: skip
-    assert main(["to-hf", "--load", str(tmp_path / "ck2"), "--save", str(tmp_path / "out")]) == 0
+    assert (
+        main(["to-hf", "--weights-only", "--load", str(tmp_path / "ck2"), "--save", str(tmp_path / "out")])
+        == 0
+    )
     a = load_file(str(tmp_path / "src" / "model.safetensors"))
     b = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert set(a) == set(b)

@@ -64,7 +64,7 @@ def test_distributed_optimizer_resharded_resumes_with_same_loss_and_params(
     _reshard(tmp_path / "a", tmp_path / "b", 1, 4, 3)
     saved = torch.load(tmp_path / "b/iter_0000003/mp_rank_00_002" / MODEL_FILE, weights_only=True)
     assert saved["optimizer"]["step"] == 3 and not saved["optimizer"].get("distributed")
-    assert "rng_state" not in saved  # resume keeps the run's own seeded RNG
+    assert "rng_state" in saved  # reshard carries each rank file's RNG state (Megatron resumes from it)
     assert not list((tmp_path / "b").rglob(DISTRIB_OPTIM_FILE))
     # 2 more steps at tp=1, pp=4, again with the distributed optimizer (it takes its element ranges).
     # Step 4's loss checks the weights; step 5's loss and the final weights check the optimizer state.

@@ -38,13 +38,36 @@ def _tiny_bert(path: Path) -> Path:
 def test_from_hf_reshard_to_hf_verify(tmp_path: Path, make, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     hf = make(tmp_path / "hf")
     assert (
-        convert_main(["from-hf", "--load", str(hf), "--save", str(tmp_path / "a"), "--tp", "2", "--verify"])
+        convert_main(
+            [
+                "from-hf",
+                "--weights-only",
+                "--load",
+                str(hf),
+                "--save",
+                str(tmp_path / "a"),
+                "--tp",
+                "2",
+                "--verify",
+            ]
+        )
         == 0
     )
     assert convert_main(["reshard", "--load", str(tmp_path / "a"), "--save", str(tmp_path / "b"),
                          "--target-tp", "1", "--target-pp", "2", "--verify"]) == 0  # fmt: skip
     assert (
-        convert_main(["to-hf", "--load", str(tmp_path / "b"), "--save", str(tmp_path / "c"), "--verify"]) == 0
+        convert_main(
+            [
+                "to-hf",
+                "--weights-only",
+                "--load",
+                str(tmp_path / "b"),
+                "--save",
+                str(tmp_path / "c"),
+                "--verify",
+            ]
+        )
+        == 0
     )
     lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("verify:")]
     assert len(lines) == 3
@@ -52,8 +75,13 @@ def test_from_hf_reshard_to_hf_verify(tmp_path: Path, make, capsys: pytest.Captu
 
 def test_tampered_export_fails_verification(tmp_path: Path) -> None:
     hf = _tiny_gpt2(tmp_path / "hf")
-    assert convert_main(["from-hf", "--load", str(hf), "--save", str(tmp_path / "a")]) == 0
-    assert convert_main(["to-hf", "--load", str(tmp_path / "a"), "--save", str(tmp_path / "c")]) == 0
+    assert convert_main(["from-hf", "--weights-only", "--load", str(hf), "--save", str(tmp_path / "a")]) == 0
+    assert (
+        convert_main(
+            ["to-hf", "--weights-only", "--load", str(tmp_path / "a"), "--save", str(tmp_path / "c")]
+        )
+        == 0
+    )
     weights = load_file(str(tmp_path / "c" / "model.safetensors"))
     key = next(k for k in weights if k.endswith("ln_f.weight"))
     weights[key] = weights[key] * 1.1

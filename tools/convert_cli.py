@@ -24,11 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pretrain.checkpoint.hf_io import TOKENIZER_SUBDIR, copy_tokenizer, export_hf, import_hf
-from pretrain.checkpoint.reader import open_checkpoint
+from pretrain.checkpoint.opener import open_checkpoint
 from pretrain.checkpoint.reshard import WriteOptions, check_output_dir, write_layout
+from pretrain.checkpoint.types import TOKENIZER_SUBDIR, Provenance
 from pretrain.config import ParallelConfig
+from pretrain.tokenizer.loader import ResolvedTokenizer, load_tokenizer_dir, resolve_tokenizer, save_tokenizer
 from pretrain.utils.errors import UserError, cli_entry
+from tools.hf_io import export_hf, import_hf
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,11 +41,21 @@ class SourceOptions:
     iteration: int | str | None = None
     vocab_size: int | None = None
     tokenizer_dir: Path | None = None
+    force_tokenizer: bool = False
 
     def open(self) -> Any:
-        return open_checkpoint(
-            self.load, iteration=self.iteration, vocab_size=self.vocab_size, tokenizer_dir=self.tokenizer_dir
-        )
+        """The reader; a ``--tokenizer-dir`` gives the true vocabulary when ``args`` do not."""
+        reader = open_checkpoint(self.load, iteration=self.iteration, vocab_size=self.vocab_size)
+        if self.tokenizer_dir is not None and not reader.info.vocab_known and self.vocab_size is None:
+            size = load_tokenizer_dir(self.tokenizer_dir).vocab_size
+            reader = open_checkpoint(self.load, iteration=self.iteration, tokenizer_size=size,
+                                     tokenizer_source=f"--tokenizer-dir {self.tokenizer_dir}")  # fmt: skip
+        return reader
+
+    def tokenizer(self, reader: Any, *, required: bool) -> ResolvedTokenizer | None:
+        """The checked tokenizer (``--tokenizer-dir`` or the recorded one; see ``resolve_tokenizer``)."""
+        return resolve_tokenizer(reader, tokenizer_dir=self.tokenizer_dir, force=self.force_tokenizer,
+                                 required=required)  # fmt: skip
 
 
 def _iteration(text: str) -> int | str:
@@ -61,8 +73,14 @@ def _add_source(p: argparse.ArgumentParser, *, positional: bool = False) -> None
     else:
         p.add_argument("--load", type=Path, required=True, help="source checkpoint directory")
     p.add_argument("--iteration", type=_iteration, help="iteration to read (default: the tracker's)")
-    p.add_argument("--vocab-size", type=int, help="true vocabulary size (trims padded rows)")
-    p.add_argument("--tokenizer-dir", type=Path, help="HF tokenizer directory (vocab size; copied by to-hf)")
+    p.add_argument("--vocab-size", type=int, help="true vocabulary size, where the checkpoint records none")
+    p.add_argument(
+        "--tokenizer-dir",
+        type=Path,
+        help="tokenizer directory to use instead of the checkpoint's own (checked against it)",
+    )
+    p.add_argument("--force-tokenizer", action="store_true",
+                   help="use --tokenizer-dir even if it differs from the checkpoint's recorded tokenizer")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -78,10 +96,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-pp", type=int, required=True)
     p.add_argument("--target-vp", type=int, default=1)
     p.add_argument("--with-optimizer", action="store_true", help="reshard the optimizer state too")
+    _add_format(p)
     _add_verify(p)
     p = sub.add_parser("to-hf", help="export to a Hugging Face model directory")
     _add_source(p)
     p.add_argument("--save", type=Path, required=True, help="new Hugging Face directory")
+    p.add_argument("--weights-only", action="store_true",
+                   help="write no tokenizer (only for checkpoints that have none; the result is not a usable model)")  # fmt: skip
     _add_verify(p)
     p = sub.add_parser("from-hf", help="import a Hugging Face GPT-2 / BERT directory")
     p.add_argument("--load", type=Path, required=True, help="Hugging Face model directory")
@@ -90,8 +111,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vp", type=int, default=1)
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    p.add_argument("--tokenizer-dir", type=Path, help="tokenizer, when the Hugging Face directory has none")
+    p.add_argument("--weights-only", action="store_true",
+                   help="accept a Hugging Face directory without a tokenizer (the checkpoint records none)")  # fmt: skip
+    _add_format(p)
     _add_verify(p)
     return parser
+
+
+def _add_format(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--ckpt-format", choices=("torch", "torch_dist"), default="torch",
+                   help="output format: legacy per-rank files (torch) or megatron-core's torch_dist")  # fmt: skip
+
+
+def _write(fmt: str, source: Any, save: Path, target: ParallelConfig, **kw: Any) -> None:
+    """``write_layout`` (legacy ``torch``) or :func:`write_torch_dist` with the same options."""
+    if fmt == "torch":
+        write_layout(source, save, target, **kw)
+        return
+    from pretrain.checkpoint.torch_dist_writer import write_torch_dist
+
+    if kw.get("optimizer") is not None:
+        raise UserError("--with-optimizer: optimizer state is written only with --ckpt-format torch")
+    write_torch_dist(source, save, target, options=kw["options"], extra_files=kw.get("extra_files"))
 
 
 def _add_verify(p: argparse.ArgumentParser) -> None:
@@ -117,9 +159,8 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _source(args: argparse.Namespace) -> SourceOptions:
-    return SourceOptions(
-        load=args.load, iteration=args.iteration, vocab_size=args.vocab_size, tokenizer_dir=args.tokenizer_dir
-    )
+    return SourceOptions(load=args.load, iteration=args.iteration, vocab_size=args.vocab_size,
+                         tokenizer_dir=args.tokenizer_dir, force_tokenizer=args.force_tokenizer)  # fmt: skip
 
 
 def _progress(total: int, desc: str) -> Any:
@@ -182,79 +223,111 @@ def _print_inspect(record: dict[str, Any]) -> None:
 
 
 # --- conversions -------------------------------------------------------------------------------
-def _tokenizer_of(source: SourceOptions) -> Path | None:
-    """The tokenizer: ``--tokenizer-dir`` or the one from-hf kept beside the checkpoint."""
-    if source.tokenizer_dir is not None:
-        return source.tokenizer_dir
-    kept = source.load / TOKENIZER_SUBDIR
-    return kept if kept.is_dir() else None
+def _save_tokenizer_files(tok: ResolvedTokenizer | None) -> Any:
+    """``extra_files`` for :func:`write_layout`: the tokenizer's files into ``tokenizer/``."""
+    return None if tok is None else (lambda tmp: save_tokenizer(tok.tokenizer, tmp / TOKENIZER_SUBDIR))
 
 
-def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, with_optimizer: bool) -> int:
+def _carried_rng(reader: Any, target: ParallelConfig) -> Any:
+    """Each target rank's ``rng_state``: the source rank file's at the same (tp, pp) modulo the
+    source layout (the tracker states of TP rank t stay with TP rank t)."""
+    states, info = getattr(reader, "states", None), reader.info
+    if not states:
+        return None
+
+    def rng(tp_rank: int, pp_rank: int) -> Any:
+        state = states[(pp_rank % info.pp) * info.tp + tp_rank % info.tp]
+        return state.get("rng_state")
+
+    return rng
+
+
+def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, with_optimizer: bool,
+                ckpt_format: str = "torch") -> int:  # fmt: skip
     check_output_dir(save, sources=(source.load,))
     reader = source.open()
+    tok = source.tokenizer(reader, required=False)
     optimizer = None
     if with_optimizer:
         from pretrain.checkpoint.optimizer_reshard import optimizer_writer
 
         optimizer = optimizer_writer(reader, target)
     scheduler = getattr(reader, "states", [{}])[0].get("opt_param_scheduler")
-    ours = (
-        (reader.args or {}).get("mlm_toolkit", {}) if isinstance(getattr(reader, "args", None), dict) else {}
-    )
-    carried = {k: ours[k] for k in ("tokenizer", "training") if k in ours}  # e.g. the tokenizer for mlm-eval
+    meta = reader.metadata
+    prov = meta.provenance if meta is not None else Provenance(iteration=reader.info.iteration)
     options = WriteOptions(
         iteration=reader.info.iteration if reader.info.iteration is not None else "release",
         opt_param_scheduler=scheduler if isinstance(scheduler, dict) else None,
-        extra_args={**carried, "resharded_from": str(source.load)},
+        tokenizer=None if tok is None else tok.record,
+        provenance=dataclasses.replace(prov, resharded_from=str(source.load)),
+        finetune=None if meta is None else meta.finetune,
+        rng_state=_carried_rng(reader, target),
     )
-    tokenizer = _tokenizer_of(source)
     bar = _progress(target.tp * target.pp, "reshard")
     with bar:
-        write_layout(
-            reader,
-            save,
-            target,
-            options=options,
-            optimizer=optimizer,
-            progress=lambda _name: bar.update(1),
-            extra_files=None
-            if tokenizer is None
-            else lambda tmp: copy_tokenizer(tokenizer, tmp / TOKENIZER_SUBDIR),
-        )
+        _write(ckpt_format, reader, save, target, options=options, optimizer=optimizer,
+               progress=lambda _name: bar.update(1), extra_files=_save_tokenizer_files(tok))  # fmt: skip
     print(f"wrote {save} (tp={target.tp}, pp={target.pp}, vp={target.vp}, iteration {options.iteration})")
     return 0
 
 
-def run_to_hf(source: SourceOptions, save: Path) -> int:
+def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False) -> int:
     check_output_dir(save, sources=(source.load,))
-    tokenizer = _tokenizer_of(source)
-    reader = dataclasses.replace(source, tokenizer_dir=tokenizer).open()
+    reader = source.open()
+    try:
+        tok = source.tokenizer(reader, required=not weights_only)
+    except UserError as exc:
+        if "no usable tokenizer" not in str(exc):
+            raise
+        raise UserError(f"{exc} (or --weights-only to export the weights alone)") from None
+    if not reader.info.vocab_known:
+        raise UserError(
+            f"--load {source.load}: the true vocabulary size is unknown; pass --vocab-size or --tokenizer-dir"
+        )
     from tqdm import tqdm
 
     names = reader.names()
     tensors = ((n, reader.tensor(n)) for n in tqdm(names, desc="to-hf", unit="tensor", disable=None))
-    export_hf(tensors, reader.spec, save, tokenizer_dir=tokenizer)
+    export_hf(tensors, reader.spec, save, tokenizer=None if tok is None else tok.tokenizer)
     print(f"wrote {save} ({reader.spec.kind}, {reader.info.num_parameters} parameters)")
     return 0
 
 
-def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_by: int) -> int:
+def _hf_tokenizer(
+    hf_dir: Path, tokenizer_dir: Path | None, *, rows: int, weights_only: bool
+) -> ResolvedTokenizer | None:
+    from pretrain.tokenizer.loader import check_tokenizer, record_of
+
+    where, flag = (tokenizer_dir, "--tokenizer-dir") if tokenizer_dir is not None else (hf_dir, "--load")
+    try:
+        tok = load_tokenizer_dir(where, flag=flag)
+    except UserError as exc:
+        if tokenizer_dir is not None:
+            raise
+        if not weights_only:
+            raise UserError(
+                f"{exc}; pass --tokenizer-dir DIR, or --weights-only for a model without one"
+            ) from None
+        return None
+    check_tokenizer(tok, what=f"{flag} {where}", model_vocab=rows, recorded=None, model_source="the model")
+    return ResolvedTokenizer(tokenizer=tok, source=f"{flag} {where}", record=record_of(tok))
+
+
+def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_by: int,
+                tokenizer_dir: Path | None = None, weights_only: bool = False,
+                ckpt_format: str = "torch") -> int:  # fmt: skip
     check_output_dir(save, sources=(hf_dir,))
     source = import_hf(hf_dir, make_vocab_size_divisible_by=divisible_by)
-    has_tokenizer = any((hf_dir / n).is_file() for n in ("tokenizer.json", "vocab.json", "vocab.txt"))
+    tok = _hf_tokenizer(hf_dir, tokenizer_dir, rows=source.spec.cfg.vocab_size, weights_only=weights_only)
     bar = _progress(target.tp * target.pp, "from-hf")
+    options = WriteOptions(
+        iteration="release",
+        tokenizer=None if tok is None else tok.record,
+        provenance=Provenance(converted_from=str(hf_dir)),
+    )
     with bar:
-        write_layout(
-            source,
-            save,
-            target,
-            options=WriteOptions(iteration="release", extra_args={"converted_from": str(hf_dir)}),
-            progress=lambda _name: bar.update(1),
-            extra_files=(lambda tmp: copy_tokenizer(hf_dir, tmp / TOKENIZER_SUBDIR))
-            if has_tokenizer
-            else None,
-        )
+        _write(ckpt_format, source, save, target, options=options, progress=lambda _name: bar.update(1),
+               extra_files=_save_tokenizer_files(tok))  # fmt: skip
     print(
         f"wrote {save} ({source.spec.kind}, tp={target.tp}, pp={target.pp}, vp={target.vp}, iteration release)"
     )
@@ -268,12 +341,15 @@ def main(argv: list[str] | None = None) -> int:
         return run_inspect(_source(args), as_json=args.json)
     if args.command == "reshard":
         target = ParallelConfig(tp=args.target_tp, pp=args.target_pp, vp=args.target_vp)
-        rc = run_reshard(_source(args), args.save, target, with_optimizer=args.with_optimizer)
+        rc = run_reshard(_source(args), args.save, target, with_optimizer=args.with_optimizer,
+                         ckpt_format=args.ckpt_format)  # fmt: skip
     elif args.command == "to-hf":
-        rc = run_to_hf(_source(args), args.save)
+        rc = run_to_hf(_source(args), args.save, weights_only=args.weights_only)
     else:
         target = ParallelConfig(tp=args.tp, pp=args.pp, vp=args.vp)
-        rc = run_from_hf(args.load, args.save, target, divisible_by=args.make_vocab_size_divisible_by)
+        rc = run_from_hf(args.load, args.save, target, divisible_by=args.make_vocab_size_divisible_by,
+                         tokenizer_dir=args.tokenizer_dir, weights_only=args.weights_only,
+                         ckpt_format=args.ckpt_format)  # fmt: skip
     return _verify(args) if rc == 0 and args.verify else rc
 
 

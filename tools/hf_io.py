@@ -1,17 +1,18 @@
-"""Hugging Face directories <-> canonical full tensors (GPT-2 and BERT), written atomically.
+"""Hugging Face model directories <-> canonical full tensors (GPT-2 and BERT), written atomically.
+
+This is the edge of the toolkit: the only module that reads and writes Hugging Face model files
+(the engine in ``pretrain/`` imports without ``transformers``).
 
 :func:`export_hf` writes ``model.safetensors``, ``config.json`` and the tokenizer files of a
 checkpoint (GPT -> ``GPT2LMHeadModel``; pre-LN BERT -> ``MegatronBertForPreTraining``; post-LN
 BERT -> ``BertForPreTraining``; a checkpoint imported from a bare ``BertModel`` -> ``BertModel``
 again, its freshly initialised heads left out). :func:`import_hf` reads a local HF model directory into a
-:class:`~pretrain.checkpoint.reshard.DictSource` ready to be written at any layout.
+:class:`~pretrain.checkpoint.types.DictSource` ready to be written at any layout.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -19,76 +20,102 @@ from typing import Any
 import torch
 
 from pretrain.checkpoint.plan import ModelSpec
-from pretrain.checkpoint.reshard import DictSource
-from pretrain.models.sharding import is_vocab_tensor
+from pretrain.checkpoint.types import PROBE_TEXT, DictSource
+from pretrain.tokenizer.base import Tokenizer
 from pretrain.utils.atomic import atomic_directory
 from pretrain.utils.errors import UserError
 
-TOKENIZER_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "vocab.txt", "spiece.model", "tokenizer.model",
-)  # fmt: skip
-TOKENIZER_SUBDIR = "tokenizer"  # where from-hf keeps the tokenizer inside our checkpoints
+__all__ = ["export_hf", "hf_tokenizer_of", "import_hf", "read_hf_state"]
 
 
-def copy_tokenizer(src: Path, dst: Path) -> list[str]:
-    """Copy the tokenizer files of ``src`` into ``dst``; returns the names copied."""
-    names = [n for n in TOKENIZER_FILES if (src / n).is_file()]
-    if not names:
-        raise UserError(f"--tokenizer-dir {src}: no tokenizer files ({', '.join(TOKENIZER_FILES[:6])}, ...)")
-    dst.mkdir(parents=True, exist_ok=True)
-    for n in names:
-        shutil.copyfile(src / n, dst / n)
-    return names
+def hf_tokenizer_of(tok: Tokenizer) -> Any:
+    """A complete Hugging Face fast tokenizer equal to ``tok`` (checked on :data:`PROBE_TEXT`).
 
+    Our ``tokenizers``-backed tokenizers (GPT-2 BPE, WordPiece) become a ``PreTrainedTokenizerFast``
+    over a copy of the same Rust tokenizer, with the special tokens named (GPT-2: bos = eos = unk =
+    the end-of-document token; BERT: [CLS] [SEP] [PAD] [MASK] [UNK]); a Hugging Face directory is
+    loaded as itself. SentencePiece models are refused (no exact fast equivalent).
+    """
+    import transformers
+    from tokenizers import Tokenizer as RustTokenizer
 
-def load_hf_tokenizer(path: Path | None) -> Any:
-    """A HF tokenizer from ``path``: a HF tokenizer directory, or Megatron's tokenizer files
-    (``vocab.json`` + ``merges.txt`` for GPT-2 BPE, ``vocab.txt`` for WordPiece)."""
-    if path is None:
-        return None
-    from transformers import AutoTokenizer, BertTokenizerFast, GPT2TokenizerFast  # type: ignore[attr-defined]
-
+    kind = tok.tokenizer_type
+    name = {k: tok.id_to_token(v) for k, v in tok.special_ids().items() if v is not None}
     try:
-        if not (path / "tokenizer.json").is_file() and (path / "merges.txt").is_file():
-            return GPT2TokenizerFast.from_pretrained(str(path))
-        if not (path / "tokenizer.json").is_file() and (path / "vocab.txt").is_file():
-            return BertTokenizerFast.from_pretrained(str(path))
-        return AutoTokenizer.from_pretrained(str(path))
-    except Exception as exc:
+        if kind == "HuggingFaceTokenizer":
+            hf: Any = transformers.AutoTokenizer.from_pretrained(tok.model_path, local_files_only=True)  # type: ignore[attr-defined]
+        elif tok.backend_tokenizer is not None:
+            backend = RustTokenizer.from_str(tok.backend_tokenizer.to_str())
+            special: dict[str, str] = {}
+            if "eod" in name:
+                special.update(bos_token=name["eod"], eos_token=name["eod"], unk_token=name["eod"])
+            for ours, theirs in (
+                ("cls", "cls_token"),
+                ("sep", "sep_token"),
+                ("pad", "pad_token"),
+                ("mask", "mask_token"),
+            ):
+                if ours in name:
+                    special[theirs] = name[ours]
+            unk = tok.token_to_id("[UNK]")
+            if unk is not None and "unk_token" not in special:
+                special["unk_token"] = "[UNK]"
+            hf = transformers.PreTrainedTokenizerFast(tokenizer_object=backend, clean_up_tokenization_spaces=False,
+                                                      **special)  # fmt: skip
+        else:
+            raise UserError(
+                f"to-hf: {kind} tokenizers are not exported to Hugging Face (no exact fast equivalent)"
+            )
+    except UserError:
+        raise
+    except Exception as exc:  # transformers raises many kinds
+        raise UserError(f"cannot build a Hugging Face tokenizer from the {kind} tokenizer ({exc})") from None
+    if list(hf(PROBE_TEXT, add_special_tokens=False)["input_ids"]) != tok.tokenize(PROBE_TEXT):
         raise UserError(
-            f"--tokenizer-dir {path}: cannot load a tokenizer ({type(exc).__name__}: {exc})"
-        ) from None
+            f"the Hugging Face tokenizer built from the {kind} tokenizer encodes text differently"
+        )
+    return hf
 
 
-def _trim_vocab(full: dict[str, torch.Tensor], spec: ModelSpec, vocab: int) -> ModelSpec:
-    if vocab > spec.cfg.vocab_size:
-        raise UserError(f"the tokenizer has {vocab} tokens but the checkpoint only {spec.cfg.vocab_size}")
-    for name in [n for n in full if is_vocab_tensor(n)]:
-        full[name] = full[name][:vocab]
-    return dataclasses.replace(spec, cfg=dataclasses.replace(spec.cfg, vocab_size=vocab))
+def _special_ids(tok: Tokenizer | None) -> dict[str, int | None]:
+    if tok is None:
+        return {}
+    bos = getattr(tok, "bos", None)
+    return {"bos_token_id": bos if isinstance(bos, int) else tok.eod, "eos_token_id": tok.eod,
+            "pad_token_id": tok.pad}  # fmt: skip
 
 
 def hf_state_and_config(
-    full: dict[str, torch.Tensor], spec: ModelSpec, tokenizer: Any = None
+    full: dict[str, torch.Tensor], spec: ModelSpec, tokenizer: Tokenizer | None = None
 ) -> tuple[dict[str, torch.Tensor], Any]:
-    """The HF state dict (tied copies omitted) and ``PretrainedConfig`` of canonical tensors."""
+    """The HF state dict (tied copies omitted) and ``PretrainedConfig`` of canonical tensors;
+    the special-token ids are the tokenizer's (``None`` where it has none)."""
+    ids = _special_ids(tokenizer)
+    if spec.kind == "gpt" and spec.cfg.position_embedding_type == "rope":  # the Llama family
+        from transformers import AutoConfig
+
+        from pretrain.models import hf_llama
+
+        kw = hf_llama.hf_config_kwargs(spec.cfg, bos_token_id=ids.get("bos_token_id"),
+                                       eos_token_id=ids.get("eos_token_id"))  # fmt: skip
+        config = AutoConfig.for_model(kw.pop("model_type"), **kw, pad_token_id=ids.get("pad_token_id"))
+        return hf_llama.canonical_to_hf(full, spec.cfg), config
     if spec.kind == "gpt":
         from transformers import GPT2Config
 
         from pretrain.models import hf_gpt2
 
-        eos = getattr(tokenizer, "eos_token_id", None)
-        bos = getattr(tokenizer, "bos_token_id", None)
-        kw = hf_gpt2.hf_config_kwargs(spec.cfg, bos_token_id=bos, eos_token_id=eos)
-        return hf_gpt2.canonical_to_hf(full, spec.cfg), GPT2Config(**kw)
+        kw = hf_gpt2.hf_config_kwargs(spec.cfg, bos_token_id=ids.get("bos_token_id"),
+                                      eos_token_id=ids.get("eos_token_id"))  # fmt: skip
+        config = GPT2Config(**kw, pad_token_id=ids.get("pad_token_id"))
+        return hf_gpt2.canonical_to_hf(full, spec.cfg), config
     from transformers import BertConfig, MegatronBertConfig
 
     from pretrain.models import hf_bert
 
     arch = hf_bert.hf_architecture(spec.cfg, bare="lm_head" in spec.fresh_heads)
     config_cls = BertConfig if spec.cfg.post_layernorm else MegatronBertConfig
-    extra = {} if tokenizer is None else {"pad_token_id": tokenizer.pad_token_id}
+    extra: dict[str, Any] = {} if tokenizer is None else {"pad_token_id": tokenizer.pad}
     config = config_cls(**hf_bert.hf_config_kwargs(spec.cfg), architectures=[arch], **extra)
     state = hf_bert.canonical_to_hf(full, spec.cfg, include_tied=False, fresh_heads=spec.fresh_heads)
     return state, config
@@ -99,27 +126,33 @@ def export_hf(
     spec: ModelSpec,
     save: Path,
     *,
-    tokenizer_dir: Path | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> Path:
-    """Write a HF model directory at ``save`` (atomically) from canonical ``tensors``."""
+    """Write a HF model directory at ``save`` (atomically) from canonical ``tensors``: weights,
+    ``config.json``, ``generation_config.json`` and the complete tokenizer (``tokenizer.json``,
+    ``tokenizer_config.json``, ``special_tokens_map.json``) with the tokenizer's true special ids."""
     from safetensors.torch import save_file
+    from transformers import GenerationConfig
 
+    if tokenizer is not None and tokenizer.vocab_size > spec.cfg.vocab_size:
+        raise UserError(
+            f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint only {spec.cfg.vocab_size}"
+        )
+    hf_tok = hf_tokenizer_of(tokenizer) if tokenizer is not None else None
     full = {name: t.clone() for name, t in tensors}
-    tokenizer = load_hf_tokenizer(tokenizer_dir)
-    if tokenizer is not None:
-        spec = _trim_vocab(full, spec, len(tokenizer))
     state, config = hf_state_and_config(full, spec, tokenizer)
     del full
     with atomic_directory(save) as tmp:
         save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
         config.save_pretrained(str(tmp))
-        if tokenizer_dir is not None:
-            copy_tokenizer(tokenizer_dir, tmp)
-            tokenizer.save_pretrained(str(tmp))  # tokenizer.json + config, loadable by AutoTokenizer
+        if spec.kind == "gpt":
+            GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+        if hf_tok is not None:
+            hf_tok.save_pretrained(str(tmp))  # tokenizer.json + tokenizer_config + special tokens map
     return save
 
 
-def _read_hf_state(hf_dir: Path) -> dict[str, torch.Tensor]:
+def read_hf_state(hf_dir: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
     if (hf_dir / "model.safetensors").is_file():
@@ -146,13 +179,18 @@ def import_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> DictS
         config = AutoConfig.from_pretrained(str(hf_dir))
     except Exception as exc:
         raise UserError(f"--load {hf_dir}: cannot read config.json ({type(exc).__name__}: {exc})") from None
-    state = _read_hf_state(hf_dir)
+    state = read_hf_state(hf_dir)
     over = {"make_vocab_size_divisible_by": make_vocab_size_divisible_by}
     if config.model_type == "gpt2":
         from pretrain.models import hf_gpt2
 
         cfg = hf_gpt2.model_config_from_hf(config, **over)
         return DictSource(ModelSpec(kind="gpt", cfg=cfg), hf_gpt2.hf_to_canonical(state, cfg))
+    from pretrain.models import hf_llama
+
+    if config.model_type in hf_llama.FAMILIES:  # Llama, Mistral, Qwen2, Qwen3
+        cfg = hf_llama.model_config_from_hf(config, **over)
+        return DictSource(ModelSpec(kind="gpt", cfg=cfg), hf_llama.hf_to_canonical(state, cfg))
     if config.model_type in ("bert", "megatron-bert"):
         from pretrain.models import hf_bert
 

@@ -1,59 +1,93 @@
-"""The ``args`` entry of a checkpoint: plain data (no pickled Namespace), Megatron-compatible names."""
+"""Build the typed :class:`~pretrain.checkpoint.types.CheckpointMetadata` of a checkpoint to write.
+
+The record becomes the Megatron-named ``args`` Namespace when a file is written
+(:func:`pretrain.checkpoint.metadata.to_args`); :func:`model_config_from_args` and
+:func:`parallel_config_from_args` are thin readers kept for existing callers.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+from importlib import metadata as _dist
 from typing import Any
 
+from pretrain.checkpoint.metadata import parallel_of, require_metadata, to_args
+from pretrain.checkpoint.types import CheckpointMetadata, FinetuneRecord, Provenance, TokenizerRecord
 from pretrain.config import ModelConfig, ParallelConfig
-from pretrain.tensor_parallel.vocab import padded_vocab_size
+from pretrain.tokenizer.base import Tokenizer
+from pretrain.tokenizer.loader import checkpoint_tokenizer_dir, record_of, save_tokenizer
 from pretrain.utils.errors import UserError
+
+
+def build_metadata(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    kind: str,
+    tokenizer: TokenizerRecord | None = None,
+    provenance: Provenance | None = None,
+    add_binary_head: bool = False,
+    fresh_heads: tuple[str, ...] = (),
+    finetune: FinetuneRecord | None = None,
+) -> CheckpointMetadata:
+    """The record of a checkpoint we are about to write (fields as in :class:`CheckpointMetadata`)."""
+    provenance = provenance or Provenance()
+    if provenance.toolkit_version is None:
+        provenance = dataclasses.replace(provenance, toolkit_version=_toolkit_version())
+    return CheckpointMetadata(
+        kind=kind, model=model, parallel=parallel, tokenizer=tokenizer, provenance=provenance,
+        add_binary_head=add_binary_head, fresh_heads=fresh_heads, finetune=finetune,
+    )  # fmt: skip
+
+
+def _toolkit_version() -> str | None:
+    try:
+        return _dist.version("mlm-toolkit")
+    except _dist.PackageNotFoundError:
+        return None
 
 
 def checkpoint_args(
     model: ModelConfig, parallel: ParallelConfig, *, model_type: str, extra: dict[str, Any] | None = None
-) -> dict[str, Any]:
-    """Plain-data args: Megatron's flat names (read by upstream tools) plus our full configs."""
-    return {
-        "model_type": model_type,
-        "num_layers": model.num_layers,
-        "hidden_size": model.hidden_size,
-        "ffn_hidden_size": model.ffn_size,
-        "num_attention_heads": model.num_attention_heads,
-        "max_position_embeddings": model.max_position_embeddings,
-        "vocab_size": model.vocab_size,
-        "padded_vocab_size": padded_vocab_size(
-            model.vocab_size, tp=parallel.tp, divisible_by=model.make_vocab_size_divisible_by
-        ),
-        "make_vocab_size_divisible_by": model.make_vocab_size_divisible_by,
-        "layernorm_epsilon": model.layernorm_epsilon,
-        "tensor_model_parallel_size": parallel.tp,
-        "pipeline_model_parallel_size": parallel.pp,
-        "virtual_pipeline_model_parallel_size": parallel.vp if parallel.vp > 1 else None,
-        "params_dtype": model.params_dtype,
-        "mlm_toolkit": {
-            "model": dataclasses.asdict(model),
-            "parallel": dataclasses.asdict(parallel),
-            **(extra or {}),
-        },
-    }
+) -> argparse.Namespace:
+    """Megatron-named ``args`` (kept for callers of the earlier API); ``extra`` may hold ``argv``."""
+    argv = tuple((extra or {}).get("argv") or ())
+    return to_args(build_metadata(model, parallel, kind=model_type, provenance=Provenance(argv=argv)))
 
 
-def model_config_from_args(args: dict[str, Any], *, source: str = "checkpoint") -> ModelConfig:
-    """Rebuild the ``ModelConfig`` saved by :func:`checkpoint_args` (our checkpoints)."""
-    ours = args.get("mlm_toolkit", {}).get("model") if isinstance(args, dict) else None
-    if not isinstance(ours, dict):
-        raise UserError(f"{source}: args has no mlm_toolkit.model entry (not written by mlm-toolkit)")
-    return ModelConfig(**ours)
+def model_config_from_args(args: Any, *, source: str = "checkpoint") -> ModelConfig:
+    """The ``ModelConfig`` of one of our checkpoints' ``args``."""
+    return require_metadata(args, source=source).model
 
 
-def parallel_config_from_args(args: dict[str, Any]) -> ParallelConfig:
-    ours = args.get("mlm_toolkit", {}).get("parallel")
-    if isinstance(ours, dict):
-        return ParallelConfig(**ours)
-    vp = args.get("virtual_pipeline_model_parallel_size") or 1
-    return ParallelConfig(
-        tp=int(args.get("tensor_model_parallel_size", 1)),
-        pp=int(args.get("pipeline_model_parallel_size", 1)),
-        vp=int(vp),
-    )
+def parallel_config_from_args(args: Any) -> ParallelConfig:
+    """The layout a checkpoint was saved with."""
+    return parallel_of(args)
+
+
+def training_metadata(
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    kind: str,
+    tokenizer: Tokenizer,
+    save: str | None,
+    write_tokenizer: bool,
+    argv: list[str] | tuple[str, ...] = (),
+    global_batch_size: int | None = None,
+    finetune: FinetuneRecord | None = None,
+) -> CheckpointMetadata:
+    """The record of a training run's checkpoints; the writer rank (``write_tokenizer``) copies
+    the tokenizer's files into ``SAVE/tokenizer/`` so the checkpoint carries them."""
+    if tokenizer.vocab_size > model.vocab_size:
+        raise UserError(
+            f"the tokenizer ({tokenizer.tokenizer_type}) has {tokenizer.vocab_size} tokens but the model's "
+            f"vocabulary is {model.vocab_size}"
+        )
+    record = record_of(tokenizer)
+    if save is not None and write_tokenizer:
+        save_tokenizer(tokenizer, checkpoint_tokenizer_dir(save))
+    prov = Provenance(argv=tuple(argv), global_batch_size=global_batch_size)
+    return build_metadata(model, parallel, kind=kind, tokenizer=record, provenance=prov,
+                          add_binary_head=kind == "bert", finetune=finetune)  # fmt: skip

@@ -2,8 +2,10 @@
 
 Saving is atomic for the whole checkpoint: all ranks write into ``iter_XXXXXXX.tmp``; after a
 barrier, global rank 0 renames it to ``iter_XXXXXXX`` and then updates the tracker file, so a
-crash never leaves a half-written iteration marked as latest. Loading uses
-``torch.load(weights_only=True)``: our files hold only tensors and plain data.
+crash never leaves a half-written iteration marked as latest. ``args`` is the Megatron-named
+``argparse.Namespace`` of :func:`pretrain.checkpoint.metadata.to_args` (our typed record inside).
+Loading uses ``torch.load(weights_only=True)`` with only ``argparse.Namespace`` allow-listed
+besides tensors and plain data; the loaded ``args`` is returned as a plain dict.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from pretrain.checkpoint.layout import (
     resolve_iteration,
     write_tracker,
 )
+from pretrain.checkpoint.metadata import SAFE_GLOBALS, as_mapping, to_args
+from pretrain.checkpoint.types import CheckpointMetadata
 from pretrain.models.base import ShardedModule
 from pretrain.parallel.state import ParallelState
 from pretrain.utils.atomic import atomic_open
@@ -47,10 +51,16 @@ def model_state(chunks: Sequence[ShardedModule]) -> dict[str, Any]:
 
 
 def rng_state(ps: ParallelState) -> dict[str, Any]:
+    """Megatron's ``rng_state`` entry (python, numpy, torch, the TP tracker; CUDA on GPUs)."""
+    version, internal, gauss = random.getstate()
+    name, keys, pos, has_gauss, cached = np.random.get_state()
     state: dict[str, Any] = {
+        "random_rng_state": (version, tuple(internal), gauss),
+        "np_rng_state": (name, torch.from_numpy(np.asarray(keys, dtype=np.int64)), int(pos), int(has_gauss),
+                         float(cached)),
         "torch_rng_state": torch.get_rng_state(),
         "rng_tracker_states": ps.rng.get_states(),
-    }
+    }  # fmt: skip
     if torch.cuda.is_available() and ps.device.type == "cuda":
         state["cuda_rng_state"] = torch.cuda.get_rng_state()
     return state
@@ -62,7 +72,8 @@ def restore_rng_state(ps: ParallelState, state: dict[str, Any]) -> None:
         random.setstate((version, tuple(internal), gauss))
     if "np_rng_state" in state:
         name, keys, *rest = state["np_rng_state"]
-        np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+        keys = keys.numpy() if isinstance(keys, torch.Tensor) else np.asarray(keys)
+        np.random.set_state((name, keys.astype(np.uint32), *rest))
     torch.set_rng_state(state["torch_rng_state"])
     if "cuda_rng_state" in state and ps.device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda_rng_state"])
@@ -75,7 +86,7 @@ def save_checkpoint(
     chunks: Sequence[ShardedModule],
     ps: ParallelState,
     *,
-    args: dict[str, Any],
+    args: CheckpointMetadata | Any,
     optimizer: dict[str, Any] | None = None,
     opt_param_scheduler: dict[str, Any] | None = None,
     extra_files: dict[str, dict[str, Any]] | None = None,
@@ -84,7 +95,11 @@ def save_checkpoint(
 
     ``extra_files`` maps file names (e.g. ``distrib_optim.pt``) to states this rank writes into
     its ``mp_rank`` directory (callers pass them only on the rank that should write them).
+    ``args`` is our record (written as the Megatron-named Namespace at ``iteration``) or an
+    already built Namespace.
     """
+    if isinstance(args, CheckpointMetadata):
+        args = to_args(args, iteration=iteration)
     final = iteration_dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -124,11 +139,17 @@ def load_rank_file(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise UserError(f"missing checkpoint shard {path}")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        torch.serialization.add_safe_globals(SAFE_GLOBALS)  # (a safe_globals context would drop it on exit)
+        state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # a corrupt or foreign file: one clear line
         raise UserError(
             f"{path}: cannot be loaded safely ({type(exc).__name__}: {str(exc).splitlines()[0]})"
         ) from None
+    if not isinstance(state, dict):
+        raise UserError(f"{path}: expected a dict at the top level, found {type(state).__name__}")
+    if "args" in state:
+        state["args"] = dict(as_mapping(state["args"]))
+    return state
 
 
 def load_checkpoint(

@@ -1,77 +1,39 @@
-"""Open any Megatron-layout checkpoint directory and stream its canonical full tensors.
+"""The reader of legacy-format (``torch``) iteration directories: canonical full tensors on demand.
 
-:func:`open_checkpoint` accepts our checkpoints and upstream Megatron-LM ones of every era
-(legacy ``torch`` format, checkpoint_version 0 to 3.0, old and megatron-core names, ``release``
-directories, pipeline stages and virtual chunks) and ``torch_dist`` directories. Rank files are
-loaded with ``torch.load(mmap=True)`` through the restricted unpickler, so opening costs little
-memory and :meth:`LegacyReader.tensor` materialises one full tensor at a time.
-
-:func:`load_canonical` is the one-call entry for in-memory use (e.g. ``mlm-eval``): canonical
-full tensors, the ``ModelSpec`` (kind + ``ModelConfig``) and the checkpoint's description.
+:func:`open_legacy` accepts our checkpoints and upstream Megatron-LM ones of every era
+(checkpoint_version 0 to 3.0, old and megatron-core names, ``release`` directories, pipeline
+stages and virtual chunks). Rank files are loaded with ``torch.load(mmap=True)`` through the
+restricted unpickler, so opening costs little memory and :meth:`LegacyReader.tensor` materialises
+one full tensor at a time. Callers use :func:`pretrain.checkpoint.opener.open_checkpoint`, which
+dispatches here or to the ``torch_dist`` reader.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 
-from pretrain.checkpoint.layout import (
-    MODEL_FILE,
-    TRACKER,
-    flatten,
-    iteration_dir,
-    list_rank_dirs,
-    read_tracker,
-)
+from pretrain.checkpoint.args_semantics import is_zero_centred_norm, layernorm_1p, untie_head_names
+from pretrain.checkpoint.layout import MODEL_FILE, flatten, list_rank_dirs
+from pretrain.checkpoint.metadata import CheckpointMetadata, as_mapping, read_metadata
 from pretrain.checkpoint.pages import PageReleaser
 from pretrain.checkpoint.plan import ModelSpec, Slot, chunk_slots, layers_from_counts
 from pretrain.checkpoint.safe_unpickle import load_untrusted
-from pretrain.checkpoint.upstream_args import (
-    model_kind,
-    our_model_config,
-    true_vocab_size,
-    upstream_model_config,
-)
+from pretrain.checkpoint.types import CanonicalSource, CheckpointInfo
+from pretrain.checkpoint.upstream_args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
 from pretrain.checkpoint.upstream_names import is_qkv, qkv_to_canonical, to_local_name
+from pretrain.models.sharding import row_layout, unshard_tensors
 from pretrain.utils.errors import UserError
 
+__all__ = ["CanonicalSource", "CheckpointInfo", "LegacyReader", "open_legacy"]
 _CHUNK_KEY = re.compile(r"^model(\d*)$")
 _LOCAL_LAYER = re.compile(r"\.layers\.(\d+)\.")
-
-
-@dataclass(frozen=True, kw_only=True)
-class CheckpointInfo:
-    """What ``mlm-convert inspect`` reports about a checkpoint."""
-
-    path: str
-    format: str  # "torch" (legacy) or "torch_dist"
-    iteration: int | str | None
-    checkpoint_version: float
-    kind: str
-    tp: int
-    pp: int
-    vp: int
-    vocab_size: int
-    vocab_source: str
-    padded_vocab_size: int
-    num_parameters: int
-    dtypes: tuple[str, ...]
-    ours: bool  # written by mlm-toolkit
-
-
-class CanonicalSource(Protocol):
-    """Anything that yields canonical full tensors (a checkpoint reader, an HF model, ...)."""
-
-    spec: ModelSpec
-
-    def names(self) -> list[str]: ...
-
-    def tensor(self, name: str) -> torch.Tensor: ...
 
 
 @dataclass
@@ -92,10 +54,12 @@ class LegacyReader:
     entries: dict[str, _Entry]
     head_copies: dict[str, _Entry] = field(default_factory=dict)
     pages: PageReleaser | None = None  # drops read parts from RSS (mmap'd files)
+    metadata: CheckpointMetadata | None = None  # our record (None for upstream checkpoints)
+    norm_1p: bool = False  # upstream apply_layernorm_1p: norm weights are stored minus 1
 
     @property
     def args(self) -> dict[str, Any]:
-        return dict(self.states[0].get("args") or {})
+        return dict(as_mapping(self.states[0].get("args")))
 
     def names(self) -> list[str]:
         return list(self.entries)
@@ -129,10 +93,13 @@ class LegacyReader:
                     )
             full = parts[0]
         else:
-            full = torch.cat(parts, dim=slot.dim) if len(parts) > 1 else parts[0]
+            lay = row_layout(slot.local, cfg)  # SwiGLU [gate; up] per rank, GQA groups
+            full = unshard_tensors(parts, dim=slot.dim, layout=lay) if len(parts) > 1 else parts[0]
         if self.pages is not None:  # transparent: a later access faults the pages back in
             for part in parts:
                 self.pages.release(part)
+        if self.norm_1p and is_zero_centred_norm(name):  # args.apply_layernorm_1p: stored gamma - 1
+            full = full + 1
         return full[: cfg.vocab_size] if slot.vocab else full
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -153,21 +120,6 @@ class LegacyReader:
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.entries:
             yield name, self.tensor(name)
-
-
-def _find_iteration_dir(root: Path, iteration: int | str | None) -> tuple[Path, int | str | None]:
-    if not root.is_dir():
-        raise UserError(f"{root}: no such checkpoint directory")
-    if (root / TRACKER).exists() or iteration is not None:
-        it = read_tracker(root) if iteration is None else iteration
-        path = iteration_dir(root, it)
-        if not path.is_dir():
-            raise UserError(f"{root}: iteration directory {path.name} does not exist")
-        return path, it
-    if any(root.glob("mp_rank_*")) or (root / "metadata.json").exists() or (root / ".metadata").exists():
-        name = root.name
-        return root, (int(name[5:]) if name.startswith("iter_") and name[5:].isdigit() else name)
-    raise UserError(f"{root}: not a Megatron checkpoint directory (no {TRACKER}, no mp_rank_* shards)")
 
 
 def _rank_grid(it_dir: Path, args: dict[str, Any]) -> tuple[int, int, dict[tuple[int, int], Path]]:
@@ -216,33 +168,32 @@ def _model_spec(
     counts: list[list[int]],
     tp: int,
     *,
-    vocab_size: int | None,
-    tokenizer_dir: str | Path | None,
+    vocab: VocabOptions,
     source: str,
-) -> tuple[ModelSpec, int, str]:
-    args = dict(states[0].get("args") or {})
+) -> tuple[ModelSpec, int, str, CheckpointMetadata | None]:
+    args = dict(as_mapping(states[0].get("args")))
+    meta = read_metadata(args, source=source)
     pp, vp = len(counts), len(counts[0])
     first = {n: first_flat[k] for n, k in locals_[(0, 0, 0)].items()}
     last_names = locals_[(0, pp - 1, vp - 1)]
-    kind = model_kind(args, set(first) | set(last_names))
+    kind = meta.kind if meta is not None else model_kind(args, set(first) | set(last_names))
     emb = first.get("language_model.embedding.word_embeddings.weight")
     if emb is None:
         raise UserError(f"{source}: the first stage has no word embeddings")
     padded = emb.shape[0] * tp
-    vocab, how = true_vocab_size(args, padded, override=vocab_size, tokenizer_dir=tokenizer_dir)
+    size, how = true_vocab_size(args, padded, tp=tp, vocab=vocab, source=source)
     layers = sum(map(sum, counts))
-    if isinstance(args.get("mlm_toolkit"), dict):
-        cfg = our_model_config(args, vocab_size=vocab, source=source)
+    if meta is not None:
+        cfg = dataclasses.replace(meta.model, vocab_size=size)
     else:
         cfg = upstream_model_config(
-            args, first, kind=kind, tp=tp, vocab_size=vocab, num_layers=layers, source=source
+            args, first, kind=kind, tp=tp, vocab_size=size, num_layers=layers, source=source
         )
     if cfg.num_layers != layers:
         raise UserError(f"{source}: args say {cfg.num_layers} layers, the shards hold {layers}")
     binary = any(n.startswith("binary_head.") for n in last_names)
-    ours = args.get("mlm_toolkit")
-    fresh = tuple(ours.get("fresh_heads") or ()) if isinstance(ours, dict) else ()
-    return ModelSpec(kind=kind, cfg=cfg, add_binary_head=binary, fresh_heads=fresh), padded, how
+    fresh = meta.fresh_heads if meta is not None else ()
+    return ModelSpec(kind=kind, cfg=cfg, add_binary_head=binary, fresh_heads=fresh), padded, how, meta
 
 
 def _index(
@@ -300,8 +251,8 @@ def open_legacy(
     it_dir: Path,
     iteration: int | str | None,
     *,
-    vocab_size: int | None = None,
-    tokenizer_dir: str | Path | None = None,
+    vocab: VocabOptions | None = None,
+    root: Path | None = None,
 ) -> LegacyReader:
     """Open a legacy-format iteration directory (all rank files mmap'd, nothing materialised)."""
     probe_dirs = list_rank_dirs(it_dir)
@@ -325,21 +276,15 @@ def open_legacy(
     }
     counts = [[_layer_count(locals_[(0, p, c)]) for c in range(vp)] for p in range(pp)]
     source = str(it_dir)
-    spec, padded, how = _model_spec(
-        states,
-        flats[0][chunk_keys[0]],
-        locals_,
-        counts,
-        tp,
-        vocab_size=vocab_size,
-        tokenizer_dir=tokenizer_dir,
-        source=source,
+    spec, padded, how, meta = _model_spec(
+        states, flats[0][chunk_keys[0]], locals_, counts, tp, vocab=vocab or VocabOptions(), source=source
     )
+    if spec.cfg.untie_embeddings_and_output_weights:  # mcore output_layer / legacy head copy
+        locals_ = {k: untie_head_names(v) for k, v in locals_.items()}
     entries, heads = _index(spec, locals_, file_index, chunk_keys, counts, tp, files)
     dtypes = sorted(
         {str(t.dtype).removeprefix("torch.") for flat in flats for t in flat[chunk_keys[0]].values()}
     )
-    args = states[0].get("args")
     info = CheckpointInfo(
         path=source,
         format="torch",
@@ -354,35 +299,20 @@ def open_legacy(
         padded_vocab_size=padded,
         num_parameters=_num_params(spec, entries, tp),
         dtypes=tuple(dtypes),
-        ours=isinstance(args, dict) and isinstance(args.get("mlm_toolkit"), dict),
+        ours=meta is not None,
+        root=str(root or ""),
+        vocab_known=not how.startswith("padded"),
     )
     return LegacyReader(
         spec=spec, info=info, files=files, states=states, flats=flats, entries=entries, head_copies=heads,
-        pages=PageReleaser(files),
+        pages=PageReleaser(files), metadata=meta,
+        norm_1p=meta is None and layernorm_1p(as_mapping(states[0].get("args"))),
     )  # fmt: skip
 
 
-def open_checkpoint(
-    path: str | Path,
-    *,
-    iteration: int | str | None = None,
-    vocab_size: int | None = None,
-    tokenizer_dir: str | Path | None = None,
-) -> Any:
-    """Open a checkpoint root (with the tracker file) or one iteration directory, any format."""
-    it_dir, it = _find_iteration_dir(Path(path), iteration)
-    if (it_dir / "metadata.json").exists() or (it_dir / ".metadata").exists():
-        from pretrain.checkpoint.torch_dist import open_torch_dist
+def __getattr__(name: str) -> Any:  # the earlier home of these entry points
+    if name in ("open_checkpoint", "load_canonical"):
+        from pretrain.checkpoint import opener
 
-        return open_torch_dist(it_dir, it, vocab_size=vocab_size, tokenizer_dir=tokenizer_dir)
-    return open_legacy(it_dir, it, vocab_size=vocab_size, tokenizer_dir=tokenizer_dir)
-
-
-def load_canonical(
-    path: str | Path, *, iteration: int | str | None = None, vocab_size: int | None = None,
-    tokenizer_dir: str | Path | None = None,
-) -> tuple[dict[str, torch.Tensor], ModelSpec, CheckpointInfo]:  # fmt: skip
-    """Canonical full tensors (cloned into memory), the model spec and info of any checkpoint."""
-    reader = open_checkpoint(path, iteration=iteration, vocab_size=vocab_size, tokenizer_dir=tokenizer_dir)
-    full = {name: reader.tensor(name).clone() for name in reader.names()}
-    return full, reader.spec, reader.info
+        return getattr(opener, name)
+    raise AttributeError(name)

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.args import checkpoint_args
+from pretrain.checkpoint.args import build_metadata
 from pretrain.checkpoint.layout import (
     CHECKPOINT_VERSION,
     MODEL_FILE,
@@ -28,14 +28,22 @@ from pretrain.checkpoint.layout import (
     rank_dir_name,
     write_tracker,
 )
+from pretrain.checkpoint.metadata import to_args
 from pretrain.checkpoint.plan import LayoutPlan, Slot
-from pretrain.checkpoint.reader import CanonicalSource
+from pretrain.checkpoint.types import (
+    CanonicalSource,
+    DictSource,
+    FinetuneRecord,
+    Provenance,
+    TokenizerRecord,
+)
 from pretrain.config import ParallelConfig
 from pretrain.models.sharding import shard_tensor
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.atomic import atomic_directory, atomic_open
 from pretrain.utils.errors import UserError
 
+__all__ = ["DictSource", "WriteOptions", "check_output_dir", "with_vocab", "write_layout"]
 OPTIM_STATES = ("param", "exp_avg", "exp_avg_sq")
 
 
@@ -45,7 +53,11 @@ class WriteOptions:
 
     iteration: int | str = "release"
     opt_param_scheduler: dict[str, Any] | None = None
-    extra_args: dict[str, Any] | None = None  # merged into args["mlm_toolkit"]
+    tokenizer: TokenizerRecord | None = None
+    provenance: Provenance | None = None
+    finetune: FinetuneRecord | None = None
+    # rng_state entry of target rank (tp_rank, pp_rank) (e.g. carried from the source's files)
+    rng_state: Callable[[int, int], list[dict[str, Any]] | None] | None = None
 
 
 def check_output_dir(save: Path, *, sources: tuple[Path, ...] = ()) -> None:
@@ -83,12 +95,19 @@ def _chunk_state(
     return flat
 
 
-def _target_args(source: CanonicalSource, target: ParallelConfig, options: WriteOptions) -> dict[str, Any]:
+def _target_args(source: CanonicalSource, target: ParallelConfig, options: WriteOptions) -> Any:
     spec = source.spec
-    extra = {"add_binary_head": spec.add_binary_head, **(options.extra_args or {})}
-    if spec.fresh_heads:
-        extra["fresh_heads"] = list(spec.fresh_heads)
-    return checkpoint_args(spec.cfg, target, model_type=spec.kind, extra=extra)
+    tok = options.tokenizer
+    if tok is not None and tok.vocab_size > spec.cfg.vocab_size:
+        raise UserError(
+            f"the tokenizer ({tok.tokenizer_type}) has {tok.vocab_size} tokens but the model only "
+            f"{spec.cfg.vocab_size} vocabulary rows"
+        )
+    meta = build_metadata(
+        spec.cfg, target, kind=spec.kind, tokenizer=tok, provenance=options.provenance,
+        add_binary_head=spec.add_binary_head, fresh_heads=spec.fresh_heads, finetune=options.finetune,
+    )  # fmt: skip
+    return to_args(meta, iteration=options.iteration)
 
 
 def write_layout(
@@ -128,6 +147,9 @@ def write_layout(
                     state[key] = nest_megatron(flat)
                 state["optimizer"] = optimizer(tp_rank, pp_rank, slots) if optimizer else None
                 state["opt_param_scheduler"] = options.opt_param_scheduler
+                rng = options.rng_state(tp_rank, pp_rank) if options.rng_state else None
+                if rng is not None:
+                    state["rng_state"] = rng
                 with atomic_open(it_dir / name / MODEL_FILE, "wb") as fh:
                     torch.save(state, fh)
                 del state
@@ -137,22 +159,6 @@ def write_layout(
         if extra_files is not None:
             extra_files(tmp)
     return save
-
-
-@dataclass
-class DictSource:
-    """Canonical full tensors held in memory (e.g. converted from Hugging Face)."""
-
-    spec: Any
-    full: dict[str, torch.Tensor]
-
-    def names(self) -> list[str]:
-        return list(self.full)
-
-    def tensor(self, name: str) -> torch.Tensor:
-        if name not in self.full:
-            raise UserError(f"source has no tensor {name!r}")
-        return self.full[name]
 
 
 def with_vocab(source_spec: Any, vocab_size: int) -> Any:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Mapping
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -21,6 +20,32 @@ _UNSUPPORTED = [
     ("group_query_attention", True, "grouped-query attention"),
     ("add_bias_linear", False, "linear layers without biases"),
 ]
+
+
+@dataclass(frozen=True, kw_only=True)
+class VocabOptions:
+    """How to tell a checkpoint's true vocabulary size besides its ``args``.
+
+    ``size`` is ``--vocab-size``; ``tokenizer_size``/``tokenizer_source`` come from a tokenizer the
+    caller loaded (``--tokenizer-dir``); ``root`` is the checkpoint root, against which relative
+    tokenizer files in ``args`` (``vocab_file``, ``merge_file``, ``tokenizer_model``) are found.
+    """
+
+    size: int | None = None
+    tokenizer_size: int | None = None
+    tokenizer_source: str = ""
+    root: str | None = None
+
+
+def _args_tokenizer_size(args: Mapping[str, Any], root: str | None) -> tuple[int, str] | None:
+    """The vocabulary size of the tokenizer upstream ``args`` name, when its files exist."""
+    kind = args.get("tokenizer_type")
+    if not isinstance(kind, str):
+        return None
+    from pretrain.tokenizer.loader import tokenizer_from_args
+
+    tok = tokenizer_from_args(args, root=root)
+    return None if tok is None else (tok.vocab_size, f"args.tokenizer_type {kind}")
 
 
 def check_supported(args: Mapping[str, Any], source: str) -> None:
@@ -47,21 +72,51 @@ def model_kind(args: Mapping[str, Any], local_names: set[str]) -> str:
 
 
 def true_vocab_size(
-    args: Mapping[str, Any], padded_rows: int, *, override: int | None, tokenizer_dir: str | Path | None
+    args: Mapping[str, Any], padded_rows: int, *, tp: int, vocab: VocabOptions, source: str
 ) -> tuple[int, str]:
-    """The tokenizer's vocabulary size and where it came from."""
-    if override is not None:
-        found, how = int(override), "--vocab-size"
-    elif tokenizer_dir is not None:
-        from pretrain.checkpoint.hf_io import load_hf_tokenizer
+    """The tokenizer's vocabulary size and where it came from; ``"padded ..."`` when unknown.
 
-        found, how = len(load_hf_tokenizer(Path(tokenizer_dir))), f"tokenizer {tokenizer_dir}"
-    elif isinstance(args.get("vocab_size"), int):
-        found, how = int(args["vocab_size"]), "args.vocab_size"
+    A size given by flag or tokenizer must fit the rows and agree with a size the checkpoint
+    records (``args.vocab_size``); otherwise :class:`UserError` naming both.
+    """
+    recorded = args.get("vocab_size") if isinstance(args.get("vocab_size"), int) else None
+    if vocab.size is not None:
+        found, how = int(vocab.size), "--vocab-size"
+    elif vocab.tokenizer_size is not None:
+        found, how = int(vocab.tokenizer_size), vocab.tokenizer_source or "the tokenizer"
+    elif recorded is not None:
+        return _fits(recorded, "args.vocab_size", padded_rows, source)
     else:
-        return padded_rows, "padded size (pass --vocab-size or --tokenizer-dir to trim)"
+        from_args = _args_tokenizer_size(args, vocab.root)
+        if from_args is None:
+            return (
+                padded_rows,
+                "padded size: the true vocabulary is unknown (pass --vocab-size or --tokenizer-dir)",
+            )
+        found, how = from_args
+    if recorded is not None and found != recorded:
+        raise UserError(
+            f"{source}: {how} gives a vocabulary of {found} tokens but the checkpoint records "
+            f"{recorded} (args.vocab_size); use the checkpoint's tokenizer"
+        )
+    divisible = int(args.get("make_vocab_size_divisible_by") or 128)
+    if recorded is None and isinstance(args.get("padded_vocab_size"), int) and found > 0:
+        from pretrain.tensor_parallel.vocab import padded_vocab_size
+
+        if padded_vocab_size(found, tp=tp, divisible_by=divisible) != int(args["padded_vocab_size"]):
+            raise UserError(
+                f"{source}: {how} gives {found} tokens, which pads to "
+                f"{padded_vocab_size(found, tp=tp, divisible_by=divisible)} rows, but the checkpoint "
+                f"has args.padded_vocab_size {args['padded_vocab_size']}"
+            )
+    return _fits(found, how, padded_rows, source)
+
+
+def _fits(found: int, how: str, padded_rows: int, source: str) -> tuple[int, str]:
     if not 0 < found <= padded_rows:
-        raise UserError(f"vocab size {found} (from {how}) does not fit the checkpoint's {padded_rows} rows")
+        raise UserError(
+            f"{source}: vocab size {found} (from {how}) does not fit the checkpoint's {padded_rows} rows"
+        )
     return found, how
 
 
@@ -125,11 +180,3 @@ def upstream_model_config(
         num_tokentypes=0 if tokentypes is None else int(tokentypes.shape[0]),
         post_layernorm=False,
     )
-
-
-def our_model_config(args: Mapping[str, Any], *, vocab_size: int, source: str) -> ModelConfig:
-    """The ``ModelConfig`` our checkpoints store, with the vocabulary possibly overridden."""
-    from pretrain.checkpoint.args import model_config_from_args
-
-    cfg = model_config_from_args(dict(args), source=source)
-    return dataclasses.replace(cfg, vocab_size=vocab_size)

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpoint.plan import ModelSpec
-from pretrain.checkpoint.reader import load_canonical
+from pretrain.checkpoint.opener import load_canonical
 from pretrain.models.sharding import load_full_state_dict
 from pretrain.parallel.state import ParallelState
 from pretrain.utils.errors import UserError

@@ -176,12 +176,11 @@ def hf_config_kwargs(
 ) -> dict[str, Any]:  # fmt: skip
     """Keyword arguments for HF ``GPT2Config`` of ``cfg`` (vocab trimmed to ``vocab_size``).
 
-    bos/eos default to the last token (GPT-2's ``<|endoftext|>`` is 50256 of 50257).
+    bos/eos are the tokenizer's ids, never guessed (``None`` when the tokenizer has none).
     """
     if cfg.bidirectional or cfg.post_layernorm or cfg.num_tokentypes:
         raise UserError("only GPT (causal, pre-LN, no token types) model configs export to GPT2LMHeadModel")
     vocab = cfg.vocab_size if vocab_size is None else vocab_size
-    eos = vocab - 1 if eos_token_id is None else eos_token_id
     return dict(
         vocab_size=vocab,
         n_positions=cfg.max_position_embeddings,
@@ -195,8 +194,8 @@ def hf_config_kwargs(
         attn_pdrop=cfg.attention_dropout,
         layer_norm_epsilon=cfg.layernorm_epsilon,
         initializer_range=cfg.init_method_std,
-        bos_token_id=eos if bos_token_id is None else bos_token_id,
-        eos_token_id=eos,
+        bos_token_id=bos_token_id,
+        eos_token_id=eos_token_id,
         tie_word_embeddings=True,
         architectures=["GPT2LMHeadModel"],
     )

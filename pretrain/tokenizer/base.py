@@ -68,6 +68,11 @@ class Tokenizer(abc.ABC):
         """The vocabulary entry of one id."""
         raise NotImplementedError(f"{type(self).__name__} does not provide id_to_token")
 
+    @property
+    def backend_tokenizer(self) -> Any:
+        """The underlying ``tokenizers.Tokenizer`` (character offsets, pair encoding), or ``None``."""
+        return None
+
     def special_ids(self) -> dict[str, int | None]:
         """``{"eod": ..., "cls": ..., "sep": ..., "pad": ..., "mask": ...}``."""
         return {"eod": self.eod, "cls": self.cls, "sep": self.sep, "pad": self.pad, "mask": self.mask}
@@ -101,6 +106,10 @@ class TokenizersBacked(Tokenizer):
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._tok.encode(text, add_special_tokens=False).ids)
+
+    @property
+    def backend_tokenizer(self) -> Any:
+        return getattr(self._tok, "_tokenizer", self._tok)
 
     def detokenize(self, ids: Sequence[int]) -> str:
         return str(self._tok.decode([int(i) for i in ids], skip_special_tokens=False))

@@ -54,6 +54,14 @@ class HuggingFaceTokenizer(Tokenizer):
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    @property
+    def backend_tokenizer(self) -> Any:
+        return getattr(self._tok, "backend_tokenizer", None)
+
+    @property
+    def bos(self) -> int | None:
+        return self._id(self._tok.bos_token_id)
+
     @staticmethod
     def _id(value: Any) -> int | None:
         return int(value) if isinstance(value, int) else None

@@ -27,6 +27,7 @@ from pretrain.checkpoint.layout import (
     resolve_iteration,
 )
 from pretrain.models.base import ShardedModule
+from pretrain.checkpoint.metadata import read_metadata
 from pretrain.optim.distrib_optimizer import DistributedOptimizer, reassemble_full_state
 from pretrain.optim.lr_schedule import LRScheduler
 from pretrain.optim.optimizer import MixedPrecisionOptimizer
@@ -46,7 +47,7 @@ def _gather_to_dp0(obj: Any, ps: ParallelState) -> list[Any] | None:
 
 def save_training_checkpoint(
     root: str | Path, iteration: int, chunks: Sequence[ShardedModule], ps: ParallelState,
-    optimizer: MixedPrecisionOptimizer, scheduler: LRScheduler, args: dict[str, Any],
+    optimizer: MixedPrecisionOptimizer, scheduler: LRScheduler, args: Any,
 ) -> Path:  # fmt: skip
     """Save everything needed to resume; collective over all ranks."""
     extra: dict[str, dict[str, Any]] = {}
@@ -67,8 +68,10 @@ def check_layout(root: str | Path, ps: ParallelState, it_dir: Path, *, model_typ
     state = load_rank_file(first / MODEL_FILE)
     args = state.get("args") or {}
     saved = parallel_config_from_args(args)
-    if args.get("model_type", model_type) != model_type:
-        raise UserError(f"{root}: checkpoint holds a {args.get('model_type')} model, not {model_type}")
+    meta = read_metadata(args, source=str(root))
+    kind = meta.kind if meta is not None else args.get("model_type", model_type)
+    if kind != model_type:
+        raise UserError(f"{root}: checkpoint holds a {kind} model, not {model_type}")
     here = (ps.tp_size, ps.pp_size, ps.vp_size)
     if (saved.tp, saved.pp, saved.vp) != here:
         raise UserError(

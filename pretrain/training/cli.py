@@ -22,7 +22,7 @@ import os
 import sys
 from typing import Any
 
-from pretrain.checkpoint.args import checkpoint_args
+from pretrain.checkpoint.args import training_metadata
 from pretrain.config import DTypeName, ModelConfig, ParallelConfig
 from pretrain.data.gpt_dataset import GPTDatasetConfig
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
@@ -212,8 +212,9 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.training.loop import setup_parallel, train
 
     ps = setup_parallel(cfgs["parallel"], seed=cfgs["train"].seed)
-    ckpt = checkpoint_args(cfgs["model"], cfgs["parallel"], model_type=args.model,
-                           extra={"tokenizer": cfgs["tokenizer_cfg"].to_dict(), "argv": list(argv or sys.argv[1:])})  # fmt: skip
+    ckpt = training_metadata(cfgs["model"], cfgs["parallel"], kind=args.model, tokenizer=cfgs["tokenizer"],
+                             save=cfgs["train"].save, write_tokenizer=ps.rank == 0, argv=list(argv or sys.argv[1:]),
+                             global_batch_size=cfgs["train"].global_batch_size)  # fmt: skip
     result = train(task, ps=ps, optim_cfg=cfgs["optim"], lr_cfg=cfgs["lr"], cfg=cfgs["train"], ckpt_args=ckpt)
     if ps.rank == 0 and result["history"]:
         first, last = result["history"][0], result["history"][-1]

@@ -66,7 +66,7 @@ class Trainer:
     optim_cfg: OptimizerConfig
     lr_cfg: LRScheduleConfig
     cfg: TrainingConfig
-    ckpt_args: dict[str, Any]
+    ckpt_args: Any  # pretrain.checkpoint.types.CheckpointMetadata
     chunks: list[ShardedModule] = field(init=False)
     ddps: list[DistributedDataParallel] = field(init=False)
     optimizer: MixedPrecisionOptimizer = field(init=False)
@@ -181,7 +181,7 @@ class Trainer:
 
 def train(
     task: TrainTask, *, ps: ParallelState, optim_cfg: OptimizerConfig, lr_cfg: LRScheduleConfig,
-    cfg: TrainingConfig, ckpt_args: dict[str, Any], on_iteration: Callable[[dict[str, Any]], None] | None = None,
+    cfg: TrainingConfig, ckpt_args: Any, on_iteration: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Run training; returns ``{"history": [...], "valid": [...], "start_iteration", "final_iteration"}``."""
     trainer = Trainer(task=task, ps=ps, optim_cfg=optim_cfg, lr_cfg=lr_cfg, cfg=cfg, ckpt_args=ckpt_args)

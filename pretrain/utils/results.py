@@ -72,6 +72,8 @@ def make_result(
             "layout": model.get("layout"),
             "checkpoint": model.get("checkpoint"),
             "fingerprint": model.get("fingerprint"),  # pretrain.checkpoint.fingerprint of the weights
+            # where the tokenizer came from; "forced" lists what --force-tokenizer overrode
+            **({"tokenizer": model["tokenizer"]} if model.get("tokenizer") else {}),
         },
         "metrics": metrics,
         "seed": seed,

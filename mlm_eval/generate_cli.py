@@ -1,0 +1,190 @@
+"""``mlm-generate``: text from a checkpoint of any layout (or a Hugging Face model), for people and machines.
+
+Examples::
+
+    mlm-generate --ckpt ckpt --prompt "The quick brown fox" --max-new-tokens 40
+    mlm-generate --ckpt ckpt --prompts prompts.jsonl --temperature 0.8 --top-p 0.95 --seed 7 --json
+    torchrun --nproc-per-node 4 -m mlm_eval.generate_cli --ckpt ckpt --tp 2 --pp 2 --prompt "Hello"
+    mlm-generate --hf-model hf_dir --prompt "Hello" --stop "."
+
+Greedy unless ``--temperature`` > 0. Without ``--json`` each prompt's text streams to the
+terminal as it is generated; with ``--json`` every prompt gives one JSON line ``{"index",
+"prompt", "text", "tokens", "stopped"}`` in input order (prompts batched ``--batch-size`` at a time,
+split over data-parallel replicas under torchrun). ``--prompts`` reads JSON lines with a
+``"prompt"`` (or ``"text"``) field. The output is cut before the first ``--stop`` string.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from mlm_eval.scorer import DTYPE_FLAGS
+from pretrain.inference.generate import GenerationConfig
+from pretrain.inference.sampling import SamplingConfig
+from pretrain.utils.cli import OneLineParser
+from pretrain.utils.errors import UserError, cli_entry
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = OneLineParser(prog="mlm-generate", description=__doc__.splitlines()[0])
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--ckpt", metavar="DIR", help="a Megatron-layout checkpoint (any layout and era)")
+    src.add_argument(
+        "--hf-model", metavar="DIR", help="a local Hugging Face causal LM directory (one process)"
+    )
+    text = p.add_mutually_exclusive_group(required=True)
+    text.add_argument("--prompt", action="append", help="a prompt (repeatable)")
+    text.add_argument("--prompts", metavar="FILE", help='JSON lines with a "prompt" (or "text") field')
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1234, help="sampling seed (prompt i uses seed + i)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--no-cache", action="store_true", help="recompute every position each step (reference)")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--json", action="store_true", help="one JSON line per prompt instead of streaming text")
+    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1)
+    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1)
+    p.add_argument("--dtype", choices=tuple(DTYPE_FLAGS), default="fp32")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--tokenizer-type", help="Megatron tokenizer type (default: the checkpoint's)")
+    p.add_argument("--vocab-file")
+    p.add_argument("--merge-file")
+    p.add_argument("--tokenizer-model", help="SentencePiece / HF tokenizer path for --tokenizer-type")
+    return p
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    if args.prompt:
+        return list(args.prompt)
+    path = Path(args.prompts)
+    if not path.is_file():
+        raise UserError(f"--prompts {path}: no such file")
+    out = []
+    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UserError(f"{path}:{n}: not JSON ({exc.msg})") from None
+        value = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
+        if not isinstance(value, str):
+            raise UserError(f'{path}:{n}: needs a string "prompt" (or "text") field')
+        out.append(value)
+    if not out:
+        raise UserError(f"--prompts {path}: no prompts")
+    return out
+
+
+def sampling_config(args: argparse.Namespace) -> SamplingConfig:
+    greedy = args.temperature == 0.0
+    if args.temperature < 0:
+        raise UserError(f"--temperature must be >= 0, got {args.temperature}")
+    return SamplingConfig(greedy=greedy, temperature=args.temperature if not greedy else 1.0, top_k=args.top_k,
+                          top_p=args.top_p, seed=args.seed)  # fmt: skip
+
+
+def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
+    """``text`` before the earliest stop string, and whether one occurred."""
+    hits = [text.index(s) for s in stops if s and s in text]
+    return (text[: min(hits)], True) if hits else (text, False)
+
+
+@cli_entry
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.max_new_tokens < 1 or args.batch_size < 1:
+        raise UserError("--max-new-tokens and --batch-size must be >= 1")
+    prompts = read_prompts(args)
+    sampling = sampling_config(args)
+    if args.hf_model:
+        from mlm_eval.generate_hf import run_hf
+
+        return run_hf(args, prompts, sampling)
+    return _run_ckpt(args, prompts, sampling)
+
+
+def _run_ckpt(args: argparse.Namespace, prompts: list[str], sampling: SamplingConfig) -> int:
+    from mlm_eval.harness.engine import EngineConfig, HarnessEngine
+    from pretrain.inference.generate import generate
+    from pretrain.tokenizer.factory import TokenizerConfig
+
+    tok_cfg = None
+    if args.tokenizer_type:
+        tok_cfg = TokenizerConfig(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
+                                  merge_file=args.merge_file, model_path=args.tokenizer_model)  # fmt: skip
+    engine = HarnessEngine.load(EngineConfig(ckpt=args.ckpt, tp=args.tp, pp=args.pp, device=args.device,
+                                             dtype=args.dtype, batch_size=args.batch_size, tokenizer=tok_cfg,
+                                             progress=False))  # fmt: skip
+    try:
+        tok = engine.tokenizer
+        room = engine.max_length - args.max_new_tokens
+        if room < 1:
+            raise UserError(
+                f"--max-new-tokens {args.max_new_tokens} leaves no room in {engine.max_length} positions"
+            )
+        ids = [list(tok.tokenize(p))[-room:] or [int(tok.eod or 0)] for p in prompts]
+        gen = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, use_cache=not args.no_cache,
+                               eos_id=tok.eod, pad_id=int(tok.eod or 0))  # fmt: skip
+
+        def stop(_: int, out: list[int]) -> bool:
+            return cut_at_stop(tok.detokenize(out), args.stop)[1]
+
+        if args.json:
+            outs = engine.generate(ids, gen, stop=stop if args.stop else None)
+            for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
+                text, stopped = cut_at_stop(tok.detokenize(out), args.stop)
+                if engine.is_main:
+                    print(json.dumps({"index": i, "prompt": prompt, "text": text, "tokens": out,
+                                      "stopped": stopped}), flush=True)  # fmt: skip
+            return 0
+        for i, (prompt, row) in enumerate(zip(prompts, ids, strict=True)):
+            stream = _Stream(tok.detokenize, args.stop, show=engine.is_main)
+            stream.start(prompt)
+            gen_i = GenerationConfig(max_new_tokens=gen.max_new_tokens, sampling=gen.sampling,
+                                     use_cache=gen.use_cache, eos_id=gen.eos_id, pad_id=gen.pad_id)  # fmt: skip
+            generate(engine.model, [row], gen_i, stop=stop if args.stop else None, seeds=[i],
+                     on_token=lambda _, t, s=stream: s.add(t))  # fmt: skip
+            stream.finish()
+        return 0
+    finally:
+        engine.close()
+
+
+class _Stream:
+    """Prints a prompt's continuation as it grows (whole characters only, cut at stop strings)."""
+
+    def __init__(self, decode: Any, stops: list[str], *, show: bool) -> None:
+        self.decode, self.stops, self.show = decode, stops, show
+        self.ids: list[int] = []
+        self.printed = 0
+
+    def start(self, prompt: str) -> None:
+        if self.show:
+            sys.stdout.write(prompt)
+            sys.stdout.flush()
+
+    def add(self, token: int) -> None:
+        self.ids.append(token)
+        text, _ = cut_at_stop(self.decode(self.ids), self.stops)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its other bytes
+            return
+        if self.show and len(text) > self.printed:
+            sys.stdout.write(text[self.printed :])
+            sys.stdout.flush()
+        self.printed = max(self.printed, len(text))
+
+    def finish(self) -> None:
+        if self.show:
+            sys.stdout.write("\n")
+            sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

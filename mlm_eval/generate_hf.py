@@ -1,0 +1,54 @@
+"""``mlm-generate --hf-model``: the same flags on a local Hugging Face causal LM (``transformers`` generate)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from pretrain.inference.sampling import SamplingConfig
+from pretrain.utils.errors import UserError
+
+
+def run_hf(args: argparse.Namespace, prompts: list[str], sampling: SamplingConfig) -> int:
+    """Generate for each prompt in one process; stream to stdout or print JSON lines."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+
+    from mlm_eval.generate_cli import cut_at_stop
+
+    if args.tp * args.pp > 1:
+        raise UserError("--hf-model runs in one process; TP/PP generation needs --ckpt DIR")
+    path = Path(args.hf_model)
+    if not path.is_dir():
+        raise UserError(f"--hf-model {path}: not a directory")
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model: Any = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--hf-model {path}: cannot load ({str(exc).splitlines()[0]})") from None
+    from mlm_eval.scorer import DTYPE_FLAGS
+
+    model = model.to(device=args.device, dtype=getattr(torch, DTYPE_FLAGS[args.dtype])).eval()
+    kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": not sampling.greedy,
+                              "use_cache": not args.no_cache, "pad_token_id": tok.eos_token_id}  # fmt: skip
+    if not sampling.greedy:
+        kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
+    if args.stop:
+        kwargs.update(stop_strings=list(args.stop), tokenizer=tok)
+    for i, prompt in enumerate(prompts):
+        torch.manual_seed(sampling.seed + i)
+        ids = torch.tensor(
+            [tok.encode(prompt, add_special_tokens=False) or [tok.eos_token_id]], device=args.device
+        )
+        streamer = None if args.json else TextStreamer(tok, skip_prompt=False)
+        with torch.no_grad():
+            out = model.generate(ids, streamer=streamer, **kwargs)[0, ids.shape[1] :].tolist()
+        if tok.eos_token_id in out:
+            out = out[: out.index(tok.eos_token_id)]
+        if args.json:
+            text, stopped = cut_at_stop(tok.decode(out), args.stop)
+            print(json.dumps({"index": i, "prompt": prompt, "text": text, "tokens": out, "stopped": stopped}))
+    return 0

@@ -1,0 +1,149 @@
+"""The shared checkpoint types: what every reader, writer and command passes between layers.
+
+* :class:`CheckpointMetadata` -- the typed record every checkpoint we write carries (nested as
+  plain data inside the Megatron-named ``args`` Namespace, see :mod:`pretrain.checkpoint.metadata`):
+  model kind and architecture (the whole :class:`~pretrain.config.ModelConfig`), parallel layout,
+  the tokenizer (:class:`TokenizerRecord`) and provenance (:class:`Provenance`).
+* :class:`CheckpointInfo` -- what a reader tells about a checkpoint on disk (``mlm-convert inspect``).
+* :class:`CanonicalSource` -- anything that yields canonical full tensors; :class:`DictSource`
+  holds them in memory (e.g. converted from Hugging Face).
+
+This module imports nothing from the readers or writers, so every one of them can import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from pretrain.checkpoint.plan import ModelSpec
+from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.utils.errors import UserError
+
+METADATA_SCHEMA = "mlm-toolkit/checkpoint/v2"
+TOKENIZER_SUBDIR = "tokenizer"  # the tokenizer's files, beside the iteration directories
+# Encoded by every tokenizer we record; another tokenizer must encode it to the same ids.
+PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 1234 Zürich!\nHello, world: ünïcödé?"
+
+
+@dataclass(frozen=True, kw_only=True)
+class TokenizerRecord:
+    """The tokenizer of a checkpoint: how to load its files from ``CKPT/tokenizer/`` and what
+    it must look like (vocabulary size, special ids, the ids of :data:`PROBE_TEXT`).
+
+    ``tokenizer_type`` is Megatron's name (``GPT2BPETokenizer``, ``BertWordPieceLowerCase``,
+    ``BertWordPieceCase``, ``SentencePieceTokenizer``, ``GPTSentencePieceTokenizer``,
+    ``HuggingFaceTokenizer``); ``files`` are the file names inside the tokenizer directory.
+    """
+
+    tokenizer_type: str
+    files: tuple[str, ...] = ()
+    vocab_size: int = 0
+    eod: int | None = None
+    cls: int | None = None
+    sep: int | None = None
+    pad: int | None = None
+    mask: int | None = None
+    probe_ids: tuple[int, ...] = ()
+
+    def special_ids(self) -> dict[str, int | None]:
+        return {"eod": self.eod, "cls": self.cls, "sep": self.sep, "pad": self.pad, "mask": self.mask}
+
+
+@dataclass(frozen=True, kw_only=True)
+class Provenance:
+    """Where the weights came from: training progress, data, sources of conversions."""
+
+    iteration: int | str | None = None
+    consumed_samples: int | None = None
+    global_batch_size: int | None = None  # consumed samples = iteration x this (no batch ramp-up)
+    data_hash: str | None = None
+    weights_fingerprint: str | None = None
+    converted_from: str | None = None
+    resharded_from: str | None = None
+    argv: tuple[str, ...] = ()
+    toolkit_version: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class FinetuneRecord:
+    """What ``mlm-finetune --save`` trained: the task, its head's description, the start model."""
+
+    task: str
+    head: dict[str, int | float | str | bool | None] = field(default_factory=dict)
+    source: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointMetadata:
+    """The typed record of one checkpoint (see the module docstring)."""
+
+    kind: str  # "gpt" or "bert"
+    model: ModelConfig
+    parallel: ParallelConfig = ParallelConfig()
+    tokenizer: TokenizerRecord | None = None
+    provenance: Provenance = Provenance()
+    add_binary_head: bool = False
+    fresh_heads: tuple[str, ...] = ()
+    finetune: FinetuneRecord | None = None
+    module_names: str = "legacy"  # "legacy" or "mcore": the names of the model's tensors
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("gpt", "bert"):
+            raise UserError(f"checkpoint metadata: unknown model kind {self.kind!r} (expected gpt or bert)")
+
+    @property
+    def spec(self) -> ModelSpec:
+        return ModelSpec(
+            kind=self.kind, cfg=self.model, add_binary_head=self.add_binary_head, fresh_heads=self.fresh_heads
+        )
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointInfo:
+    """What ``mlm-convert inspect`` reports about a checkpoint."""
+
+    path: str
+    format: str  # "torch" (legacy) or "torch_dist"
+    iteration: int | str | None
+    checkpoint_version: float
+    kind: str
+    tp: int
+    pp: int
+    vp: int
+    vocab_size: int
+    vocab_source: str
+    padded_vocab_size: int
+    num_parameters: int
+    dtypes: tuple[str, ...]
+    ours: bool  # written by mlm-toolkit
+    root: str = ""  # the checkpoint root (holds the tracker and tokenizer/); "" if unknown
+    vocab_known: bool = True  # False: the true vocabulary size is unknown (padded rows counted)
+
+
+class CanonicalSource(Protocol):
+    """Anything that yields canonical full tensors (a checkpoint reader, an HF model, ...)."""
+
+    spec: ModelSpec
+
+    def names(self) -> list[str]: ...
+
+    def tensor(self, name: str) -> torch.Tensor: ...
+
+
+@dataclass
+class DictSource:
+    """Canonical full tensors held in memory (e.g. converted from Hugging Face)."""
+
+    spec: ModelSpec
+    full: dict[str, torch.Tensor]
+
+    def names(self) -> list[str]:
+        return list(self.full)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.full:
+            raise UserError(f"source has no tensor {name!r}")
+        return self.full[name]
