@@ -147,10 +147,9 @@ def _run_ckpt(args: argparse.Namespace, prompts: list[str], sampling: SamplingCo
         for i, (prompt, row) in enumerate(zip(prompts, ids, strict=True)):
             stream = _Stream(tok.detokenize, args.stop, show=engine.is_main)
             stream.start(prompt)
-            gen_i = GenerationConfig(max_new_tokens=gen.max_new_tokens, sampling=gen.sampling,
-                                     use_cache=gen.use_cache, eos_id=gen.eos_id, pad_id=gen.pad_id)  # fmt: skip
-            generate(engine.model, [row], gen_i, stop=stop if args.stop else None, seeds=[i],
-                     on_token=lambda _, t, s=stream: s.add(t))  # fmt: skip
+            generate(
+                engine.model, [row], gen, stop=stop if args.stop else None, seeds=[i], on_token=stream.add
+            )
             stream.finish()
         return 0
     finally:
@@ -170,7 +169,7 @@ class _Stream:
             sys.stdout.write(prompt)
             sys.stdout.flush()
 
-    def add(self, token: int) -> None:
+    def add(self, _row: int, token: int) -> None:
         self.ids.append(token)
         text, _ = cut_at_stop(self.decode(self.ids), self.stops)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its other bytes

@@ -49,6 +49,6 @@ def run_hf(args: argparse.Namespace, prompts: list[str], sampling: SamplingConfi
         if tok.eos_token_id in out:
             out = out[: out.index(tok.eos_token_id)]
         if args.json:
-            text, stopped = cut_at_stop(tok.decode(out), args.stop)
+            text, stopped = cut_at_stop(str(tok.decode(out)), args.stop)
             print(json.dumps({"index": i, "prompt": prompt, "text": text, "tokens": out, "stopped": stopped}))
     return 0

@@ -102,3 +102,30 @@ def test_mlm_backend_under_torchrun_equals_one_process(
         )
         resps[task] = [r["resps"] for r in rows]
     assert_same({"results": results, "resps": resps}, setup["mlm"], rel=1e-9)
+
+
+def test_greedy_mlm_generate_equals_transformers_generate(
+    setup: dict[str, Any], capsys: pytest.CaptureFixture[str]
+) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from mlm_eval.generate_cli import main as generate_main
+
+    prompts = ["The quick brown fox", "Once upon a time, in a land far", "It was"]
+    outs = {}
+    for extra in ([], ["--no-cache"]):
+        argv = ["--ckpt", str(setup["ckpt"]), "--max-new-tokens", "12", "--json", *extra]
+        assert generate_main([*argv, *(a for p in prompts for a in ("--prompt", p))]) == 0
+        outs[bool(extra)] = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert outs[True] == outs[False]  # cached == uncached
+    hf = AutoModelForCausalLM.from_pretrained(setup["hf"]).eval()
+    tok = AutoTokenizer.from_pretrained(setup["hf"])
+    for prompt, ours in zip(prompts, outs[False], strict=True):
+        ids = torch.tensor([tok.encode(prompt)])
+        with torch.no_grad():
+            ref = hf.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=tok.eos_token_id)
+        ref_new = ref[0, ids.shape[1] :].tolist()
+        if tok.eos_token_id in ref_new:
+            ref_new = ref_new[: ref_new.index(tok.eos_token_id)]
+        assert ours["tokens"] == ref_new and ours["text"] == tok.decode(ref_new)

@@ -136,7 +136,7 @@ class MLMHarnessLM(TemplateLM):
         rows = [loglikelihood_row(ctx, cont, self.max_length) for _, ctx, cont in requests]
         scored = self.engine.score(rows, desc="loglikelihood")
         out = [(-sum(r.nll), all(r.is_argmax)) for r in scored]
-        for (pair, _, _), answer in zip(requests, out, strict=True):
+        for (pair, _ctx, _cont), answer in zip(requests, out, strict=True):
             self.cache_hook.add_partial("loglikelihood", pair, answer)
         return out
 
