@@ -269,6 +269,7 @@ def _report(args: Any, pre: Pretrained, parallel: ParallelConfig, h: dict[str, A
                if len(pre.tensors) else None},  # --eval-only reads no pretrained tensors
         metrics=headline, seed=args.seed,
         details={"all_metrics": metrics, "hyperparameters": {**h, "preset": args.preset}, "eval_only": args.eval_only,
+                 "data": str(Path(args.data_dir).resolve()),  # the report marks the built-in task data
                  "runs": [{k: r[k] for k in ("seed", "metrics", "details", "iterations", "final_loss", "files")}
                           for r in runs]},
     )  # fmt: skip
