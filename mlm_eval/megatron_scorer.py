@@ -48,7 +48,13 @@ class PretrainTextEncoder:
 
     @property
     def prefix_token_id(self) -> int | None:
-        return self.tokenizer.eod
+        """BOS if the tokenizer has one, else the end-of-document token (lm-eval's ``HFLM`` rule)."""
+        bos = self.tokenizer.bos
+        return bos if bos is not None else self.tokenizer.eod
+
+    @property
+    def adds_bos(self) -> bool:
+        return bool(self.tokenizer.adds_bos)
 
     def __len__(self) -> int:
         return int(self.tokenizer.vocab_size)

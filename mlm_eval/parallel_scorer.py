@@ -32,7 +32,7 @@ from mlm_eval.megatron_scorer import (
     scored_width,
 )
 from mlm_eval.scorer import ScoredRow, ScoreOutput
-from mlm_eval.vocab_scoring import gpt_trunk, score_hidden
+from mlm_eval.vocab_scoring import gpt_trunk, score_hidden, scored_hidden
 from pretrain.config import ParallelConfig
 from pretrain.models.base import ShardedModule
 from pretrain.models.gpt import GPTModel
@@ -173,11 +173,12 @@ def _forward_step(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """One stage: hidden states ``[b, s, h]`` to send on, or ``(nll [n], hit [n])`` at the targets."""
     assert isinstance(model, GPTModel)
-    out = gpt_trunk(model, input_ids=mb["tokens"] if hidden is None else None, hidden=hidden)
+    input_ids = mb["tokens"] if hidden is None else None
     if not is_last:
-        return out
+        return gpt_trunk(model, input_ids=input_ids, hidden=hidden)
     mask = mb["targets"] >= 0
-    scored = score_hidden(model, out[mask], mb["targets"][mask])
+    out = scored_hidden(model, mask, input_ids=input_ids, hidden=hidden)
+    scored = score_hidden(model, out, mb["targets"][mask])
     return scored.nll, scored.is_argmax
 
 

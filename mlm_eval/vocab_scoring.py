@@ -27,11 +27,17 @@ _NO_INDEX = torch.iinfo(torch.long).max
 
 
 def gpt_trunk(
-    model: GPTModel, *, input_ids: torch.Tensor | None = None, hidden: torch.Tensor | None = None
+    model: GPTModel,
+    *,
+    input_ids: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
+    query_index: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Hidden states ``[b, s, h]`` after this stage's layers (and final LayerNorm on the last stage).
 
     The first stage embeds ``input_ids [b, s]``; later stages take ``hidden [b, s, h]``.
+    ``query_index [b, n]`` (last stage only): hidden states at those positions only, ``[b, n, h]``,
+    the last layer's queries, attention, projection and MLP computed only there.
     Collectives: the TP all-reduces of the embedding and of each layer (over ``model.ps.tp_group``).
     """
     lm = model.language_model
@@ -39,7 +45,41 @@ def gpt_trunk(
         assert input_ids is not None, "the first stage needs input_ids"
         hidden = lm.embedding(input_ids)
     assert hidden is not None, "a later stage needs hidden states"
-    return lm.encoder(hidden)  # type: ignore[no-any-return]
+    return lm.encoder(hidden, query_index=query_index)  # type: ignore[no-any-return]
+
+
+def scored_query_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """For ``mask [b, s]`` (True = scored): ``query_index [b, n]`` (each row's scored positions in
+    order, short rows padded by repeating their last one) and ``valid [b, n]``; None when
+    pruning cannot pay (some row scores more than half its columns, or none scores anything).
+
+    ``hidden_at_index[valid]`` lists the same rows, in the same order, as ``hidden[mask]``.
+    """
+    counts = mask.sum(dim=1)
+    n, s = int(counts.max()), mask.shape[1]
+    if n == 0 or 2 * n > s:
+        return None
+    valid = torch.arange(n, device=mask.device)[None, :] < counts[:, None]
+    order = torch.where(mask, torch.arange(s, device=mask.device), s).sort(dim=1).values[:, :n]
+    last = order.gather(1, (counts - 1).clamp(min=0)[:, None])
+    return torch.where(valid, order, last).clamp(max=s - 1), valid
+
+
+def scored_hidden(
+    model: GPTModel,
+    mask: torch.Tensor,
+    *,
+    input_ids: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Final hidden states ``[m, h]`` at the ``m`` True positions of ``mask [b, s]`` (row-major) on
+    the last stage; when few positions are scored the last layer runs only there
+    (:func:`scored_query_index`). Collectives: those of :func:`gpt_trunk`."""
+    pruned = scored_query_index(mask)
+    if pruned is None:
+        return gpt_trunk(model, input_ids=input_ids, hidden=hidden)[mask]
+    index, valid = pruned
+    return gpt_trunk(model, input_ids=input_ids, hidden=hidden, query_index=index)[valid]
 
 
 def true_vocab_weight(model: GPTModel) -> torch.Tensor:

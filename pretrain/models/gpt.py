@@ -64,11 +64,14 @@ class GPTModel(ShardedModule):
         *,
         hidden_states: torch.Tensor | None = None,
         labels: torch.Tensor | None = None,
+        query_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """First stage: ``input_ids [b, s]``; later stages: ``hidden_states [b, s, h]``.
 
         Returns hidden states ``[b, s, h]`` (not last stage), per-token losses ``[b, s]`` (last
         stage with ``labels``), or vocab-parallel logits ``[b, s, V/t]`` (last stage).
+        ``query_index [b, n]`` (last stage, evaluation): only those positions, ``s`` becomes ``n``
+        (``labels [b, n]``); the last layer computes queries and MLP only there.
         """
         if self.pre_process:
             assert input_ids is not None, "the first stage needs input_ids"
@@ -76,7 +79,7 @@ class GPTModel(ShardedModule):
         else:
             assert hidden_states is not None, "a later stage needs hidden_states"
             x = hidden_states
-        x = self.language_model.encoder(x, position_ids=position_ids)
+        x = self.language_model.encoder(x, position_ids=position_ids, query_index=query_index)
         if not self.post_process:
             return x
         logits = parallel_lm_logits(

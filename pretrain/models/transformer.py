@@ -19,6 +19,7 @@ from torch import nn
 from pretrain.config import ModelConfig
 from pretrain.inference.kv_cache import KVCache, LayerKVCache
 from pretrain.models.norms import DTYPES, layer_norm
+from pretrain.models.query_subset import gather_positions, layer_at_positions
 from pretrain.models.rotary import RotaryEmbedding, apply_rotary
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -204,17 +205,25 @@ class TransformerBlock(nn.Module):
         attn_mask: torch.Tensor | None = None,
         position_ids: torch.Tensor | None = None,
         kv_cache: KVCache | None = None,
+        query_index: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``kv_cache``: incremental decoding (:mod:`pretrain.inference`); ``position_ids`` then
-        continue after the cached positions (RoPE rotates each new key/query at its own position)."""
+        continue after the cached positions (RoPE rotates each new key/query at its own position).
+        ``query_index [b, n]`` (evaluation): the output only at these positions, ``[b, n, h]``; the
+        last layer computes queries, attention, projection and MLP only there
+        (:mod:`pretrain.models.query_subset`)."""
         rotary = self.rotary(x, position_ids)
         for i, layer in enumerate(self.layers):
-            if self.recompute and self.training and torch.is_grad_enabled():
+            if query_index is not None and i == len(self.layers) - 1:
+                x = layer_at_positions(layer, x, query_index, attn_mask, rotary)
+            elif self.recompute and self.training and torch.is_grad_enabled():
                 x = checkpointed(layer, self.rng, x, attn_mask, rotary)
             elif kv_cache is not None:
                 x = layer(x, attn_mask, rotary, kv_cache.layer(i))
             else:
                 x = layer(x, attn_mask, rotary)
+        if query_index is not None and not self.layers:
+            x = gather_positions(x, query_index)
         if hasattr(self, "final_layernorm"):
             x = self.final_layernorm(x)
         return x
