@@ -104,6 +104,12 @@ _SCRIPT = """
 """
 
 
+_NO_PLOTS = (
+    "<p>Nothing to plot: no column has a run with a parameter count beside another point, and no model "
+    "has results at two or more iterations (partial and sample-data results are not plotted).</p>"
+)
+
+
 def render_html(board: Leaderboard, meta: ReportMeta, plots: Sequence[Plot]) -> str:
     """One self-contained page: controls, the table, the plots and the notes."""
     esc = html.escape
@@ -129,7 +135,7 @@ def render_html(board: Leaderboard, meta: ReportMeta, plots: Sequence[Plot]) -> 
         "paper reference rows</label><span>Click a column header to sort.</span></div>\n"
         f'<div class="scroll"><table class="leaderboard" id="leaderboard">\n{_head_html(board.columns)}\n'
         f"<tbody>\n{body}\n</tbody>\n</table></div>\n"
-        f'<h2>Plots</h2>\n<div class="plots">\n{figures or "<p>Nothing to plot: no column has two or more points.</p>"}'
+        f'<h2>Plots</h2>\n<div class="plots">\n{figures or _NO_PLOTS}'
         f'\n</div>\n<h2>Notes</h2>\n<ul class="notes">{note_items}</ul>\n'
         f"<script>{_SCRIPT}</script>\n</body>\n</html>\n"
     )

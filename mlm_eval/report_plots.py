@@ -48,7 +48,11 @@ def render_plots(board: Leaderboard) -> list[Plot]:
 def plot_figures(board: Leaderboard) -> list[tuple[str, str, Figure]]:
     """(title, description, figure) of each figure worth drawing."""
     out = []
-    params_cols = [c for c in _ordered(board) if len(_param_points(board, c)) >= 2]
+    params_cols = [  # two points at least, one of them a run (the paper alone is its own table)
+        c
+        for c in _ordered(board)
+        if len(_param_points(board, c)) >= 2 and any(not r.reference for r in _param_points(board, c))
+    ]
     if params_cols:
         text = (
             "parameters on a log axis, perplexities on a log axis; filled circles are runs, hollow "

@@ -201,8 +201,9 @@ def _group_models(records: Sequence[RunRecord]) -> dict[str, list[RunRecord]]:
 
 def _run_row(key: str, recs: list[RunRecord], columns: Sequence[Column], rule: str) -> Row:
     newest = max(recs, key=lambda r: (r.created, str(r.path)))
-    counts = Counter(r.model.name for r in recs)  # the most used name, then the newest record's
-    names = sorted(counts, key=lambda n: (-counts[n], n != newest.model.name, n))
+    oldest = min(recs, key=lambda r: (r.created, str(r.path)))
+    counts = Counter(r.model.name for r in recs)  # the most used name, then the first reported
+    names = sorted(counts, key=lambda n: (-counts[n], n != oldest.model.name, n))
     params = [r.parameters for r in recs if r.parameters is not None]
     iterations = {r.model.iteration for r in recs if r.model.iteration is not None}
     cells = {}
