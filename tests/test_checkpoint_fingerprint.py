@@ -14,7 +14,6 @@ from pretrain.checkpoint.fingerprint import (
     short_fingerprint,
     weights_fingerprint,
 )
-from tools.hf_io import import_hf
 from pretrain.checkpoint.plan import ModelSpec
 from pretrain.checkpoint.reader import open_checkpoint
 from pretrain.checkpoint.reshard import DictSource
@@ -22,6 +21,7 @@ from pretrain.utils.errors import UserError
 from tests.convert_fixtures import write_ours
 from tests.gpt_fixtures import full_weights, tiny_config
 from tools.convert_cli import main as convert_main
+from tools.hf_io import import_hf
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 CFG = tiny_config(num_layers=4)
