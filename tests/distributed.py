@@ -5,12 +5,17 @@ after ``torch.distributed`` is initialised with gloo over a file store in a fres
 directory (no ports to collide). Each rank's return value (tensors, numbers, lists, dicts) is
 saved with ``torch.save`` and loaded back with ``weights_only=True``; a failing rank's traceback
 is re-raised in the test.
+
+``torchrun(nproc, module, argv)`` launches a command-line module under ``torch.distributed.run``
+(``--standalone``: a free port each time, so parallel launches never collide).
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import tempfile
 import traceback
 from collections.abc import Callable
@@ -57,3 +62,41 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
                 f"ranks exited with codes {[p.exitcode for p in procs]} (timeout {timeout}s?)"
             )
         return [torch.load(f"{tmp}/result{r}.pt", weights_only=True) for r in range(world_size)]
+
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def torchrun(
+    nproc: int, module: str, argv: list[str], *, timeout: float = 600.0, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``python -m torch.distributed.run --standalone --nproc-per-node N -m MODULE ARGV...`` from the repo.
+
+    ``--standalone`` lets the launcher pick a free port, so any number of launches may run side by
+    side. One thread per process (``OMP_NUM_THREADS=1``), no hub access; output captured as text.
+    """
+    return subprocess.run(
+        torchrun_command(nproc, module, argv),
+        cwd=REPO,
+        env=torchrun_env(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def torchrun_command(nproc: int, module: str, argv: list[str]) -> list[str]:
+    """The command line :func:`torchrun` runs (for tests that start launches with ``Popen``)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            "-m", module, *argv]  # fmt: skip
+
+
+def torchrun_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of :func:`torchrun`: this one plus one thread, offline hub, repo on the path."""
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(REPO),
+        **(extra or {}),
+    }

@@ -10,6 +10,29 @@ from typing import Any
 
 from tests.finetune_wordpiece import tiny_wordpiece
 
+# Words every tiny finetuning vocabulary needs (the built-in tasks' most common words).
+FINETUNE_WORDS = [
+    "the",
+    "a",
+    "movie",
+    "was",
+    "good",
+    "bad",
+    "great",
+    "awful",
+    "who",
+    "founded",
+    "in",
+    "what",
+    "year",
+    "city",
+    "staff",
+    "museum",
+    "company",
+    "is",
+    "not",
+]
+
 
 def make_tiny_hf_bert(path: Path, texts: Iterable[str], *, layers: int = 2, hidden: int = 32, heads: int = 4,
                       max_positions: int = 128, megatron: bool = False) -> Path:  # fmt: skip

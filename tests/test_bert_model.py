@@ -95,6 +95,7 @@ def _parallel_step(rank: int, world: int, cfg, weights, data, tp: int, pp: int, 
     return {"last": ps.is_last_stage, "loss": torch.stack(losses).sum() if losses else None, "grads": grads}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("post_layernorm", [False, True])
 def test_tp2_pp2_step_equals_single_process(post_layernorm: bool) -> None:
     cfg = bert_config(post_layernorm=post_layernorm)

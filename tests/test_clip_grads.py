@@ -51,6 +51,7 @@ def test_clip_coefficient() -> None:
 LAYOUTS = [(2, 2, False), (4, 2, True), (4, 1, False), (4, 1, True)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("norm_type", [2.0, math.inf])
 @pytest.mark.parametrize("world,tp,distributed", LAYOUTS)
 def test_grad_norm_equals_single_process(world: int, tp: int, distributed: bool, norm_type: float) -> None:
@@ -64,6 +65,7 @@ def test_grad_norm_equals_single_process(world: int, tp: int, distributed: bool,
         assert ok and norm == pytest.approx(ref, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_PIPELINE, reason="pretrain.pipeline (pipeline parallelism) is not there yet")
 @pytest.mark.parametrize("distributed", [False, True])
 def test_grad_norm_with_pipeline_counts_tied_embedding_once(distributed: bool) -> None:

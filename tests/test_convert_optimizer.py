@@ -13,9 +13,6 @@ test robust.) The loss is unaffected either way. Step 4's loss depends only on t
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,16 +21,17 @@ import torch
 from pretrain.checkpoint.layout import DISTRIB_OPTIM_FILE, MODEL_FILE
 from pretrain.checkpoint.reader import load_canonical
 from pretrain.training.cli import main as pretrain_main
-from tests.train_fixtures import gpt_args, make_gpt_data
+from tests.distributed import torchrun
+from tests.train_fixtures import gpt_args
 from tools.convert_cli import main as convert_main
 
-REPO = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow  # torchrun launches
 FLAGS = {"adam-eps": 1e-5, "train-iters": 5, "micro-batch-size": 2, "global-batch-size": 4}
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return make_gpt_data(tmp_path_factory.mktemp("gptdata"))
+def data(gpt_data: dict[str, str]) -> dict[str, str]:
+    return gpt_data
 
 
 def _losses(path: Path) -> list[float]:
@@ -41,10 +39,7 @@ def _losses(path: Path) -> list[float]:
 
 
 def _torchrun(nproc: int, flags: list[str]) -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(21000 + os.getpid() % 20000), "-m", "pretrain.training.cli", *flags]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    proc = torchrun(nproc, "pretrain.training.cli", flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -71,6 +71,7 @@ def _load_and_run(rank: int, world: int, root: str, tp: int, pp: int, vp: int, d
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("tp", "pp", "vp"), [(4, 1, 1), (1, 2, 2)])
 def test_resharded_checkpoint_loads_at_target_layout(tmp_path: Path, full, tp: int, pp: int, vp: int) -> None:
     src = write_ours(tmp_path / "a", CFG, full, tp=2, pp=2)

@@ -93,6 +93,7 @@ def test_single_process_optimizer_matches_torch_adamw_with_clipping() -> None:
 LAYOUTS = [(4, 1), (4, 2)]  # (world, tp): dp=4 alone, tp=2 x dp=2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world,tp", LAYOUTS)
 @pytest.mark.parametrize("distributed", [False, True])
 def test_data_parallel_training_equals_single_process(world: int, tp: int, distributed: bool) -> None:
@@ -108,6 +109,7 @@ def test_data_parallel_training_equals_single_process(world: int, tp: int, distr
             assert ok and norm == pytest.approx(ref_norm, rel=1e-5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("distributed", [False, True])
 def test_overlapped_bucketed_reduction_equals_single_process(distributed: bool) -> None:
     cfg = tiny_config()
@@ -157,6 +159,7 @@ def test_bf16_params_train_close_to_fp32_and_keep_fp32_main_params() -> None:
     assert (num / den) ** 0.5 < 0.08, (num / den) ** 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not HAS_PIPELINE, reason="pretrain.pipeline (pipeline parallelism) is not there yet")
 @pytest.mark.parametrize("distributed,overlap", [(False, False), (True, False), (True, True)])
 def test_tp2_pp2_dp2_training_equals_single_process(distributed: bool, overlap: bool) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import pytest
 import torch
 
 from pretrain.config import ParallelConfig
@@ -66,6 +67,7 @@ def _reference_state(cfg, weights, batches):
     return opt.state_dict()
 
 
+@pytest.mark.slow
 def test_state_sizes_and_reassembled_state_equal_non_distributed() -> None:
     cfg = tiny_config()
     weights, batches = full_weights(cfg), global_batches(cfg, steps=2)
@@ -89,6 +91,7 @@ def test_state_sizes_and_reassembled_state_equal_non_distributed() -> None:
             )
 
 
+@pytest.mark.slow
 def test_reassembled_state_with_tensor_parallel() -> None:
     """tp=2 x dp=2: per TP rank, the DP shards reassemble into that TP rank's full-model shard."""
     cfg = tiny_config()
@@ -123,6 +126,7 @@ def _save_load_continue(rank: int, world: int, cfg, weights, batches, shard_dir:
     return {"params": gather_full_state_dict(fresh), "saved": saved_params}
 
 
+@pytest.mark.slow
 def test_per_shard_save_load_resumes_exactly(tmp_path) -> None:
     cfg = tiny_config()
     weights, batches = full_weights(cfg), global_batches(cfg, steps=3)
@@ -143,6 +147,7 @@ def _full_load_continue(rank: int, world: int, cfg, weights, batches, state):
     return {"params": gather_full_state_dict(model)}
 
 
+@pytest.mark.slow
 def test_full_state_loads_into_distributed_optimizer_and_resumes_exactly() -> None:
     cfg = tiny_config()
     weights, batches = full_weights(cfg), global_batches(cfg, steps=3)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -24,6 +25,7 @@ def _masks(rank: int, world: int):
     return {"outside": outside, "inside": inside, "after": after}
 
 
+@pytest.mark.slow
 def test_masks_same_outside_and_different_inside_tp_regions() -> None:
     r0, r1 = run_distributed(_masks, 2)
     assert torch.equal(r0["outside"], r1["outside"])
@@ -73,6 +75,7 @@ def _ckpt_vs_plain(rank: int, world: int, cfg, weights, data):
     return out
 
 
+@pytest.mark.slow
 def test_checkpointed_layers_give_identical_gradients_with_dropout() -> None:
     cfg = tiny_config(hidden_dropout=0.2, attention_dropout=0.2)
     weights, data = full_weights(cfg), batch(cfg)

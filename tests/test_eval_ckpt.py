@@ -8,17 +8,13 @@ from pathlib import Path
 import pytest
 
 from mlm_eval.cli import main as eval_main
-from pretrain.training.cli import main as pretrain_main
-from tests.train_fixtures import gpt_args, make_gpt_data
 from tools.convert_cli import main as convert_main
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def trained(trained_gpt: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("evalckpt")
-    data = make_gpt_data(root)
-    ckpt = root / "ckpt"
-    assert pretrain_main(gpt_args(data, **{"train-iters": 3, "save": ckpt, "num-layers": 2})) == 0
+    data, ckpt = trained_gpt, Path(trained_gpt["ckpt"])
     hf = root / "hf"
     tok_dir = str(Path(data["vocab"]).parent)
     assert convert_main(["to-hf", "--load", str(ckpt), "--save", str(hf), "--tokenizer-dir", tok_dir]) == 0

@@ -11,14 +11,13 @@ import pytest
 
 from mlm_eval.builtin import builtin_path
 from mlm_eval.cli import main
-from tests.eval_helpers import build_tiny_hf
 
 WIKI_ARGS = ["--seq-length", "48", "--overlap", "16", "--no-progress"]
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_hf(tmp_path_factory.mktemp("tinyhf"))
+def tiny(tiny_gpt2_dir: Path) -> Path:
+    return tiny_gpt2_dir
 
 
 def _hf_wikitext_rows() -> list[str]:

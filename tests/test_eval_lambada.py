@@ -94,8 +94,8 @@ def test_long_context_is_cut_on_the_left() -> None:
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_hf(tmp_path_factory.mktemp("tiny-gpt2"), n_positions=160)
+def tiny_dir(tiny_gpt2_dir_160: Path) -> Path:
+    return tiny_gpt2_dir_160
 
 
 @pytest.fixture(scope="module")

@@ -9,9 +9,7 @@ whose last word is the model's own greedy prediction, so the correct count is no
 from __future__ import annotations
 
 import json
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,8 +19,7 @@ from mlm_eval.builtin import builtin_path
 from mlm_eval.cli import main as eval_main
 from mlm_eval.megatron_scorer import load_megatron_gpt
 from pretrain.tokenizer.factory import TokenizerConfig
-from pretrain.training.cli import main as pretrain_main
-from tests.train_fixtures import gpt_args, make_gpt_data
+from tests.distributed import torchrun_command, torchrun_env
 
 WIKI = ["wikitext103", "--data", "builtin:wikitext_sample.tokens", "--seq-length", "32", "--overlap", "8"]
 LAYOUTS = {  # name -> (task, processes, parallel flags, the layout the result records)
@@ -54,11 +51,9 @@ def _greedy_examples(ckpt: Path, vocab: str, merges: str) -> list[str]:
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+def trained(trained_gpt: dict[str, str], tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("evalpar")
-    data = make_gpt_data(root)
-    ckpt = root / "ckpt"
-    assert pretrain_main(gpt_args(data, **{"train-iters": 3, "save": ckpt, "num-layers": 2})) == 0
+    data, ckpt = trained_gpt, Path(trained_gpt["ckpt"])
     lambada = root / "lambada.jsonl"
     examples = _greedy_examples(ckpt, data["vocab"], data["merges"])
     lambada.write_text("".join(json.dumps({"text": t}) + "\n" for t in examples))
@@ -73,12 +68,13 @@ def _task_args(trained: dict[str, str], task: str) -> list[str]:
 def _launch(trained: dict[str, str], name: str) -> subprocess.Popen[str]:
     task, nproc, flags, _ = LAYOUTS[name]
     out = Path(trained["root"]) / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-           "-m", "mlm_eval.cli", *_task_args(trained, task), *flags, "--out", str(out)]  # fmt: skip
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    cmd = torchrun_command(nproc, "mlm_eval.cli", [*_task_args(trained, task), *flags, "--out", str(out)])
+    return subprocess.Popen(
+        cmd, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
+@pytest.mark.slow
 def test_layouts_give_the_same_numbers(trained: dict[str, str]) -> None:
     procs = {name: _launch(trained, name) for name in LAYOUTS}  # started first: they run while we do tp1
     single = {}

@@ -34,6 +34,7 @@ def _shard(rank: int, world: int, widths: list[int]) -> dict[str, torch.Tensor]:
     return {"nll": out.nll, "hit": out.is_argmax}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("widths", [[4, 5], [5, 0, 4]])
 def test_vocab_parallel_equals_gathered(widths: list[int]) -> None:
     logits, targets = _case()

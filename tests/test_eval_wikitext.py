@@ -21,14 +21,14 @@ from mlm_eval.wikitext import (
     read_wikitext,
     split_wikitext_documents,
 )
-from tests.eval_helpers import build_tiny_hf, load_tiny, reference_logprobs
+from tests.eval_helpers import load_tiny, reference_logprobs
 
 SEQ, STRIDE = 24, 8  # small windows so the sample stream needs many of them
 
 
 @pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_hf(tmp_path_factory.mktemp("tiny-gpt2"))
+def tiny_dir(tiny_gpt2_dir: Path) -> Path:
+    return tiny_gpt2_dir
 
 
 @pytest.fixture(scope="module")

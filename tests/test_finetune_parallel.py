@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,17 +10,14 @@ import torch
 
 from finetune.builtin import builtin_task_dir
 from finetune.cli import main
-from tests.finetune_fixtures import make_tiny_hf_bert
+from tests.distributed import torchrun
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    texts = [
-        line.split("\t")[0] for line in (builtin_task_dir("sst2_tiny") / "train.tsv").read_text().splitlines()
-    ]
-    return make_tiny_hf_bert(tmp_path_factory.mktemp("bert") / "tiny", texts)
+def bert(tiny_bert_dir: Path) -> Path:
+    return tiny_bert_dir
 
 
 def _flags(bert: Path, tmp: Path, name: str) -> list[str]:
@@ -37,15 +31,12 @@ def _losses(path: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines() if '"loss"' in line]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--tp", "2"], ["--pp", "2"]])
 def test_two_ranks_equal_one_process(bert: Path, tmp_path: Path, layout: list[str]) -> None:
     torch.set_num_threads(1)
     assert main(_flags(bert, tmp_path, "one")) == 0
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-port", str(21000 + os.getpid() % 20000), "-m", "finetune.cli", *_flags(bert, tmp_path, "two"),
-           *layout]  # fmt: skip
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = torchrun(2, "finetune.cli", [*_flags(bert, tmp_path, "two"), *layout], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = _losses(tmp_path / "one.jsonl"), _losses(tmp_path / "two.jsonl")
     assert len(one) == len(two) == 4

@@ -18,29 +18,8 @@ from finetune.builtin import builtin_task_dir
 from finetune.cli import main
 from finetune.presets import get_preset
 from pretrain.utils.results import RESULT_SCHEMA, TASK_METRICS
+from tests.finetune_fixtures import FINETUNE_WORDS as WORDS
 from tests.finetune_fixtures import make_tiny_hf_bert
-
-WORDS = [
-    "the",
-    "a",
-    "movie",
-    "was",
-    "good",
-    "bad",
-    "great",
-    "awful",
-    "who",
-    "founded",
-    "in",
-    "what",
-    "year",
-    "city",
-    "staff",
-    "museum",
-    "company",
-    "is",
-    "not",
-]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -49,17 +28,8 @@ def _threads() -> None:
 
 
 @pytest.fixture(scope="module")
-def bert(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    texts = [
-        line.split("\t")[0] for line in (builtin_task_dir("sst2_tiny") / "train.tsv").read_text().splitlines()
-    ]
-    for name in ("squad_tiny", "squad2_tiny"):
-        doc = json.loads((builtin_task_dir(name) / "train.json").read_text())
-        texts += [
-            p["context"] + " " + q["question"] for a in doc["data"] for p in a["paragraphs"] for q in p["qas"]
-        ]
-    texts += [p.read_text() for p in builtin_task_dir("race_tiny").rglob("*.txt")]
-    return make_tiny_hf_bert(tmp_path_factory.mktemp("bert") / "tiny", texts + WORDS, max_positions=160)
+def bert(tiny_bert_dir: Path) -> Path:
+    return tiny_bert_dir
 
 
 def _run(argv: list[str]) -> dict:
@@ -251,3 +221,4 @@ def test_starts_from_our_checkpoint_of_another_layout(tmp_path: Path) -> None:
     assert from_ckpt["model"]["checkpoint"] == str(tmp_path / "ckpt")
     runs = from_ckpt["details"]["runs"][0], from_hf["details"]["runs"][0]
     assert runs[0]["final_loss"] == pytest.approx(runs[1]["final_loss"], rel=1e-5)  # same weights either way
+    assert from_ckpt["model"]["fingerprint"] == from_hf["model"]["fingerprint"]  # so one leaderboard row

@@ -111,6 +111,7 @@ def _inject_inf_and_step(rank: int, world: int, distributed: bool, cfg, weights,
     return log
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("distributed", [False, True])
 def test_injected_inf_skips_step_on_every_rank(distributed: bool) -> None:
     cfg = tiny_config()

@@ -60,6 +60,7 @@ LAYOUTS = [  # (tp, pp, vp, microbatches)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("tp", "pp", "vp", "m"), LAYOUTS)
 def test_pipeline_step_equals_single_process(tp: int, pp: int, vp: int, m: int) -> None:
     cfg = tiny_config(num_layers=8, num_attention_heads=4)
@@ -78,6 +79,7 @@ def test_pipeline_step_equals_single_process(tp: int, pp: int, vp: int, m: int) 
                 torch.testing.assert_close(r["grads"][name], g, **TOL, msg=lambda s, n=name: f"{n}: {s}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("pp", "vp"), [(2, 1), (2, 2)])
 def test_forward_only_per_token_losses(pp: int, vp: int) -> None:
     from pretrain.models.gpt import GPTModel

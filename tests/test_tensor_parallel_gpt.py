@@ -34,6 +34,7 @@ def _tp_step(rank: int, world: int, cfg, weights, data):
     }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tp_equals_single_process(tp: int) -> None:
     cfg = tiny_config(num_attention_heads=8)
@@ -49,6 +50,7 @@ def test_tp_equals_single_process(tp: int) -> None:
             torch.testing.assert_close(r["grads"][name], g, **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
+@pytest.mark.slow
 def test_tp8_equals_single_process() -> None:
     cfg = tiny_config(num_layers=1, ffn_hidden_size=64)
     weights = full_weights(cfg)
@@ -68,6 +70,7 @@ def _init_full(rank: int, world: int, cfg):
     return gather_full_state_dict(model)
 
 
+@pytest.mark.slow
 def test_initialisation_is_layout_independent() -> None:
     cfg = tiny_config()
     single = GPTModel(cfg, ParallelState.single())
@@ -100,6 +103,7 @@ def _ce_worker(rank: int, world: int, logits_full, target, mask, vocab):
     return {"losses": losses.detach(), "loss": loss.detach(), "grad": local.grad}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [1, 2, 4])
 def test_vocab_parallel_cross_entropy_matches_torch(world: int) -> None:
     vocab = 37
@@ -121,6 +125,7 @@ def test_vocab_parallel_cross_entropy_matches_torch(world: int) -> None:
         torch.testing.assert_close(r["loss"], ref_loss.detach(), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_tp4_with_ranks_holding_only_padding() -> None:
     # vocab 100 at tp=4 pads to 512: ranks 1..3 hold no real vocabulary row at all.
     cfg = tiny_config(vocab_size=100, num_attention_heads=4)

@@ -12,14 +12,15 @@ import pytest
 import torch
 
 from pretrain.training.cli import main as pretrain_main
-from tests.train_fixtures import gpt_args, make_gpt_data
+from tests.distributed import torchrun
+from tests.train_fixtures import gpt_args
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def data(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    return make_gpt_data(tmp_path_factory.mktemp("gptdata"))
+def data(gpt_data: dict[str, str]) -> dict[str, str]:
+    return gpt_data
 
 
 def _losses(path: Path) -> list[float]:
@@ -28,12 +29,10 @@ def _losses(path: Path) -> list[float]:
 
 
 def _torchrun(nproc: int, flags: list[str]) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "--master-port", str(20000 + os.getpid() % 20000), "-m", "pretrain.training.cli", *flags]  # fmt: skip
-    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    return torchrun(nproc, "pretrain.training.cli", flags)
 
 
+@pytest.mark.slow
 def test_world8_tp2_pp2_dp2_losses_equal_single_process(data: dict[str, str], tmp_path: Path) -> None:
     assert pretrain_main(gpt_args(data, **{"log-json": tmp_path / "one.jsonl"})) == 0
     single = _losses(tmp_path / "one.jsonl")
@@ -65,6 +64,7 @@ def test_resume_reproduces_losses_bitwise(data: dict[str, str], tmp_path: Path) 
     assert a + b == ref  # bitwise: same floats
 
 
+@pytest.mark.slow
 def test_layout_mismatch_names_both_layouts(
     data: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -129,6 +129,7 @@ def test_pickled_object_in_checkpoint_is_refused(
     assert "cannot be loaded safely" in err and str(path) in err
 
 
+@pytest.mark.slow
 def test_bert_tp2_pp2_losses_equal_single_process(tmp_path: Path) -> None:
     from tests.train_fixtures import bert_args, make_bert_data
 

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from pretrain.utils.atomic import atomic_open
 from pretrain.utils.errors import UserError, cli_entry
+from pretrain.utils.outputs import check_writable_output
 from tools.hygiene.jsonl import iter_raw_lines, write_summary
 from tools.hygiene.lsh_index import KeptIndex
 from tools.hygiene.parallel import batched, ordered_map
@@ -207,6 +208,10 @@ def _print_table(stats: DedupStats, config: DedupConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
+    check_writable_output(config.output, kind="file", flag="--output")
+    check_writable_output(config.report, kind="file", flag="--report")
+    if args.summary:
+        check_writable_output(args.summary, kind="file", flag="--summary")
     stats = run_dedup(config)
     if args.summary:
         write_summary(args.summary, stats, config.report)

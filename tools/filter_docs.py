@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from pretrain.utils.atomic import atomic_open
 from pretrain.utils.errors import UserError, cli_entry
+from pretrain.utils.outputs import check_writable_output
 from tools.hygiene.jsonl import iter_raw_lines, parse_document, write_summary
 from tools.hygiene.parallel import batched
 from tools.hygiene.titles import document_title, load_exclusions, title_key
@@ -186,6 +187,10 @@ def _print_table(stats: FilterStats, config: FilterConfig) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
+    check_writable_output(config.output, kind="file", flag="--output")
+    check_writable_output(config.report, kind="file", flag="--report")
+    if args.summary:
+        check_writable_output(args.summary, kind="file", flag="--summary")
     stats = run_filter(config)
     if args.summary:
         write_summary(args.summary, stats, config.report)

@@ -63,6 +63,7 @@ from pretrain.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.tokenizer.factory import TokenizerConfig, add_tokenizer_arguments, build_tokenizer
 from pretrain.utils.errors import UserError, cli_entry
+from pretrain.utils.outputs import check_writable_output
 
 JSON_SUFFIXES = (".jsonl", ".json", ".ndjson")
 INPUT_FORMATS = ("auto", "jsonl", "text", "text-blocks")
@@ -269,6 +270,8 @@ def _check_args(args: argparse.Namespace) -> tuple[list[Path], list[str]]:
     out_dir = Path(args.output_prefix).parent
     if out_dir.exists() and not out_dir.is_dir():
         raise UserError(f"--output-prefix {args.output_prefix}: {out_dir} is not a directory")
+    check_writable_output(f"{args.output_prefix}_{args.json_keys[0]}_document.bin", kind="file",
+                          flag="--output-prefix")  # fmt: skip
     return paths, formats
 
 

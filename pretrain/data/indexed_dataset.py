@@ -432,6 +432,13 @@ class IndexedDataset:
     def num_tokens(self) -> int:
         return int(self._bin.size)
 
+    def max_token_id(self, chunk: int = 1 << 24) -> int:
+        """The largest token id in ``.bin`` (-1 when empty); reads the file once in chunks."""
+        best = -1
+        for start in range(0, int(self._bin.size), chunk):
+            best = max(best, int(self._bin[start : start + chunk].max()))
+        return best
+
     @property
     def document_lengths(self) -> np.ndarray:
         """int64 [D]: elements per document (the sum of its sequences)."""

@@ -11,6 +11,7 @@ across DP sizes.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -26,8 +27,8 @@ from pretrain.checkpoint.layout import (
     rank_dir_name,
     resolve_iteration,
 )
-from pretrain.models.base import ShardedModule
 from pretrain.checkpoint.metadata import read_metadata
+from pretrain.models.base import ShardedModule
 from pretrain.optim.distrib_optimizer import DistributedOptimizer, reassemble_full_state
 from pretrain.optim.lr_schedule import LRScheduler
 from pretrain.optim.optimizer import MixedPrecisionOptimizer
@@ -103,11 +104,34 @@ def restore_training_state(rest: dict[str, Any], ps: ParallelState, optimizer: M
     if not cfg.no_load_optim:
         _load_optimizer(Path(rest["_iteration_dir"]), ps, optimizer, rest.get("optimizer"))
         if rest.get("opt_param_scheduler"):
-            scheduler.load_state_dict(rest["opt_param_scheduler"])
+            restore_scheduler(scheduler, rest["opt_param_scheduler"], cfg)
     if not cfg.no_load_rng and rest.get("rng_state"):
         restore_rng_state(ps, rest["rng_state"][0])
     it = rest.get("iteration", 0)
     return 0 if it == "release" else int(it)
+
+
+def restore_scheduler(scheduler: LRScheduler, state: dict[str, Any], cfg: TrainingConfig) -> None:
+    """The saved step count, with this run's schedule or (``--use-checkpoint-opt_param-scheduler``)
+    the checkpoint's; a different schedule needs one of the two flags (Megatron's rule)."""
+    if cfg.use_checkpoint_opt_param_scheduler:
+        saved = {k: state[k] for k in ("lr", "min_lr", "decay_style") if k in state}
+        unit = "samples" if state.get("by_samples") else "iters"
+        other = "iters" if unit == "samples" else "samples"
+        saved.update({f"warmup_{other}": 0, f"decay_{other}": None})
+        if "warmup_steps" in state:
+            saved[f"warmup_{unit}"] = state["warmup_steps"]
+        if "decay_steps" in state:
+            saved[f"decay_{unit}"] = state["decay_steps"]
+        scheduler.config = dataclasses.replace(scheduler.config, **saved)
+    try:
+        scheduler.load_state_dict(state, override=cfg.override_opt_param_scheduler)
+    except UserError as exc:
+        raise UserError(
+            str(exc).split(" (pass")[0]
+            + "; resume with --override-opt_param-scheduler (this run's LR flags) "
+            "or --use-checkpoint-opt_param-scheduler (the checkpoint's schedule)"
+        ) from None
 
 
 def _load_optimizer(it_dir: Path, ps: ParallelState, optimizer: MixedPrecisionOptimizer, state: Any) -> None:

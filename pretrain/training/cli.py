@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 from typing import Any
 
 from pretrain.checkpoint.args import training_metadata
@@ -33,6 +34,7 @@ from pretrain.training.architecture_args import add_architecture_args, architect
 from pretrain.training.config import TrainingConfig
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
+from pretrain.utils.outputs import check_writable_output
 
 
 def add_model_args(p: OneLineParser) -> None:
@@ -96,7 +98,29 @@ def add_training_args(p: OneLineParser) -> None:
     g.add_argument("--finetune", action="store_true", help="load weights only and start at iteration 0")
     g.add_argument("--no-load-optim", action="store_true")
     g.add_argument("--no-load-rng", action="store_true")
-    g.add_argument("--no-progress", action="store_true")
+    g.add_argument(
+        "--no-progress", action="store_true", help="no progress bar (plain log lines off a terminal)"
+    )
+    add_run_control_args(p)
+
+
+def add_run_control_args(p: OneLineParser) -> None:
+    """Megatron's resume, warmup and early-exit flags, and --overwrite."""
+    g = p.add_argument_group("resume and exit")
+    g.add_argument("--overwrite", action="store_true",
+                   help="train into a --save that already holds a checkpoint without --load (start over)")  # fmt: skip
+    g.add_argument("--override-opt_param-scheduler", "--override-opt-param-scheduler", action="store_true",
+                   dest="override_opt_param_scheduler",
+                   help="on --load, use this run's LR flags instead of the checkpoint's schedule")  # fmt: skip
+    g.add_argument("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler",
+                   action="store_true", dest="use_checkpoint_opt_param_scheduler",
+                   help="on --load, keep the checkpoint's LR schedule (lr, min lr, warmup, decay)")  # fmt: skip
+    g.add_argument("--lr-warmup-fraction", type=float, default=None,
+                   help="warmup as a fraction of --lr-decay-iters (instead of --lr-warmup-iters)")  # fmt: skip
+    g.add_argument("--exit-interval", type=int, default=0, help="save and exit when iteration %% N == 0")
+    g.add_argument("--exit-duration-in-mins", type=float, default=0.0, help="save and exit after N minutes")
+    g.add_argument("--exit-signal-handler", action="store_true",
+                   help="on SIGTERM, finish the iteration, save a checkpoint and exit cleanly")  # fmt: skip
 
 
 def add_data_args(p: OneLineParser) -> None:
@@ -154,6 +178,12 @@ def configs_from_args(args: Any, *, world_size: int) -> dict[str, Any]:
         raise UserError(
             f"--seq-length {args.seq_length} exceeds --max-position-embeddings {model.max_position_embeddings}"
         )
+    if world_size % (parallel.tp * parallel.pp):
+        raise UserError(
+            f"{world_size} process(es) (WORLD_SIZE, from torchrun) cannot be split into --tensor-model-parallel-size "
+            f"{parallel.tp} x --pipeline-model-parallel-size {parallel.pp} = {parallel.tp * parallel.pp}; "
+            f"launch a multiple of {parallel.tp * parallel.pp} processes"
+        )
     dp = check_sizes(world_size, parallel.tp, parallel.pp, parallel.vp)
     stage_layer_numbers(model.num_layers, pp=parallel.pp, vp=parallel.vp,
                         first=parallel.num_layers_in_first_stage, last=parallel.num_layers_in_last_stage)  # fmt: skip
@@ -164,6 +194,10 @@ def configs_from_args(args: Any, *, world_size: int) -> dict[str, Any]:
         save_interval=args.save_interval, finetune=args.finetune, no_load_optim=args.no_load_optim,
         no_load_rng=args.no_load_rng, log_json=args.log_json, schedule=args.pipeline_schedule,
         overlap_grad_reduce=args.overlap_grad_reduce, progress=not args.no_progress,
+        override_opt_param_scheduler=args.override_opt_param_scheduler,
+        use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
+        exit_interval=args.exit_interval, exit_duration_in_mins=args.exit_duration_in_mins,
+        exit_signal_handler=args.exit_signal_handler,
     )  # fmt: skip
     train.num_microbatches(dp)
     optim = OptimizerConfig(
@@ -172,18 +206,84 @@ def configs_from_args(args: Any, *, world_size: int) -> dict[str, Any]:
         use_distributed_optimizer=args.use_distributed_optimizer, fp16=args.fp16, bf16=args.bf16,
         loss_scale=args.loss_scale, initial_loss_scale=args.initial_loss_scale,
     )  # fmt: skip
-    decay = args.lr_decay_iters or args.train_iters
-    lr = LRScheduleConfig(lr=args.lr, min_lr=min(args.min_lr, args.lr), decay_style=args.lr_decay_style,
-                          warmup_iters=args.lr_warmup_iters,
-                          decay_iters=decay if args.lr_decay_style != "constant" else None)  # fmt: skip
+    lr = lr_schedule_from_args(args)
     for path in args.data_path:
         if not os.path.exists(path + ".idx") and not _is_number(path):
             raise UserError(f"--data-path {path}: no indexed dataset {path}.idx (run mlm-preprocess first)")
+    check_data_fits(args, tokenizer.vocab_size)
+    check_outputs(args)
     data = GPTDatasetConfig(seq_length=args.seq_length, data_prefix=tuple(args.data_path), seed=args.seed,
                             split=args.split, cache_dir=args.data_cache_path, eod_mask_loss=args.eod_mask_loss,
                             eod_id=tokenizer.eod)  # fmt: skip
     return {"tokenizer_cfg": tok_cfg, "tokenizer": tokenizer, "parallel": parallel, "model": model,
             "train": train, "optim": optim, "lr": lr, "data": data}  # fmt: skip
+
+
+def lr_schedule_from_args(args: Any) -> LRScheduleConfig:
+    """The LR schedule, with every inconsistency named by its flags."""
+    if args.train_iters < 1:
+        raise UserError(f"--train-iters must be >= 1, got {args.train_iters}")
+    decay = args.lr_decay_iters if args.lr_decay_iters is not None else args.train_iters
+    warmup = args.lr_warmup_iters
+    if args.lr_warmup_fraction is not None:
+        if warmup:
+            raise UserError("--lr-warmup-fraction and --lr-warmup-iters exclude each other")
+        if not 0.0 <= args.lr_warmup_fraction < 1.0:
+            raise UserError(f"--lr-warmup-fraction must be in [0, 1), got {args.lr_warmup_fraction}")
+        warmup = int(args.lr_warmup_fraction * decay)
+    if warmup < 0:
+        raise UserError(f"--lr-warmup-iters must be >= 0, got {warmup}")
+    if args.lr_decay_style != "constant" and decay <= warmup:
+        src = (
+            f"--lr-warmup-fraction {args.lr_warmup_fraction}"
+            if args.lr_warmup_fraction
+            else "--lr-warmup-iters"
+        )
+        raise UserError(
+            f"--lr-decay-iters {decay} (default: --train-iters) must exceed the warmup ({src}: {warmup} iterations)"
+        )
+    return LRScheduleConfig(lr=args.lr, min_lr=min(args.min_lr, args.lr), decay_style=args.lr_decay_style,
+                            warmup_iters=warmup,
+                            decay_iters=decay if args.lr_decay_style != "constant" else None)  # fmt: skip
+
+
+def check_data_fits(args: Any, vocab_size: int) -> None:
+    """Before any work: every dataset holds a sample of --seq-length and only ids the tokenizer knows."""
+    from pretrain.data.indexed_dataset import IndexedDataset
+
+    for prefix in args.data_path:
+        if _is_number(prefix):
+            continue
+        ds = IndexedDataset(prefix)
+        if ds.num_tokens <= args.seq_length:
+            raise UserError(
+                f"--seq-length {args.seq_length} exceeds the data: --data-path {prefix} holds {ds.num_tokens} "
+                f"tokens in all (a sample needs {args.seq_length + 1})"
+            )
+        top = ds.max_token_id()
+        if top >= vocab_size:
+            raise UserError(
+                f"--data-path {prefix}: token id {top} is beyond the tokenizer's vocabulary of {vocab_size} "
+                f"({args.tokenizer_type}); preprocess the data with the same tokenizer"
+            )
+
+
+def check_outputs(args: Any) -> None:
+    """Before any work: --save is writable and not a finished run unless resumed or --overwrite."""
+    from pretrain.checkpoint.layout import TRACKER
+
+    if args.log_json:
+        check_writable_output(args.log_json, kind="file", flag="--log-json")
+    if not args.save:
+        return
+    check_writable_output(args.save, kind="dir", flag="--save")
+    tracker = Path(args.save) / TRACKER
+    if tracker.exists() and not args.load and not args.overwrite:
+        latest = tracker.read_text(encoding="utf-8", errors="replace").strip()
+        raise UserError(
+            f"--save {args.save} already holds a checkpoint (iteration {latest}); resume it with --load "
+            f"{args.save}, choose another --save, or pass --overwrite to start over"
+        )
 
 
 def _is_number(text: str) -> bool:

@@ -29,14 +29,24 @@ class TrainingConfig:
     schedule: str = "1f1b"
     overlap_grad_reduce: bool = False
     progress: bool = True
+    override_opt_param_scheduler: bool = False  # resume with this run's LR flags, not the checkpoint's
+    use_checkpoint_opt_param_scheduler: bool = False  # resume with the checkpoint's LR schedule
+    exit_interval: int = 0  # save (with --save) and stop when the iteration is a multiple of this
+    exit_duration_in_mins: float = 0.0  # save and stop once training has run this long (0: never)
+    exit_signal_handler: bool = False  # SIGTERM: save and stop after the current iteration
 
     def __post_init__(self) -> None:
         for name in ("micro_batch_size", "global_batch_size", "seq_length", "log_interval"):
             if getattr(self, name) <= 0:
                 raise UserError(f"--{name.replace('_', '-')} must be positive, got {getattr(self, name)}")
-        for name in ("train_iters", "eval_interval", "eval_iters", "save_interval"):
+        for name in ("train_iters", "eval_interval", "eval_iters", "save_interval", "exit_interval",
+                     "exit_duration_in_mins"):  # fmt: skip
             if getattr(self, name) < 0:
                 raise UserError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise UserError(
+                "--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler exclude each other"
+            )
         if self.schedule not in ("1f1b", "fthenb"):
             raise UserError(f"--pipeline-schedule must be 1f1b or fthenb, got {self.schedule!r}")
 

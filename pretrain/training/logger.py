@@ -1,9 +1,10 @@
-"""Per-iteration logging: a progress bar and lines for people, JSON lines for machines (rank 0)."""
+"""Per-iteration logging: a progress bar (on a terminal) and lines for people, JSON lines for machines (rank 0)."""
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,9 @@ class TrainingLogger:
     def __init__(self, *, enabled: bool, total: int, start: int, log_interval: int, json_path: str | None,
                  progress: bool) -> None:  # fmt: skip
         self.enabled, self.log_interval = enabled, log_interval
-        self.bar = tqdm(total=total, initial=start, desc="train", unit="it", disable=not (enabled and progress),
+        # A bar only where a person watches (a terminal); logs and batch jobs get the plain lines.
+        bar = enabled and progress and sys.stderr.isatty()
+        self.bar = tqdm(total=total, initial=start, desc="train", unit="it", disable=not bar,
                         dynamic_ncols=True)  # fmt: skip
         self.json = None
         if enabled and json_path:

@@ -9,19 +9,23 @@ successful steps; log; validate and save at their intervals.
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from pretrain.checkpoint.layout import iteration_dir
 from pretrain.config import ParallelConfig
 from pretrain.distributed.ddp import DDPConfig, DistributedDataParallel, finalize_model_grads
 from pretrain.models.base import ShardedModule
 from pretrain.models.init import init_model_parameters
 from pretrain.optim import build_optimizer
+from pretrain.optim.clip_grads import counts_for_norm
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
 from pretrain.optim.lr_schedule import LRScheduler
 from pretrain.optim.optimizer import MixedPrecisionOptimizer
@@ -34,6 +38,7 @@ from pretrain.training.checkpointing import (
     save_training_checkpoint,
 )
 from pretrain.training.config import TrainingConfig
+from pretrain.training.exit import ExitConditions
 from pretrain.training.logger import TrainingLogger
 from pretrain.training.task import Microbatch, TrainTask
 from pretrain.utils.errors import UserError
@@ -174,42 +179,100 @@ class Trainer:
         return float(total.sum()) / max(self.cfg.eval_iters, 1)
 
     def save(self, iteration: int) -> None:
+        """Save a resumable checkpoint; an interrupted save leaves no ``iter_XXXXXXX.tmp`` behind."""
         assert self.cfg.save is not None
-        save_training_checkpoint(self.cfg.save, iteration, self.chunks, self.ps, self.optimizer, self.scheduler,
-                                 self.ckpt_args)  # fmt: skip
+        try:
+            save_training_checkpoint(self.cfg.save, iteration, self.chunks, self.ps, self.optimizer,
+                                     self.scheduler, self.ckpt_args)  # fmt: skip
+        except BaseException:
+            if self.ps.rank == 0:
+                shutil.rmtree(iteration_dir(self.cfg.save, iteration).with_suffix(".tmp"), ignore_errors=True)
+            raise
 
 
 def train(
     task: TrainTask, *, ps: ParallelState, optim_cfg: OptimizerConfig, lr_cfg: LRScheduleConfig,
     cfg: TrainingConfig, ckpt_args: Any, on_iteration: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
-    """Run training; returns ``{"history": [...], "valid": [...], "start_iteration", "final_iteration"}``."""
+    """Run training; returns ``{"history": [...], "valid": [...], "start_iteration", "final_iteration"}``.
+
+    Stops early (saving a checkpoint with ``--save``) on ``--exit-interval``,
+    ``--exit-duration-in-mins`` or, with ``--exit-signal-handler``, SIGTERM; ``final_iteration``
+    is then the last completed iteration and ``exit_reason`` says why.
+    """
     trainer = Trainer(task=task, ps=ps, optim_cfg=optim_cfg, lr_cfg=lr_cfg, cfg=cfg, ckpt_args=ckpt_args)
     start = 0
     if trainer.loaded is not None:
         start = restore_training_state(trainer.loaded, ps, trainer.optimizer, trainer.scheduler, cfg)
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    if rank0 and cfg.save:
+        remove_stale_temporaries(cfg.save)
     log = TrainingLogger(enabled=rank0, total=cfg.train_iters, start=start, log_interval=cfg.log_interval,
                          json_path=cfg.log_json, progress=cfg.progress)  # fmt: skip
+    log.write(start_summary(trainer, start))
     history, valid = [], []
+    exits = ExitConditions(cfg, device=ps.device)
+    final, reason = cfg.train_iters, None
     try:
-        for it in range(start, cfg.train_iters):
-            record = trainer.train_step(it)
-            history.append(record)
-            log.iteration(record)
-            if on_iteration is not None:
-                on_iteration(record)
-            done = it + 1
-            if cfg.eval_interval and done % cfg.eval_interval == 0:
-                loss = trainer.evaluate("valid", done // cfg.eval_interval - 1)
-                valid.append({"iteration": done, "loss": loss})
-                log.validation(done, loss)
-            if cfg.save and cfg.save_interval and done % cfg.save_interval == 0 and done != cfg.train_iters:
-                trainer.save(done)
-        if cfg.save and cfg.train_iters > start:
-            trainer.save(cfg.train_iters)
-            log.write(f"saved checkpoint at iteration {cfg.train_iters} to {cfg.save}")
+        with exits.handling_signals():
+            for it in range(start, cfg.train_iters):
+                record = trainer.train_step(it)
+                history.append(record)
+                log.iteration(record)
+                if on_iteration is not None:
+                    on_iteration(record)
+                done = it + 1
+                if cfg.eval_interval and done % cfg.eval_interval == 0:
+                    loss = trainer.evaluate("valid", done // cfg.eval_interval - 1)
+                    valid.append({"iteration": done, "loss": loss})
+                    log.validation(done, loss)
+                if done != cfg.train_iters and exits.should_exit(done):
+                    final, reason = done, exits.reason
+                    break
+                if (
+                    cfg.save
+                    and cfg.save_interval
+                    and done % cfg.save_interval == 0
+                    and done != cfg.train_iters
+                ):
+                    trainer.save(done)
+            if cfg.save and final > start:
+                trainer.save(final)
+                log.write(f"saved checkpoint at iteration {final} to {cfg.save}")
+            if reason is not None:
+                log.write(f"exiting after iteration {final} ({reason})")
     finally:
         log.close()
-    return {"history": history, "valid": valid, "start_iteration": start, "final_iteration": cfg.train_iters,
-            "trainer": trainer}  # fmt: skip
+    return {"history": history, "valid": valid, "start_iteration": start, "final_iteration": final,
+            "exit_reason": reason, "trainer": trainer}  # fmt: skip
+
+
+def remove_stale_temporaries(save: str) -> None:
+    """Remove ``iter_XXXXXXX.tmp`` folders an earlier, killed run left in ``save`` (global rank 0)."""
+    root = Path(save)
+    if root.is_dir():
+        for tmp in root.glob("iter_*.tmp"):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def start_summary(trainer: Trainer, start: int) -> str:
+    """Megatron-style start line: model size, layout, batch and tokens per iteration, data."""
+    ps, cfg = trainer.ps, trainer.cfg
+    local = sum(
+        p.numel() for c in trainer.chunks for n, p in c.named_parameters() if counts_for_norm(n, p, ps)
+    )
+    total = torch.tensor([float(local)], dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        total = total.to(ps.device)
+        dist.all_reduce(total)
+        total = total.cpu()
+    params = int(total.item()) // max(ps.dp_size, 1)
+    tokens = cfg.global_batch_size * cfg.seq_length
+    data = getattr(getattr(trainer.task, "data_cfg", None), "data_prefix", None)
+    where = f" | data {' '.join(data)}" if data else ""
+    resume = f" | resuming at iteration {start}" if start else ""
+    return (
+        f"starting {trainer.task.model_type}: {params:,} parameters | tp={ps.tp_size} pp={ps.pp_size} "
+        f"vp={ps.vp_size} dp={ps.dp_size} | global batch {cfg.global_batch_size} x seq {cfg.seq_length} = "
+        f"{tokens:,} tokens/iteration | {cfg.train_iters} iterations{resume}{where}"
+    )

@@ -1,4 +1,8 @@
-"""Atomic file writes: write to a temporary file in the same directory, fsync, then rename."""
+"""Atomic file writes: write to a temporary file in the same directory, fsync, then rename.
+
+The results follow the user's umask like any other tool's output (``mkstemp``/``mkdtemp`` alone
+would make every file 0600 and every folder 0700, unreadable for teammates and serving accounts).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,13 @@ from pathlib import Path
 from typing import IO
 
 
+def current_umask() -> int:
+    """The process umask (read by setting and restoring it; call from one thread at a time)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 @contextlib.contextmanager
 def atomic_open(path: str | os.PathLike[str], mode: str = "w", **kwargs) -> Iterator[IO]:  # type: ignore[type-arg]
     """Open a temporary sibling of ``path``; on success it replaces ``path`` atomically.
@@ -21,6 +32,7 @@ def atomic_open(path: str | os.PathLike[str], mode: str = "w", **kwargs) -> Iter
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     os.close(fd)
+    os.chmod(tmp, 0o666 & ~current_umask())
     try:
         with open(tmp, mode, **kwargs) as fh:
             yield fh
@@ -42,6 +54,7 @@ def atomic_directory(path: str | os.PathLike[str]) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~current_umask())
     try:
         yield tmp
         if path.exists():

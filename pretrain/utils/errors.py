@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import sys
+import tempfile
 from collections.abc import Callable
 from functools import wraps
 from typing import TypeVar
@@ -25,10 +28,32 @@ def cli_entry(func: F) -> F:
         try:
             return func(*args, **kwargs)
         except UserError as exc:
-            print(f"error: {exc}", file=sys.stderr)
+            if first_report(str(exc)):
+                print(f"error: {exc}", file=sys.stderr)
             raise SystemExit(2) from None
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             raise SystemExit(130) from None
 
     return wrapper  # type: ignore[return-value]
+
+
+def first_report(message: str) -> bool:
+    """False when another rank of this ``torchrun`` launch already printed the same message.
+
+    Every rank usually hits the same bad input; the first to report it creates a marker file
+    (``O_EXCL``) named by the launch's ``TORCHELASTIC_RUN_ID`` and the message, the others stay
+    silent. Outside torchrun (no run id) every error is printed.
+    """
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
+    if not run_id or os.environ.get("WORLD_SIZE", "1") == "1":
+        return True
+    digest = hashlib.sha256(f"{run_id}\0{message}".encode()).hexdigest()[:24]
+    marker = os.path.join(tempfile.gettempdir(), f"mlm-toolkit-error-{digest}")
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+    except FileExistsError:
+        return False
+    except OSError:
+        return True
+    return True
