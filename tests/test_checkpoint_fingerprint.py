@@ -16,7 +16,8 @@ from pretrain.checkpoint.fingerprint import (
 )
 from pretrain.checkpoint.plan import ModelSpec
 from pretrain.checkpoint.reader import open_checkpoint
-from pretrain.checkpoint.reshard import DictSource
+from pretrain.checkpoint.reshard import DictSource, write_layout
+from pretrain.config import ParallelConfig
 from pretrain.utils.errors import UserError
 from tests.convert_fixtures import write_ours
 from tests.gpt_fixtures import full_weights, tiny_config
@@ -80,3 +81,27 @@ def test_fresh_heads_are_left_out_and_bad_input_is_named(full) -> None:
     fp = weights_fingerprint(full)
     assert short_fingerprint(fp) == fp[:15] and len(short_fingerprint(fp)) == 15
     assert not is_fingerprint("w1:xyz") and not is_fingerprint(None)
+
+
+@pytest.mark.parametrize("case", ["gpt2", "llama3", "mistral"])
+def test_loaded_hf_model_matches_its_megatron_checkpoint(tmp_path: Path, case: str) -> None:
+    """What ``mlm-eval --hf-model`` hashes (the loaded HF model) equals the hash of the checkpoint
+    ``from-hf --tp 2 --pp 2`` makes of the same directory."""
+    from pretrain.checkpoint.fingerprint import hf_weights_fingerprint
+
+    if case == "gpt2":
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=301, n_positions=32, n_embd=32, n_layer=2, n_head=4))
+    else:
+        from tests.llama_fixtures import hf_model
+
+        model = hf_model(case)
+    model.save_pretrained(str(tmp_path / "hf"))
+    write_layout(import_hf(tmp_path / "hf"), tmp_path / "ck", ParallelConfig(tp=2, pp=2))  # as from-hf does
+    expected = weights_fingerprint(open_checkpoint(tmp_path / "ck"))
+    assert hf_weights_fingerprint(model.state_dict(), model.config) == expected
+    assert (
+        hf_weights_fingerprint({"x": torch.ones(2)}, model.config) != expected
+    )  # not a valid model: raw hash

@@ -119,15 +119,17 @@ def is_fingerprint(value: object) -> bool:
 def hf_weights_fingerprint(state: Mapping[str, torch.Tensor], hf_config: Any) -> str:
     """The fingerprint of a loaded Hugging Face model's ``state_dict()``.
 
-    A GPT-2 model is mapped to canonical names first (so an HF export of our checkpoint matches the
-    checkpoint); any other architecture is hashed under its own names (stable, but not comparable
-    with a Megatron-layout checkpoint)."""
-    if getattr(hf_config, "model_type", None) == "gpt2":
-        from pretrain.models import hf_gpt2
+    GPT-2 and the Llama-style families we convert are mapped to canonical names first (so an HF
+    export of our checkpoint matches the checkpoint); any other architecture is hashed under its
+    own names (stable, but not comparable with a Megatron-layout checkpoint)."""
+    from pretrain.models import hf_gpt2, hf_llama
 
+    model_type = getattr(hf_config, "model_type", None)
+    mapper: Any = hf_gpt2 if model_type == "gpt2" else hf_llama if model_type in hf_llama.FAMILIES else None
+    if mapper is not None:
         try:
-            cfg = hf_gpt2.model_config_from_hf(hf_config)
-            return fingerprint_tensors(hf_gpt2.hf_to_canonical(state, cfg).items(), vocab_size=cfg.vocab_size)
+            cfg = mapper.model_config_from_hf(hf_config)
+            return fingerprint_tensors(mapper.hf_to_canonical(state, cfg).items(), vocab_size=cfg.vocab_size)
         except UserError:
-            pass  # e.g. an untied LM head: not one of our models, hash it as it is
+            pass  # e.g. an untied GPT-2 LM head: not one of our models, hash it as it is
     return fingerprint_tensors(state.items())
