@@ -13,7 +13,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q "$(TORCH_SPEC)"
-	$(PY) -m pip install -q -e ".[dev,lm-eval]"
+	$(PY) -m pip install -q -e ".[dev,lm-eval,megatron]"
 	touch $@
 
 setup: $(VENV)/.installed

@@ -1,35 +1,41 @@
 """Read megatron-core ``torch_dist`` checkpoints (PyTorch distributed checkpoint) in one process.
 
-An iteration directory holds ``.metadata`` (the global shapes), ``__R_K.distcp`` data files,
-``common.pt`` (args, iteration, checkpoint_version; an upstream pickle, read with the restricted
-unpickler) and ``metadata.json``. Tensors are stored with their *global* shapes, so TP/PP of the
-writer do not matter: fused QKV rows are already ``[heads][3][head_dim]``. Layer tensors are
-either stacked over layers (``decoder.layers.self_attention.linear_qkv.weight`` ``[L, 3h, h]``)
-or per layer with global indices (``decoder.layers.5....``). Each tensor is read on demand
-with ``torch.distributed.checkpoint.load`` into a CPU tensor of its global shape.
+An iteration directory holds ``.metadata`` (the global shapes and the chunks each writer rank
+stored), ``__R_K.distcp`` data files, ``common.pt`` (args, iteration, checkpoint_version; an
+upstream pickle, read with the restricted unpickler) and ``metadata.json``. Tensors are stored with
+their *global* shapes, so TP/PP of the writer do not matter: fused QKV rows are already
+``[groups][q heads of the group, k, v][head_dim]`` and SwiGLU ``linear_fc1`` is ``[gate; up]``
+(megatron-core stores the two halves as separate shards). Layer tensors are either stacked over
+layers (``decoder.layers.self_attention.linear_qkv.weight`` ``[L, ...]``) or per layer with
+global indices (``decoder.layers.5....``). :meth:`TorchDistReader.tensor` reads only the region
+of one layer (a custom load planner over the stored chunks), so memory stays near one tensor.
+The model's semantics come from ``args`` (:mod:`pretrain.checkpoint.args_semantics`), exactly as
+for legacy files: norms stored zero-centred (``apply_layernorm_1p``) get 1 added, an untied
+``output_layer`` is read as our ``output_layer``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from pretrain.checkpoint.args_semantics import OUTPUT_LAYER, is_zero_centred_norm, layernorm_1p
+from pretrain.checkpoint.metadata import as_mapping, read_metadata
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
-from pretrain.checkpoint.reader import CheckpointInfo
 from pretrain.checkpoint.safe_unpickle import load_untrusted
-from pretrain.checkpoint.upstream_args import (
-    model_kind,
-    our_model_config,
-    true_vocab_size,
-    upstream_model_config,
-)
+from pretrain.checkpoint.types import CheckpointInfo, CheckpointMetadata
+from pretrain.checkpoint.upstream_args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
 from pretrain.checkpoint.upstream_names import to_local_name
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.utils.errors import UserError
@@ -66,9 +72,48 @@ def _map_keys(meta: dict[str, TensorStorageMetadata]) -> tuple[dict[str, _Ref], 
     return refs, shapes
 
 
+class _RegionPlanner(DefaultLoadPlanner):
+    """Load one region (``offsets``, the shape of ``out``) of the stored tensor ``key`` into ``out``."""
+
+    def __init__(self, key: str, out: torch.Tensor, offsets: tuple[int, ...]) -> None:
+        super().__init__()
+        self.key, self.out, self.offsets = key, out, offsets
+
+    def create_local_plan(self) -> LoadPlan:
+        md = self.metadata.state_dict_metadata[self.key]  # type: ignore[union-attr]
+        chunk = ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.out.shape)
+        return LoadPlan(create_read_items_for_chunk_list(self.key, md, [chunk]))  # type: ignore[arg-type]
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        t = self.out
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            t = t.narrow(dim, start, length)
+        return t
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        pass
+
+
+def read_region(path: Path, md: TensorStorageMetadata, key: str, layer: int | None) -> torch.Tensor:
+    """Tensor ``key`` (one ``layer`` of a stacked key) of the checkpoint at ``path``, into CPU memory."""
+    size = tuple(md.size) if layer is None else (1, *md.size[1:])
+    out = torch.empty(size, dtype=md.properties.dtype)
+    offsets = (0,) * len(size) if layer is None else (layer, *(0,) * (len(size) - 1))
+    try:
+        with warnings.catch_warnings():  # "assuming ... a single process": intended
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(
+                {}, storage_reader=FileSystemReader(str(path)), planner=_RegionPlanner(key, out, offsets),
+                no_dist=True,
+            )  # fmt: skip
+    except Exception as exc:
+        raise UserError(f"{path}: cannot read tensor {key} ({type(exc).__name__}: {exc})") from None
+    return out if layer is None else out[0]
+
+
 @dataclass
 class TorchDistReader:
-    """A ``torch_dist`` checkpoint; :meth:`tensor` reads one tensor (its stacked key) at a time."""
+    """A ``torch_dist`` checkpoint; :meth:`tensor` reads one tensor (one layer's region) at a time."""
 
     spec: ModelSpec
     info: CheckpointInfo
@@ -76,41 +121,27 @@ class TorchDistReader:
     meta: dict[str, TensorStorageMetadata]
     refs: dict[str, _Ref]  # canonical name -> location
     head: _Ref | None = None
-    _cache: dict[str, torch.Tensor] = field(default_factory=dict)
+    metadata: CheckpointMetadata | None = None  # our record (None for upstream checkpoints)
+    norm_1p: bool = False  # upstream apply_layernorm_1p: norm weights are stored minus 1
 
     def names(self) -> list[str]:
         return list(self.refs)
 
-    def _load_key(self, key: str) -> torch.Tensor:
-        if key not in self._cache:
-            self._cache.clear()  # keep one stacked tensor: memory stays near one key
-            md = self.meta[key]
-            out = torch.empty(tuple(md.size), dtype=md.properties.dtype)
-            try:
-                with warnings.catch_warnings():  # "assuming ... a single process": intended
-                    warnings.simplefilter("ignore", UserWarning)
-                    dcp.load({key: out}, storage_reader=FileSystemReader(str(self.path)), no_dist=True)
-            except Exception as exc:
-                raise UserError(
-                    f"{self.path}: cannot read tensor {key} ({type(exc).__name__}: {exc})"
-                ) from None
-            self._cache[key] = out
-        return self._cache[key]
-
     def _read(self, ref: _Ref, vocab: bool) -> torch.Tensor:
-        t = self._load_key(ref.key)
-        t = t if ref.layer is None else t[ref.layer]
+        t = read_region(self.path, self.meta[ref.key], ref.key, ref.layer)
         return t[: self.spec.cfg.vocab_size] if vocab else t
 
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self.refs:
             raise UserError(f"{self.path}: no tensor {name!r}")
-        vocab = is_vocab_tensor(name)
-        full = self._read(self.refs[name], vocab).clone()
+        full = self._read(self.refs[name], is_vocab_tensor(name))
         if name == _EMB and self.head is not None and not torch.equal(self._read(self.head, True), full):
             raise UserError(
-                f"{self.path}: output_layer.weight differs from {name}; untied output layers are not supported"
+                f"{self.path}: output_layer.weight differs from {name} but args do not say "
+                "untie_embeddings_and_output_weights"
             )
+        if self.norm_1p and is_zero_centred_norm(name):
+            full = full + 1
         return full
 
 
@@ -126,12 +157,13 @@ def open_torch_dist(
     it_dir: Path,
     iteration: int | str | None,
     *,
-    vocab_size: int | None = None,
-    tokenizer_dir: str | Path | None = None,
+    vocab: VocabOptions | None = None,
+    root: Path | None = None,
 ) -> TorchDistReader:
     """Open a ``torch_dist`` iteration directory (metadata only; tensors are read on demand)."""
     common = load_untrusted(it_dir / "common.pt", mmap=False) if (it_dir / "common.pt").exists() else {}
-    args = dict(common.get("args") or {})
+    args = dict(as_mapping(common.get("args")))
+    ours = read_metadata(args, source=str(it_dir))
     meta = _read_metadata(it_dir)
     refs, shapes = _map_keys(meta)
     if _EMB not in refs:
@@ -141,17 +173,20 @@ def open_torch_dist(
     probes = {
         n: torch.empty(s, dtype=meta[refs[n].key].properties.dtype, device="meta") for n, s in shapes.items()
     }
-    kind = model_kind(args, set(refs))
+    kind = ours.kind if ours is not None else model_kind(args, set(refs))
     padded = shapes[_EMB][0]
-    vocab, how = true_vocab_size(args, padded, override=vocab_size, tokenizer_dir=tokenizer_dir)
+    size, how = true_vocab_size(args, padded, tp=1, vocab=vocab or VocabOptions(), source=str(it_dir))
     layers = 1 + max((int(m.group(1)) for n in refs if (m := _GLOBAL_LAYER.search(n))), default=-1)
     source = str(it_dir)
-    if isinstance(args.get("mlm_toolkit"), dict):
-        cfg = our_model_config(args, vocab_size=vocab, source=source)
+    if ours is not None:
+        cfg = dataclasses.replace(ours.model, vocab_size=size)
     else:
         cfg = upstream_model_config(
-            args, probes, kind=kind, tp=1, vocab_size=vocab, num_layers=layers, source=source
+            args, probes, kind=kind, tp=1, vocab_size=size, num_layers=layers, source=source
         )
+    head = refs.pop(_HEAD, None)
+    if cfg.untie_embeddings_and_output_weights and head is not None:
+        refs[OUTPUT_LAYER], shapes[OUTPUT_LAYER], head = head, shapes[_HEAD], None
     spec = ModelSpec(kind=kind, cfg=cfg, add_binary_head=any(n.startswith("binary_head.") for n in refs))
     slots = chunk_slots(spec, tp=1, pre_process=True, post_process=True, layer_numbers=range(cfg.num_layers))
     by_local = {s.local: s for s in slots}
@@ -182,7 +217,12 @@ def open_torch_dist(
             int(torch.Size((cfg.vocab_size, *s.shape[1:]) if s.vocab else s.shape).numel()) for s in slots
         ),
         dtypes=tuple(dtypes),
-        ours=isinstance(args.get("mlm_toolkit"), dict),
+        ours=ours is not None,
+        root=str(root or ""),
+        vocab_known=not how.startswith("padded"),
     )
     ordered = {s.canonical: refs[s.local] for s in slots}
-    return TorchDistReader(spec=spec, info=info, path=it_dir, meta=meta, refs=ordered, head=refs.get(_HEAD))
+    return TorchDistReader(
+        spec=spec, info=info, path=it_dir, meta=meta, refs=ordered, head=head, metadata=ours,
+        norm_1p=ours is None and layernorm_1p(args),
+    )  # fmt: skip

@@ -21,6 +21,7 @@ at the end (nothing half-written).
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import warnings
@@ -37,8 +38,9 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from pretrain.checkpoint.layout import CHECKPOINT_VERSION, iteration_dir, write_tracker
+from pretrain.checkpoint.metadata import to_args
 from pretrain.checkpoint.plan import chunk_slots
-from pretrain.checkpoint.reshard import WriteOptions, _target_args
+from pretrain.checkpoint.reshard import WriteOptions, _target_metadata
 from pretrain.checkpoint.types import CanonicalSource
 from pretrain.checkpoint.upstream_names import to_mcore_key
 from pretrain.config import ParallelConfig
@@ -161,13 +163,9 @@ def write_torch_dist(
     source.spec.cfg.check_tensor_parallel(target.tp)
     entries = _entries(source, target.tp)
     options = options or WriteOptions()
-    args: Any = _target_args(source, target, options)
-    for name, value in (
-        ("ckpt_format", "torch_dist"),
-        ("use_legacy_models", False),
-        ("use_mcore_models", True),
-    ):
-        setattr(args, name, value) if not isinstance(args, dict) else args.__setitem__(name, value)
+    meta = dataclasses.replace(_target_metadata(source, target, options), module_names="mcore")
+    args: Any = to_args(meta, iteration=options.iteration)
+    args.ckpt_format = "torch_dist"
     save = Path(save)
     with atomic_directory(save) as tmp:
         it_dir = iteration_dir(tmp, options.iteration)

@@ -8,18 +8,20 @@ from typing import Any
 
 import torch
 
+from pretrain.checkpoint.args_semantics import architecture_from_args, need
 from pretrain.config import ModelConfig
 from pretrain.utils.errors import UserError
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
-# Upstream features our models do not implement: (arg, value that is unsupported, description).
-_UNSUPPORTED = [
-    ("apply_residual_connection_post_layernorm", True, "residual from the LayerNorm output"),
-    ("untie_embeddings_and_output_weights", True, "an untied output layer"),
-    ("swiglu", True, "SwiGLU"),
-    ("group_query_attention", True, "grouped-query attention"),
-    ("add_bias_linear", False, "linear layers without biases"),
-]
+
+
+def model_kind(args: Mapping[str, Any], local_names: set[str]) -> str:
+    """``gpt`` or ``bert``: our args name it; upstream BERT has heads/token types GPT lacks."""
+    ours = args.get("model_type")
+    if isinstance(ours, str) and ours in ("gpt", "bert"):
+        return ours
+    bert_markers = ("lm_head.", "binary_head.", "language_model.embedding.tokentype_embeddings.")
+    return "bert" if any(n.startswith(bert_markers) for n in local_names) else "gpt"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,29 +48,6 @@ def _args_tokenizer_size(args: Mapping[str, Any], root: str | None) -> tuple[int
 
     tok = tokenizer_from_args(args, root=root)
     return None if tok is None else (tok.vocab_size, f"args.tokenizer_type {kind}")
-
-
-def check_supported(args: Mapping[str, Any], source: str) -> None:
-    """Refuse upstream checkpoints of architectures our GPT/BERT cannot represent."""
-    for key, bad, what in _UNSUPPORTED:
-        if key in args and args[key] == bad:
-            raise UserError(f"{source}: args.{key}={bad}: {what} is not supported by mlm-toolkit models")
-    if str(args.get("normalization", "LayerNorm")) != "LayerNorm":
-        raise UserError(
-            f"{source}: args.normalization={args['normalization']} is not supported (LayerNorm only)"
-        )
-    pos = str(args.get("position_embedding_type", "learned_absolute"))
-    if pos != "learned_absolute":
-        raise UserError(f"{source}: args.position_embedding_type={pos} is not supported (learned only)")
-
-
-def model_kind(args: Mapping[str, Any], local_names: set[str]) -> str:
-    """``gpt`` or ``bert``: our args name it; upstream BERT has heads/token types GPT lacks."""
-    ours = args.get("model_type")
-    if isinstance(ours, str) and ours in ("gpt", "bert"):
-        return ours
-    bert_markers = ("lm_head.", "binary_head.", "language_model.embedding.tokentype_embeddings.")
-    return "bert" if any(n.startswith(bert_markers) for n in local_names) else "gpt"
 
 
 def true_vocab_size(
@@ -147,36 +126,54 @@ def upstream_model_config(
 
     ``shapes`` maps our local names of the first layer / embeddings (TP rank 0) to tensors.
     """
-    check_supported(args, source)
+    arch = architecture_from_args(args, source=source)
     lm = "language_model."
     pos = shapes.get(lm + "embedding.position_embeddings.weight")
+    hidden = int(need(args, "hidden_size", source))
+    heads = int(need(args, "num_attention_heads", source))
     fc1 = shapes.get(lm + "encoder.layers.0.mlp.dense_h_to_4h.weight")
-    hidden = args.get("hidden_size") or (pos.shape[1] if pos is not None else None)
-    heads = args.get("num_attention_heads")
-    if not hidden or not heads:
-        raise UserError(f"{source}: args lack hidden_size/num_attention_heads, needed to read the QKV layout")
-    ffn = args.get("ffn_hidden_size") or (fc1.shape[0] * tp if fc1 is not None else 4 * hidden)
+    ffn = args.get("ffn_hidden_size") or (
+        None if arch.swiglu else fc1.shape[0] * tp if fc1 is not None else 4 * hidden
+    )
+    if ffn is None:
+        need(args, "ffn_hidden_size", source)
     max_pos = args.get("max_position_embeddings") or (pos.shape[0] if pos is not None else None)
     if not max_pos:
-        raise UserError(f"{source}: cannot tell max_position_embeddings (no args, no position embeddings)")
+        need(args, "max_position_embeddings", source)
     tokentypes = shapes.get(lm + "embedding.tokentype_embeddings.weight")
-    eps = args.get("layernorm_epsilon", args.get("norm_epsilon", 1e-5))
     sample = next(iter(shapes.values()))
+    kv = arch.kv_channels if arch.kv_channels not in (None, hidden // heads) else None
+    groups = arch.num_query_groups if arch.num_query_groups != heads else None
     return ModelConfig(
         num_layers=num_layers,
-        hidden_size=int(hidden),
-        num_attention_heads=int(heads),
+        hidden_size=hidden,
+        num_attention_heads=heads,
         vocab_size=vocab_size,
         max_position_embeddings=int(max_pos),
         ffn_hidden_size=int(ffn),
         make_vocab_size_divisible_by=int(args.get("make_vocab_size_divisible_by") or 128),
         hidden_dropout=float(args.get("hidden_dropout", 0.1)),
         attention_dropout=float(args.get("attention_dropout", 0.1)),
-        layernorm_epsilon=float(eps),
+        layernorm_epsilon=arch.layernorm_epsilon,
         init_method_std=float(args.get("init_method_std", 0.02)),
-        gelu="tanh" if args.get("openai_gelu") else "erf",  # upstream default: F.gelu (erf)
+        gelu=arch.gelu,  # type: ignore[arg-type]
         params_dtype=_dtype_name(args, sample),  # type: ignore[arg-type]
         bidirectional=kind == "bert",
         num_tokentypes=0 if tokentypes is None else int(tokentypes.shape[0]),
         post_layernorm=False,
+        normalization=arch.normalization,  # type: ignore[arg-type]
+        swiglu=arch.swiglu,
+        squared_relu=arch.squared_relu,
+        position_embedding_type=arch.position_embedding_type,  # type: ignore[arg-type]
+        rotary_base=arch.rotary_base,
+        rotary_percent=arch.rotary_percent,
+        rotary_seq_len_interpolation_factor=arch.rotary_seq_len_interpolation_factor,
+        use_rope_scaling=arch.use_rope_scaling,
+        rope_scaling_factor=arch.rope_scaling_factor,
+        num_query_groups=groups,
+        kv_channels=kv,
+        untie_embeddings_and_output_weights=arch.untie_embeddings_and_output_weights,
+        add_bias_linear=arch.add_bias_linear,
+        add_qkv_bias=arch.add_qkv_bias,
+        qk_layernorm=arch.qk_layernorm,
     )

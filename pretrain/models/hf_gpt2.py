@@ -144,7 +144,8 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             f"Hugging Face config: model_type {getattr(hf_config, 'model_type', None)!r} is not 'gpt2'"
         )
     act = hf_config.activation_function
-    if act not in _HF_ACT:
+    squared = act == "relu2"  # Megatron --squared-relu
+    if act not in _HF_ACT and not squared:
         raise UserError(
             f"Hugging Face config: activation_function {act!r} is not one of {', '.join(_HF_ACT)}"
         )
@@ -164,7 +165,8 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         attention_dropout=hf_config.attn_pdrop,
         layernorm_epsilon=hf_config.layer_norm_epsilon,
         init_method_std=hf_config.initializer_range,
-        gelu=_HF_ACT[act],
+        gelu=_HF_ACT.get(act, "erf"),
+        squared_relu=squared,
     )
     kw.update(overrides)
     return ModelConfig(**kw)
@@ -188,7 +190,7 @@ def hf_config_kwargs(
         n_layer=cfg.num_layers,
         n_head=cfg.num_attention_heads,
         n_inner=None if cfg.ffn_size == 4 * cfg.hidden_size else cfg.ffn_size,
-        activation_function="gelu_new" if cfg.gelu == "tanh" else "gelu",
+        activation_function="relu2" if cfg.squared_relu else ("gelu_new" if cfg.gelu == "tanh" else "gelu"),
         resid_pdrop=cfg.hidden_dropout,
         embd_pdrop=cfg.hidden_dropout,
         attn_pdrop=cfg.attention_dropout,
