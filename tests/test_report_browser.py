@@ -48,6 +48,21 @@ window.addEventListener("load", function () {
       return {complete: i.complete, width: i.naturalWidth, shown: i.getBoundingClientRect().width};
     }),
   };
+  // Interactions: sort by parameters (largest first), then filter to "bert" and hide references.
+  const body = table.tBodies[0];
+  table.querySelector('th[data-col="2"]').click();
+  out.byParams = Array.from(body.rows).slice(0, 2).map(function (r) {
+    return r.cells[1].querySelector(".name").textContent;
+  });
+  const filter = document.getElementById("filter");
+  filter.value = "bert";
+  filter.dispatchEvent(new Event("input"));
+  const refs = document.getElementById("show-refs");
+  refs.checked = false;
+  refs.dispatchEvent(new Event("change"));
+  out.filtered = Array.from(body.rows).filter(function (r) { return !r.hidden; })
+    .map(function (r) { return r.cells[1].querySelector(".name").textContent; });
+  out.headerSticky = getComputedStyle(table.tHead.rows[2].cells[0]).position;
   const pre = document.createElement("pre");
   pre.id = "probe";
   pre.textContent = JSON.stringify(out);
@@ -99,6 +114,9 @@ def test_nothing_overflows_at_1400px_and_every_plot_is_shown(page: Path, tmp_pat
     assert len(layout["images"]) == 2
     for image in layout["images"]:  # decoded, and shown no wider than the page
         assert image["complete"] and image["width"] > 600 and 0 < image["shown"] <= WIDTH, image
+    # The inline script sorts (a click on Params: largest first) and filters (runs named *bert*).
+    assert layout["byParams"] == ["Megatron GPT-2 8.3B", "Megatron BERT 3.9B"], layout
+    assert layout["filtered"] == ["bert-336m", "ckpt_bert"] and layout["headerSticky"] == "sticky", layout
 
 
 def test_screenshot_at_laptop_width_shows_the_table(page: Path, tmp_path: Path) -> None:
