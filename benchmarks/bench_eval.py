@@ -5,16 +5,21 @@ On one randomly initialised GPT-2-small-shaped model (12 layers, hidden 768, 12 
 
 * reference: ``GPT2LMHeadModel`` run on one window at a time, full logits ``[s, V]`` and a full
   log-softmax per window, the upstream Megatron-LM loop (windows every ``overlap`` tokens, the
-  first scoring all its targets, later ones their last ``overlap``), fp32;
+  first scoring all its targets, later ones their last ``overlap``), in fp32 and in bf16;
 * ours: :func:`mlm_eval.wikitext.evaluate_wikitext_paper` with :class:`MegatronGPTScorer` on the
-  same weights (``hf_to_canonical``): batched windows, output layer only at scored positions,
-  fp32 and ``--dtype bf16``.
+  same weights (``hf_to_canonical``): batched windows, the last layer's queries, attention,
+  projection and MLP and the output layer only at scored positions, fp32 and ``--dtype bf16``.
+
+Each dtype is compared with the reference in the *same* dtype (bf16 matrix multiplication is no
+faster than fp32 on some CPUs, much faster on others). ``peak_fraction_<dtype>``: the model FLOPs
+ours needs (per window ``2 * 12 L h^2 s + 2 L s^2 h`` for the trunk, plus ``2 h V`` per scored
+token) over its time, as a fraction of this machine's ``<dtype>`` GEMM peak.
 
     python benchmarks/bench_eval.py [--quick] [--tokens 1700] [--seq-length 1024] [--overlap 32]
 
-Last line: one JSON object with ``ratio`` (reference fp32 seconds / ours fp32), ``ratio_bf16``
-(reference fp32 seconds / ours bf16), ``rel_diff`` (fp32 adjusted perplexities) and
-``rel_diff_bf16`` (ours bf16 vs reference fp32).
+Last line: one JSON object with ``ratio`` (reference fp32 seconds / ours fp32),
+``ratio_bf16_same_dtype`` (reference bf16 / ours bf16), ``rel_diff`` (fp32 adjusted perplexities),
+``rel_diff_bf16`` (bf16 vs bf16), ``peak_fraction_fp32`` and ``peak_fraction_bf16``.
 """
 
 from __future__ import annotations
@@ -29,6 +34,10 @@ from typing import Any
 
 import torch
 
+try:  # run as ``python benchmarks/<script>.py`` (benchmarks/ on sys.path) or as a module
+    from common import matmul_peak_flops
+except ImportError:
+    from benchmarks.common import matmul_peak_flops
 from mlm_eval.detokenize import count_original_tokens, wikitext_detokenize
 from mlm_eval.megatron_scorer import MegatronGPTScorer, eval_model_config
 from mlm_eval.wikitext import evaluate_wikitext_paper
@@ -115,6 +124,14 @@ def our_ppl(scorer: MegatronGPTScorer, tokenizer: Any, text: str, args: argparse
     return float(metrics["adjusted_ppl"])
 
 
+def model_flops(config: Any, windows: int, seq: int, scored: int) -> float:
+    """Forward FLOPs ours must do: the trunk on every window (GEMMs + causal attention) and the
+    output layer at the ``scored`` targets."""
+    layers, h = config.n_layer, config.n_embd
+    trunk = 2 * 12 * layers * h * h * seq + 2 * layers * seq * seq * h
+    return float(windows * trunk + scored * 2 * h * config.vocab_size)
+
+
 def timed(fn: Any) -> tuple[Any, float]:
     started = time.perf_counter()
     out = fn()
@@ -129,6 +146,7 @@ def main() -> None:
     parser.add_argument("--overlap", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=4, help="windows per forward, ours (default 4)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-bf16", action="store_true", help="fp32 only")
     args = parser.parse_args()
     if args.quick:
         args.tokens, args.seq_length = 600, 256
@@ -145,32 +163,44 @@ def main() -> None:
     print(f"text: {len(tokens)} tokens, {windows} windows of {args.seq_length} (overlap {args.overlap}), "
           f"{torch.get_num_threads()} threads")  # fmt: skip
     num_original = count_original_tokens(text)
-    ref, ref_s = timed(lambda: reference_ppl(hf, tokens, args.seq_length, args.overlap, num_original))
-    print(f"reference (HF, full logits, fp32): adjusted ppl {ref:.6f}  {ref_s:.1f} s")
-    fp32_scorer = our_scorer(hf, "float32", args.batch_size)
-    ours, ours_s = timed(lambda: our_ppl(fp32_scorer, tokenizer, text, args))
-    print(
-        f"mlm-eval fp32:                      adjusted ppl {ours:.6f}  {ours_s:.1f} s  ({ref_s / ours_s:.2f}x)"
-    )
-    bf16_scorer = our_scorer(hf, "bfloat16", args.batch_size)
-    bf16, bf16_s = timed(lambda: our_ppl(bf16_scorer, tokenizer, text, args))
-    print(
-        f"mlm-eval bf16:                      adjusted ppl {bf16:.6f}  {bf16_s:.1f} s  ({ref_s / bf16_s:.2f}x)"
-    )
-    result = {
-        "ratio": round(ref_s / ours_s, 3),
-        "ratio_bf16": round(ref_s / bf16_s, 3),
-        "rel_diff": abs(ours - ref) / ref,
-        "rel_diff_bf16": abs(bf16 - ref) / ref,
-        "reference_s": round(ref_s, 2),
-        "ours_s": round(ours_s, 2),
-        "ours_bf16_s": round(bf16_s, 2),
+    run: dict[str, dict[str, float]] = {}
+    for dtype, name in ((torch.float32, "fp32"), (torch.bfloat16, "bf16")):
+        if name == "bf16" and args.no_bf16:
+            continue
+        ref_model = hf.to(dtype)
+        ref, ref_s = timed(
+            lambda m=ref_model: reference_ppl(m, tokens, args.seq_length, args.overlap, num_original)
+        )
+        print(f"reference (HF, full logits, {name}): adjusted ppl {ref:.6f}  {ref_s:.1f} s")
+        scorer = our_scorer(hf, {"fp32": "float32", "bf16": "bfloat16"}[name], args.batch_size)
+        ours, ours_s = timed(lambda sc=scorer: our_ppl(sc, tokenizer, text, args))
+        print(f"mlm-eval {name}:                      adjusted ppl {ours:.6f}  {ours_s:.1f} s  "
+              f"({ref_s / ours_s:.2f}x)")  # fmt: skip
+        peak = matmul_peak_flops(dtype=dtype)
+        run[name] = {"ref": ref, "ref_s": ref_s, "ours": ours, "ours_s": ours_s, "peak": peak}
+    flops = model_flops(config, windows, args.seq_length, len(tokens) - 1)
+    result: dict[str, Any] = {
+        "ratio": round(run["fp32"]["ref_s"] / run["fp32"]["ours_s"], 3),
+        "rel_diff": abs(run["fp32"]["ours"] - run["fp32"]["ref"]) / run["fp32"]["ref"],
+        "peak_fraction_fp32": round(flops / run["fp32"]["ours_s"] / run["fp32"]["peak"], 3),
+    }
+    if "bf16" in run:
+        b = run["bf16"]
+        result.update(ratio_bf16_same_dtype=round(b["ref_s"] / b["ours_s"], 3),
+                      rel_diff_bf16=abs(b["ours"] - b["ref"]) / b["ref"],
+                      peak_fraction_bf16=round(flops / b["ours_s"] / b["peak"], 3),
+                      reference_bf16_s=round(b["ref_s"], 2), ours_bf16_s=round(b["ours_s"], 2),
+                      matmul_peak_bf16_gflops=round(b["peak"] / 1e9, 1))  # fmt: skip
+    result.update({
+        "reference_s": round(run["fp32"]["ref_s"], 2),
+        "ours_s": round(run["fp32"]["ours_s"], 2),
+        "matmul_peak_fp32_gflops": round(run["fp32"]["peak"] / 1e9, 1),
         "tokens": len(tokens),
         "windows": windows,
         "seq_length": args.seq_length,
         "overlap": args.overlap,
         "threads": torch.get_num_threads(),
-    }
+    })  # fmt: skip
     print(json.dumps(result))
 
 

@@ -73,8 +73,26 @@ def scored_hidden(
     hidden: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Final hidden states ``[m, h]`` at the ``m`` True positions of ``mask [b, s]`` (row-major) on
-    the last stage; when few positions are scored the last layer runs only there
-    (:func:`scored_query_index`). Collectives: those of :func:`gpt_trunk`."""
+    the last stage. Rows scoring at most half their columns run the last layer only at their
+    scored positions (:func:`scored_query_index`); rows scoring more (a WikiText stream's first
+    window) run separately in full. Collectives: those of :func:`gpt_trunk`, once per group."""
+    dense = 2 * mask.sum(dim=1) > mask.shape[1]
+    if bool(dense.all()) or not bool(dense.any()):
+        return _hidden_at(model, mask, input_ids, hidden)
+    parts = [
+        _hidden_at(model, mask[rows], None if input_ids is None else input_ids[rows],
+                   None if hidden is None else hidden[rows])
+        for rows in (dense, ~dense)
+    ]  # fmt: skip
+    from_dense = dense[:, None].expand_as(mask)[mask]
+    out = parts[0].new_empty((len(from_dense), parts[0].shape[-1]))
+    out[from_dense], out[~from_dense] = parts[0], parts[1]
+    return out
+
+
+def _hidden_at(
+    model: GPTModel, mask: torch.Tensor, input_ids: torch.Tensor | None, hidden: torch.Tensor | None
+) -> torch.Tensor:
     pruned = scored_query_index(mask)
     if pruned is None:
         return gpt_trunk(model, input_ids=input_ids, hidden=hidden)[mask]

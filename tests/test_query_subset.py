@@ -83,6 +83,7 @@ def test_scorer_with_pruned_last_layer_equals_full_log_softmax(family: str) -> N
     targets = torch.full((5, 16), -100)
     targets[:, 12:] = torch.randint(0, cfg.vocab_size, (5, 4), generator=gen)
     targets[1, 12:14] = -100  # rows score different numbers of positions
+    targets[2, 1:] = torch.randint(0, cfg.vocab_size, (15,), generator=gen)  # a dense row: run in full
     out = MegatronGPTScorer(model, batch_size=2).score(ids, targets)
     with torch.no_grad():
         logp = torch.log_softmax(model.full_logits(model(ids)).double(), dim=-1)
