@@ -19,7 +19,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from mlm_eval.scorer import IGNORE, LMScorer, TextEncoder, as_text_encoder, score_rows
+from mlm_eval.scorer import IGNORE, LMScorer, TextEncoder, as_text_encoder, document_prefix, score_rows
 from pretrain.utils.errors import UserError
 
 
@@ -93,9 +93,11 @@ def score_lambada(
 ) -> list[LambadaScore]:
     """Score every example; the per-example outcomes behind :func:`evaluate_lambada`."""
     encoder = as_text_encoder(tokenizer)
+    bos = document_prefix(encoder)  # [BOS] before each passage for a BOS-adding tokenizer (Llama)
     rows, truncated = [], []
     for i, text in enumerate(examples):
         context, target = split_example(encoder, text, strict=strict)
+        context = bos + context if context else context
         if not context or not target:
             raise UserError(f"LAMBADA example {i + 1}: no context before the target in {text!r}")
         if len(target) > scorer.max_length:

@@ -99,8 +99,27 @@ class HFTextEncoder:
         bos = self.tokenizer.bos_token_id
         return bos if bos is not None else self.tokenizer.eos_token_id
 
+    @property
+    def adds_bos(self) -> bool:
+        """The tokenizer's convention puts BOS before a document (Llama), see :func:`document_prefix`."""
+        from pretrain.tokenizer.hf import hf_adds_bos
+
+        return hf_adds_bos(self.tokenizer)
+
     def __len__(self) -> int:
         return len(self.tokenizer)
+
+
+def document_prefix(encoder: TextEncoder) -> list[int]:
+    """``[BOS]`` when the tokenizer's convention puts BOS before a document (an ``adds_bos``
+    attribute: Llama's SentencePiece, ``add_bos_token`` tokenizers), else ``[]`` (GPT-2).
+
+    WikiText (paper method) and LAMBADA put it before the text they score, as the model saw in
+    training; the result record says which (``details.bos``).
+    """
+    if not getattr(encoder, "adds_bos", False) or encoder.prefix_token_id is None:
+        return []
+    return [int(encoder.prefix_token_id)]
 
 
 def as_text_encoder(tokenizer: Any) -> TextEncoder:

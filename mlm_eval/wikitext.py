@@ -18,7 +18,7 @@ import re
 from typing import Any
 
 from mlm_eval.detokenize import count_original_tokens, wikitext_detokenize
-from mlm_eval.scorer import IGNORE, LMScorer, as_text_encoder, score_rows
+from mlm_eval.scorer import IGNORE, LMScorer, as_text_encoder, document_prefix, score_rows
 from mlm_eval.windows import plan_windows
 from pretrain.utils.errors import UserError
 
@@ -68,7 +68,11 @@ def evaluate_wikitext_paper(
     if not 1 <= overlap <= seq_length:
         raise UserError(f"--overlap {overlap} must be in 1..--seq-length ({seq_length})")
     num_original = count_original_tokens(raw_text)
-    tokens = as_text_encoder(tokenizer).encode(wikitext_detokenize(raw_text))
+    encoder = as_text_encoder(tokenizer)
+    # A BOS-adding tokenizer (Llama) starts the stream with BOS, so every original token is a target.
+    bos = document_prefix(encoder)
+    tokens = bos + encoder.encode(wikitext_detokenize(raw_text))
+    predicted_original = num_original - 1 + len(bos)  # original tokens that are targets
     if len(tokens) < 2 or num_original < 2:
         raise UserError(f"WikiText text too short: {len(tokens)} tokens, {num_original} original tokens")
     windows = plan_windows(len(tokens), seq_length, overlap)
@@ -91,10 +95,10 @@ def evaluate_wikitext_paper(
         raise AssertionError(f"scored {scored_targets} targets, expected {expected}")
     if scored_targets == len(tokens) - 1:
         token_loss = total_nll / (len(tokens) - 1)
-        adjusted_loss = total_nll / (num_original - 1)
+        adjusted_loss = total_nll / predicted_original
     else:
         token_loss = total_nll / scored_targets
-        adjusted_loss = token_loss * (len(tokens) - 1) / (num_original - 1)
+        adjusted_loss = token_loss * (len(tokens) - 1) / predicted_original
     return {
         "adjusted_ppl": _exp(adjusted_loss),
         "token_ppl": _exp(token_loss),

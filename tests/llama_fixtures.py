@@ -68,3 +68,52 @@ def llama_config(**overrides: object) -> ModelConfig:
     )  # fmt: skip
     kw.update(overrides)
     return ModelConfig(**kw)  # type: ignore[arg-type]
+
+
+def train_llama_sentencepiece(path: Any, vocab_size: int = 400) -> Any:
+    """A tiny Llama-style SentencePiece BPE (unk 0, <s> 1, </s> 2, no pad; byte fallback, identity
+    normalisation, dummy prefix) trained on the built-in corpus; written to ``path`` (a .model)."""
+    import io
+    import json
+
+    import sentencepiece as spm
+
+    from pretrain.data.builtin import builtin_corpus_path
+
+    with open(builtin_corpus_path(), encoding="utf-8") as fh:
+        texts = [json.loads(line)["text"] for line in fh if line.strip()]
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(texts), model_writer=buf, vocab_size=vocab_size, model_type="bpe",
+        character_coverage=1.0, num_threads=1, unk_id=0, bos_id=1, eos_id=2, pad_id=-1, byte_fallback=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
+        split_digits=True, minloglevel=2,
+    )  # fmt: skip
+    with open(path, "wb") as fh:
+        fh.write(buf.getvalue())
+    return path
+
+
+def qwen_style_bpe_tokenizer() -> Any:
+    """A tokenizer.json byte-level BPE (~400 tokens) with no BOS, eos ``<|endoftext|>`` (Qwen2's
+    convention: nothing is added before a document)."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.eval_helpers import sample_corpus
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(
+        sample_corpus(), vocab_size=400, min_frequency=2, special_tokens=["<|endoftext|>"]
+    )
+    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
+                                   pad_token="<|endoftext|>", clean_up_tokenization_spaces=False)  # fmt: skip
+
+
+def save_llama_with_tokenizer(directory: Any, tokenizer: Any, case: str = "llama3", **overrides: Any) -> Any:
+    """A random ``case`` model sized to ``tokenizer`` (its bos/eos ids) and the tokenizer, saved."""
+    model = hf_model(case, vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
+                     eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id, **overrides)  # fmt: skip
+    model.save_pretrained(directory)
+    tokenizer.save_pretrained(directory)
+    return model

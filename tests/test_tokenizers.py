@@ -251,6 +251,7 @@ def test_every_type_is_buildable(
         "BertWordPieceCase": dict(vocab_file=str(wordpiece_vocab)),
         "SentencePieceTokenizer": dict(model_path=str(spm_model)),
         "GPTSentencePieceTokenizer": dict(model_path=str(spm_model)),
+        "Llama2Tokenizer": dict(model_path=str(spm_model)),
         "HuggingFaceTokenizer": dict(model_path=str(hf_dir)),
     }
     assert set(files) == set(TOKENIZER_TYPES)

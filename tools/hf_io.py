@@ -34,7 +34,9 @@ def hf_tokenizer_of(tok: Tokenizer) -> Any:
     Our ``tokenizers``-backed tokenizers (GPT-2 BPE, WordPiece) become a ``PreTrainedTokenizerFast``
     over a copy of the same Rust tokenizer, with the special tokens named (GPT-2: bos = eos = unk =
     the end-of-document token; BERT: [CLS] [SEP] [PAD] [MASK] [UNK]); a Hugging Face directory is
-    loaded as itself. SentencePiece models are refused (no exact fast equivalent).
+    loaded as itself; a SentencePiece BPE model (``Llama2Tokenizer``, ``GPTSentencePieceTokenizer``)
+    becomes a ``LlamaTokenizer`` (:mod:`tools.hf_sentencepiece`). ``SentencePieceTokenizer``'s
+    appended specials are refused (no exact fast equivalent).
     """
     import transformers
     from tokenizers import Tokenizer as RustTokenizer
@@ -44,6 +46,10 @@ def hf_tokenizer_of(tok: Tokenizer) -> Any:
     try:
         if kind == "HuggingFaceTokenizer":
             hf: Any = transformers.AutoTokenizer.from_pretrained(tok.model_path, local_files_only=True)  # type: ignore[attr-defined]
+        elif kind in ("Llama2Tokenizer", "GPTSentencePieceTokenizer"):  # Llama's SentencePiece
+            from tools.hf_sentencepiece import llama_tokenizer_from_sentencepiece
+
+            hf = llama_tokenizer_from_sentencepiece(tok.model_file, add_bos=tok.adds_bos)  # type: ignore[attr-defined]
         elif tok.backend_tokenizer is not None:
             backend = RustTokenizer.from_str(tok.backend_tokenizer.to_str())
             special: dict[str, str] = {}

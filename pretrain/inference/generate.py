@@ -94,7 +94,7 @@ def last_logits(model: GPTModel, hidden: torch.Tensor) -> torch.Tensor:
     """
     local = parallel_lm_logits(
         hidden,
-        model.shared_embedding_weight(),
+        model.output_weight(),  # the embedding, or the untied output layer
         ps=model.ps,
         vocab_start=model.vocab_start,
         true_vocab=model.cfg.vocab_size,

@@ -21,6 +21,9 @@ class Tokenizer(abc.ABC):
 
     #: Megatron's name of the tokenizer type (``--tokenizer-type``).
     tokenizer_type: str = ""
+    #: The tokenizer's own convention puts :attr:`bos` before a document (Llama's SentencePiece
+    #: and ``add_bos_token`` Hugging Face tokenizers; GPT-2 does not). ``tokenize`` never adds it.
+    adds_bos: bool = False
 
     @abc.abstractmethod
     def tokenize(self, text: str) -> list[int]:
@@ -34,6 +37,11 @@ class Tokenizer(abc.ABC):
     @abc.abstractmethod
     def vocab_size(self) -> int:
         """Number of ids (every id produced is ``< vocab_size``), before any padding for TP."""
+
+    @property
+    def bos(self) -> int | None:
+        """Beginning-of-sequence id; ``None`` if absent."""
+        return getattr(self, "_bos", None)
 
     @property
     def eod(self) -> int | None:

@@ -9,6 +9,7 @@ BertWordPieceLowerCase      ``--vocab-file vocab.txt``                    cls se
 BertWordPieceCase           ``--vocab-file vocab.txt``                    cls sep pad mask
 SentencePieceTokenizer      ``--tokenizer-model x.model``                 eod cls sep pad mask
 GPTSentencePieceTokenizer   ``--tokenizer-model x.model``                 eod (= eos) pad
+Llama2Tokenizer             ``--tokenizer-model x.model``                 bos, eod (= eos) pad
 HuggingFaceTokenizer        ``--tokenizer-model DIR`` (local directory)   eos/cls/sep/pad/mask
 =========================== ============================================ =========================
 """
@@ -28,6 +29,7 @@ TOKENIZER_TYPES = (
     "BertWordPieceCase",
     "SentencePieceTokenizer",
     "GPTSentencePieceTokenizer",
+    "Llama2Tokenizer",
     "HuggingFaceTokenizer",
 )
 
@@ -38,6 +40,7 @@ _REQUIRED: dict[str, tuple[tuple[str, str], ...]] = {
     "BertWordPieceCase": (("vocab_file", "--vocab-file"),),
     "SentencePieceTokenizer": (("model_path", "--tokenizer-model"),),
     "GPTSentencePieceTokenizer": (("model_path", "--tokenizer-model"),),
+    "Llama2Tokenizer": (("model_path", "--tokenizer-model"),),
     "HuggingFaceTokenizer": (("model_path", "--tokenizer-model"),),
 }
 
@@ -126,6 +129,10 @@ def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
         from pretrain.tokenizer.sentencepiece_tok import GPTSentencePieceTokenizer
 
         return GPTSentencePieceTokenizer(cfg.model_path)  # type: ignore[arg-type]
+    if t == "Llama2Tokenizer":
+        from pretrain.tokenizer.sentencepiece_tok import Llama2Tokenizer
+
+        return Llama2Tokenizer(cfg.model_path)  # type: ignore[arg-type]
     if t == "HuggingFaceTokenizer":
         from pretrain.tokenizer.hf import HuggingFaceTokenizer
 

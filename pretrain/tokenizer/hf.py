@@ -17,6 +17,16 @@ from pretrain.tokenizer.base import Tokenizer, require_file
 from pretrain.utils.errors import UserError
 
 
+def hf_adds_bos(tok: Any) -> bool:
+    """Whether a ``transformers`` tokenizer's own encoding (special tokens on) starts with its BOS
+    token, as Llama's do and GPT-2's do not (whatever adds it: ``add_bos_token`` or a template)."""
+    bos = tok.bos_token_id
+    if not isinstance(bos, int):
+        return False
+    with_special = list(tok("a", add_special_tokens=True)["input_ids"])
+    return with_special[:1] == [bos] and list(tok("a", add_special_tokens=False)["input_ids"])[:1] != [bos]
+
+
 class HuggingFaceTokenizer(Tokenizer):
     tokenizer_type = "HuggingFaceTokenizer"
 
@@ -33,6 +43,7 @@ class HuggingFaceTokenizer(Tokenizer):
             ) from None
         self.model_path = str(directory)
         self._vocab_size = len(self._tok)
+        self.adds_bos = hf_adds_bos(self._tok)
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._tok(text, add_special_tokens=False)["input_ids"])

@@ -55,7 +55,7 @@ def _config_for(path: Path, kind: str, flag: str) -> TokenizerConfig:
         return TokenizerConfig(kind, vocab_file=str(path / "vocab.json"), merge_file=str(path / "merges.txt"))
     if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
         return TokenizerConfig(kind, vocab_file=str(path / "vocab.txt"))
-    if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer"):
+    if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         models = sorted(path.glob("*.model"))
         if not models:
             raise UserError(f"{flag} {path}: {kind} needs a SentencePiece *.model file there")

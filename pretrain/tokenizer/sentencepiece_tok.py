@@ -7,6 +7,8 @@ Two flavours, with Megatron's ids:
   appended after the model's pieces if the model lacks them, so ``vocab_size`` may exceed the
   model's piece count; their literal text in the input is tokenized as that special id.
 * ``GPTSentencePieceTokenizer``: the model's pieces only; ``eod`` is the model's ``</s>`` (eos).
+* ``Llama2Tokenizer``: as ``GPTSentencePieceTokenizer`` plus ``bos`` (``<s>``), which Llama's
+  convention puts before every document (``adds_bos``; Megatron's ``tokenize(bos=True)``).
 """
 
 from __future__ import annotations
@@ -69,6 +71,15 @@ class GPTSentencePieceTokenizer(Tokenizer):
         return str(self._sp.id_to_piece(int(token_id)))
 
 
+class Llama2Tokenizer(GPTSentencePieceTokenizer):
+    tokenizer_type = "Llama2Tokenizer"
+    adds_bos = True
+
+    @property
+    def bos(self) -> int | None:
+        return self._valid(self._sp.bos_id())
+
+
 class SentencePieceTokenizer(Tokenizer):
     tokenizer_type = "SentencePieceTokenizer"
 
@@ -99,7 +110,7 @@ class SentencePieceTokenizer(Tokenizer):
         self._eod = add("<EOD>")
         self._mask = add("<MASK>")
         self._pad = add(model_piece(self._sp.pad_id(), "<PAD>"))
-        self.bos = add(model_piece(self._sp.bos_id(), "<BOS>"))
+        self._bos = add(model_piece(self._sp.bos_id(), "<BOS>"))
         self.eos = add(model_piece(self._sp.eos_id(), "<EOS>"))
         # Longest first so that a special token never matches as the prefix of a longer one.
         self._special_re = re.compile(
