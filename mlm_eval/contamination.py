@@ -28,6 +28,7 @@ Example::
 from __future__ import annotations
 
 import argparse
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +42,7 @@ from mlm_eval.contamination_ngrams import EvalNgramSet, NgramHasher, TrainScanne
 from mlm_eval.contamination_readers import EVAL_TASKS, iter_train_segments, read_eval_examples
 from pretrain.tokenizer.factory import TokenizerConfig, add_tokenizer_arguments
 from pretrain.utils.errors import UserError
+from pretrain.utils.outputs import check_writable_output
 from pretrain.utils.results import make_result, write_result
 
 NORMALISATION = "lower case; chars matching [^\\w\\s]|_ -> space; split on whitespace"
@@ -193,12 +195,15 @@ def register(subparsers: Any) -> None:
         help="training corpora: .jsonl, raw text, or .bin/.idx prefix",
     )
     parser.add_argument("--eval", dest="eval_task", choices=EVAL_TASKS, required=True, help="eval set format")
-    parser.add_argument("--data", type=Path, required=True, help="eval set file")
+    parser.add_argument("--data", required=True, help="eval set file (or builtin:NAME, a packaged sample)")
     parser.add_argument(
         "--n", type=int, default=8, help="n-gram length in words (default 8, as in the paper)"
     )
     parser.add_argument("--top", type=int, default=20, help="most contaminated examples to list (default 20)")
-    parser.add_argument("--json", type=Path, help="write the result record here (atomically)")
+    parser.add_argument("--out", "--json", dest="out", type=Path,
+                        help="result JSON path (default: RESULTS_DIR/contamination-TASK-NAME.json)")  # fmt: skip
+    parser.add_argument("--results-dir", type=Path, default=None,
+                        help="where the result goes without --out (default: not written)")  # fmt: skip
     parser.add_argument("--train-text-key", default="text", help="text field of JSON-lines training corpora")
     parser.add_argument("--eval-text-key", default="text", help="text field for --eval jsonl")
     parser.add_argument("--eval-id-key", help="example name field for --eval jsonl")
@@ -208,16 +213,24 @@ def register(subparsers: Any) -> None:
         help="model or corpus the result is listed under (give the model's name to show contamination "
         "beside its scores in the leaderboard; default: the --train file names)",
     )
-    parser.add_argument("--quiet", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", "--quiet", dest="no_progress", action="store_true",
+                        help="hide the progress bar")  # fmt: skip
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand from parsed arguments."""
+    from mlm_eval.builtin import resolve_data_path
+    from mlm_eval.data_sources import is_builtin
+
+    if args.out is not None:
+        check_writable_output(args.out, kind="file", flag="--out")
+    elif args.results_dir is not None:
+        check_writable_output(args.results_dir, kind="dir", flag="--results-dir")
     config = ContaminationConfig(
         train=tuple(args.train),
         eval_task=args.eval_task,
-        data=args.data,
+        data=resolve_data_path(args.data),
         n=args.n,
         top=args.top,
         train_text_key=args.train_text_key,
@@ -225,10 +238,18 @@ def run(args: argparse.Namespace) -> int:
         eval_id_key=args.eval_id_key,
         tokenizer=TokenizerConfig.from_args(args) if args.tokenizer_type else None,
         name=args.name,
-        progress=not args.quiet,
+        progress=not args.no_progress,
     )
     record = run_contamination(config)
-    if args.json:
-        write_result(args.json, record)
+    record["sample_data"] = is_builtin(args.data)
+    record["units"] = {"share": "fraction", "unique_share": "fraction"}
+    out = args.out
+    if out is None and args.results_dir is not None:
+        safe = re.sub(r"[^A-Za-z0-9._-]+", "_", str(record["model"]["name"]))
+        out = Path(args.results_dir) / f"contamination-{record['method']}-{safe}.json"
+    if out is not None:
+        write_result(out, record)
     print_report(record)
+    if out is not None:
+        print(f"wrote {out}")
     return 0

@@ -35,6 +35,7 @@ class DataSource:
 
     label: str  # the file/directory path, or "NAME[/CFG]:SPLIT" for a hub dataset
     sha256: str  # of the file bytes (raw files) or of the rows' content (datasets)
+    sample_data: bool = False  # the built-in sample (builtin:NAME), not a real test set
 
 
 def add_data_arguments(parser: argparse.ArgumentParser, *, data_help: str) -> None:
@@ -51,7 +52,8 @@ def load_wikitext_data(args: argparse.Namespace) -> tuple[str, DataSource]:
     """The raw WikiText text the flags select, and its source."""
     path = _data_path(args)
     if path is not None and not _is_dataset_path(path):
-        return read_wikitext(path), DataSource(label=str(path), sha256=_file_sha256(path))
+        return read_wikitext(path), DataSource(label=str(path), sha256=_file_sha256(path),
+                                               sample_data=is_builtin(args.data))  # fmt: skip
     rows, label = _dataset_rows(args, path)
     text = "".join(_wikitext_line(row) for row in rows)
     if not text.strip():
@@ -63,7 +65,8 @@ def load_lambada_data(args: argparse.Namespace) -> tuple[list[str], DataSource]:
     """The LAMBADA texts the flags select, and their source."""
     path = _data_path(args)
     if path is not None and (not _is_dataset_path(path) or path.suffix == ".jsonl"):
-        return read_lambada_jsonl(path), DataSource(label=str(path), sha256=_file_sha256(path))
+        return read_lambada_jsonl(path), DataSource(label=str(path), sha256=_file_sha256(path),
+                                                    sample_data=is_builtin(args.data))  # fmt: skip
     texts, label = _dataset_rows(args, path)
     if not texts:
         raise UserError(f"{label}: no LAMBADA examples")
@@ -72,6 +75,20 @@ def load_lambada_data(args: argparse.Namespace) -> tuple[list[str], DataSource]:
             raise UserError(f"{label}: row {i}: text needs a context and a last word, got {text!r}")
     digest = hashlib.sha256("\n".join(json.dumps(t) for t in texts).encode("utf-8")).hexdigest()
     return texts, DataSource(label=label, sha256=digest)
+
+
+def is_builtin(data: str | None) -> bool:
+    """True for ``builtin:NAME`` and for paths inside the packaged sample folder."""
+    if data is None:
+        return False
+    if data.startswith("builtin:"):
+        return True
+    import mlm_eval.builtin
+
+    try:
+        return Path(data).resolve().is_relative_to(Path(mlm_eval.builtin.__file__).resolve().parent)
+    except (OSError, ValueError):
+        return False
 
 
 def _data_path(args: argparse.Namespace) -> Path | None:

@@ -19,7 +19,7 @@ from typing import Any
 from mlm_eval.data_sources import add_data_arguments, load_lambada_data
 from mlm_eval.lambada import evaluate_lambada
 from mlm_eval.model_loading import load_scorer
-from mlm_eval.wikitext_cli import add_common_arguments, emit_result, positive
+from mlm_eval.wikitext_cli import add_common_arguments, check_result_output, emit_result, positive
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=positive(args.batch_size, "--batch-size"),
         limit=None if args.limit is None else positive(args.limit, "--limit"),
     )
+    check_result_output(args)
     examples, source = load_lambada_data(args)
     loaded = load_scorer(args)
     try:

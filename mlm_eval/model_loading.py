@@ -106,6 +106,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 def load_scorer(args: argparse.Namespace) -> LoadedModel:
     """Build the scorer and tokenizer the flags select (in parallel under torchrun, see module doc)."""
     spec = ModelSpec.from_args(args)
+    check_device(spec.device)
     for flag, value in (
         ("--tensor-model-parallel-size", spec.tp),
         ("--pipeline-model-parallel-size", spec.pp),
@@ -187,13 +188,16 @@ def load_hf_model(spec: ModelSpec, *, batch_size: int) -> LoadedModel:
         tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise UserError(f"{tokenizer_dir}: cannot load a tokenizer ({_first_line(exc)})") from None
+    refuse_bidirectional(model_dir)
     bars_were_on = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # a weight-loading bar per run is noise in an eval's output
+    from safetensors import SafetensorError
+
     try:
         model: Any = AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True)
         fingerprint = hf_weights_fingerprint(model.state_dict(), model.config)  # the stored weights
         model = model.to(device=spec.device, dtype=getattr(torch, spec.dtype))
-    except (OSError, ValueError, RuntimeError) as exc:
+    except (OSError, ValueError, RuntimeError, SafetensorError) as exc:  # SafetensorError: a truncated file
         raise UserError(f"--hf-model {model_dir}: cannot load a causal LM ({_first_line(exc)})") from None
     finally:
         if bars_were_on:
@@ -209,6 +213,40 @@ def load_hf_model(spec: ModelSpec, *, batch_size: int) -> LoadedModel:
         "fingerprint": fingerprint,
     }
     return LoadedModel(scorer=scorer, tokenizer=tokenizer, info=info, dtype=spec.dtype)
+
+
+# Encoder families whose Hugging Face "causal LM" class attends both ways unless configured as a decoder.
+BIDIRECTIONAL_TYPES = ("bert", "megatron-bert", "roberta", "xlm-roberta", "camembert", "electra", "ernie",
+                       "roberta-prelayernorm", "data2vec-text", "xmod", "bert-generation", "distilbert",
+                       "albert", "deberta", "deberta-v2", "mpnet", "modernbert")  # fmt: skip
+
+
+def refuse_bidirectional(model_dir: Path) -> None:
+    """--hf-model must be a causal (left-to-right) LM: refuse encoders such as BERT up front."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir, local_files_only=True)
+    except (OSError, ValueError) as exc:
+        raise UserError(f"--hf-model {model_dir}: cannot read config.json ({_first_line(exc)})") from None
+    kind = getattr(config, "model_type", "")
+    if getattr(config, "is_encoder_decoder", False) or (
+        kind in BIDIRECTIONAL_TYPES and not getattr(config, "is_decoder", False)
+    ):
+        raise UserError(
+            f"--hf-model {model_dir}: a {kind} model attends in both directions; zero-shot perplexity and "
+            "LAMBADA need a causal (left-to-right) language model"
+        )
+
+
+def check_device(device: str) -> None:
+    """``--device cuda`` on a machine without CUDA: one line instead of a torch traceback."""
+    import torch
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: CUDA is not available on this machine (use --device cpu)")
+    if device.startswith("mps") and not torch.backends.mps.is_available():
+        raise UserError(f"--device {device}: MPS is not available on this machine (use --device cpu)")
 
 
 def _first_line(exc: BaseException) -> str:

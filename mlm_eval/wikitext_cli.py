@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import re
 import time
 from dataclasses import dataclass
@@ -25,7 +26,8 @@ from mlm_eval.data_sources import DataSource, add_data_arguments, load_wikitext_
 from mlm_eval.model_loading import LoadedModel, add_model_arguments, load_scorer
 from mlm_eval.wikitext import evaluate_wikitext_lm_eval, evaluate_wikitext_paper
 from pretrain.utils.errors import UserError
-from pretrain.utils.results import make_result, write_result
+from pretrain.utils.outputs import check_writable_output
+from pretrain.utils.results import make_result, normalized, write_result
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -81,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=positive(args.batch_size, "--batch-size"),
         limit=None if args.limit is None else positive(args.limit, "--limit"),
     )
+    check_result_output(args)
     raw_text, source = load_wikitext_data(args)
     loaded = load_scorer(args)
     try:
@@ -134,16 +137,60 @@ def emit_result(
         "layout": loaded.layout,
         "toolkit_version": toolkit_version(),
     }
+    units = {k: "fraction" for k in metrics if k in ACCURACY_LIKE}
     record = make_result(
-        kind="eval", task=task, method=method, model=loaded.info, metrics=metrics, details=details
-    )
-    name = re.sub(r"[^A-Za-z0-9._-]+", "_", str(loaded.info.get("name") or "model"))
-    path = Path(args.out) if args.out else Path(args.results_dir) / f"{task}-{method}-{name}.json"
+        kind="eval", task=task, method=method, model=loaded.info, metrics=metrics, details=details,
+        units=units, limit=args.limit, dtype=loaded.dtype, sample_data=data.sample_data,
+    )  # fmt: skip
+    path = result_path(args, task=task, method=method, name=str(loaded.info.get("name") or "model"))
     write_result(path, record)
-    limited = f", first {args.limit} only" if args.limit is not None else ""
-    print_table(f"{task} ({method}{limited}) - {loaded.info.get('name')}", metrics)
+    print_table(f"{task} ({method}) - {loaded.info.get('name')}", metrics)
+    note = marks(args.limit, loaded.dtype, data)
+    if note:  # a plain line: a partial, reduced-precision or sample-data number must not pass unmarked
+        print(f"NOT COMPARABLE with full fp32 test-set results: {note}")
     print(f"wrote {path}")
     return path
+
+
+ACCURACY_LIKE = ("accuracy",)  # stored as fractions (the record's "units" says so)
+
+
+def marks(limit: int | None, dtype: str | None, data: DataSource) -> str:
+    """What makes a number not comparable with a full fp32 test-set run, for the table title."""
+    out = []
+    if limit is not None:
+        out.append(f"PARTIAL: first {limit} only")
+    if dtype in ("bfloat16", "float16", "bf16", "fp16"):
+        out.append(f"{dtype} weights")
+    if data.sample_data:
+        out.append("built-in SAMPLE data, not the test set")
+    return "; ".join(out)
+
+
+def result_path(args: argparse.Namespace, *, task: str, method: str, name: str) -> Path:
+    """``--out``, else RESULTS_DIR/TASK-METHOD-MODEL.json (``...-limitN.json`` for ``--limit N``)."""
+    safe = re.sub(r"[^A-Za-z0-9._-]+", "_", name)
+    suffix = f"-limit{args.limit}" if args.limit is not None else ""
+    return Path(args.out) if args.out else Path(args.results_dir) / f"{task}-{method}-{safe}{suffix}.json"
+
+
+def check_result_output(args: argparse.Namespace) -> None:
+    """Before any work: --out is a writable file name (or --results-dir a writable folder), and a
+    --limit run never replaces a full result."""
+    if args.out is None:
+        check_writable_output(args.results_dir, kind="dir", flag="--results-dir")
+        return
+    out = check_writable_output(args.out, kind="file", flag="--out")
+    if args.limit is not None and out.is_file():
+        try:
+            previous = json.loads(out.read_text(encoding="utf-8"))
+        except (OSError, ValueError, UnicodeDecodeError):
+            return
+        if isinstance(previous, dict) and previous.get("schema") and not normalized(previous)["partial"]:
+            raise UserError(
+                f"--out {out}: holds a full (not --limit) result; a --limit run must not replace it "
+                "(drop --out to get a -limitN file name)"
+            )
 
 
 def toolkit_version() -> str | None:

@@ -11,10 +11,22 @@ Schema ``mlm-toolkit/result/v1`` (one JSON object per file)::
                 "layout": "tp2-pp1-vp1" | null, "checkpoint": str | null,
                 "fingerprint": "w1:<64 hex>" | null},   # same weights, same string (any layout/format)
       "metrics": {str: float | int},    # task-specific, see TASK_METRICS
+      "units": {str: "fraction" | "percent"},  # every accuracy-like metric's scale (see below)
+      "partial": bool, "limit": int | null,    # --limit N: only the first N windows/examples
+      "dtype": "float32" | "bfloat16" | "float16" | null,  # the weights' dtype while scoring
+      "sample_data": bool,              # the built-in sample data, not the real test set
       "seed": int | null,
       "created": ISO-8601 UTC time,
       "details": {...}                  # optional, free-form
     }
+
+The unit rule: a metric named in ``units`` is accuracy-like (accuracy, F1, exact match, MCC,
+correlations, shares) and is stored on the scale given there, ``"fraction"`` (0..1) or
+``"percent"`` (0..100); a metric not named is a plain value (perplexities, counts). Readers
+never infer a scale from the numbers. Records written before these fields existed lack them;
+:func:`normalized` gives such a record the defaults (``partial`` from ``details.limit``,
+``dtype`` from ``details.dtype``, ``sample_data`` from a ``builtin:`` data label, ``units``
+unknown: ``None``).
 """
 
 from __future__ import annotations
@@ -28,6 +40,7 @@ from typing import Any
 from pretrain.utils.atomic import atomic_open
 
 RESULT_SCHEMA = "mlm-toolkit/result/v1"
+UNITS = ("fraction", "percent")
 
 # The headline metric of each task and whether lower is better.
 TASK_METRICS: dict[str, dict[str, bool]] = {
@@ -58,8 +71,15 @@ def make_result(
     metrics: dict[str, float | int],
     seed: int | None = None,
     details: dict[str, Any] | None = None,
+    units: dict[str, str] | None = None,
+    limit: int | None = None,
+    dtype: str | None = None,
+    sample_data: bool = False,
 ) -> dict[str, Any]:
-    """Build a result record in the v1 schema."""
+    """Build a result record in the v1 schema (``units``: see the module's unit rule)."""
+    for name, unit in (units or {}).items():
+        if unit not in UNITS:
+            raise ValueError(f"units[{name!r}] must be one of {UNITS}, got {unit!r}")
     return {
         "schema": RESULT_SCHEMA,
         "kind": kind,
@@ -76,10 +96,28 @@ def make_result(
             **({"tokenizer": model["tokenizer"]} if model.get("tokenizer") else {}),
         },
         "metrics": metrics,
+        "units": dict(units or {}),
+        "partial": limit is not None,
+        "limit": limit,
+        "dtype": dtype,
+        "sample_data": sample_data,
         "seed": seed,
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "details": details or {},
     }
+
+
+def normalized(record: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``record`` with every field of the current schema (defaults for older records)."""
+    out = dict(record)
+    details = out.get("details") or {}
+    out.setdefault("limit", details.get("limit"))
+    out.setdefault("partial", out["limit"] is not None)
+    out.setdefault("dtype", details.get("dtype"))
+    label = details.get("data")
+    out.setdefault("sample_data", isinstance(label, str) and label.startswith("builtin:"))
+    out.setdefault("units", None)
+    return out
 
 
 def write_result(path: str | os.PathLike[str], record: dict[str, Any]) -> Path:
