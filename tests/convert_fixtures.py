@@ -17,15 +17,16 @@ from pretrain.config import ModelConfig, ParallelConfig
 
 def write_ours(
     root: Path, cfg: ModelConfig, full: dict[str, torch.Tensor], *, tp: int, pp: int, vp: int = 1,
-    kind: str = "gpt", iteration: int | str = 3,
+    kind: str = "gpt", iteration: int | str = 3, module_names: str = "legacy",
 ) -> Path:  # fmt: skip
-    """Our checkpoint of ``full`` at the given layout."""
+    """Our checkpoint of ``full`` at the given layout (legacy module names unless asked: the
+    tests that edit files by key use them)."""
     spec = ModelSpec(kind=kind, cfg=cfg, add_binary_head="binary_head.weight" in full)
     write_layout(
         DictSource(spec, full),
         root,
         ParallelConfig(tp=tp, pp=pp, vp=vp),
-        options=WriteOptions(iteration=iteration),
+        options=WriteOptions(iteration=iteration, module_names=module_names),
     )
     return root
 

@@ -8,7 +8,7 @@ Four task files in the harness's own YAML format over JSON-lines data written he
 * ``mc_local``: a multiple-choice task (acc, acc_norm): the last word of a LAMBADA passage
   among three distractors;
 * ``gen_local``: a ``generate_until`` task (exact_match) that continues a passage until a
-  newline or full stop, at most 6 tokens.
+  blank line, at most 6 tokens.
 """
 
 from __future__ import annotations
@@ -82,7 +82,7 @@ test_split: test
 doc_to_text: "{{{{context}}}}"
 doc_to_target: "{{{{target}}}}"
 generation_kwargs:
-  until: ["\\n", "."]
+  until: ["\\n\\n"]
   max_gen_toks: 6
   do_sample: false
 metric_list:

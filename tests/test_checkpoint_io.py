@@ -32,9 +32,9 @@ def test_single_process_round_trip(tmp_path: Path) -> None:
     rank_file = tmp_path / "iter_0000020" / "mp_rank_00" / "model_optim_rng.pt"
     state = torch.load(rank_file, weights_only=True)  # args: a Namespace, allow-listed on import
     assert state["checkpoint_version"] == 3.0 and state["iteration"] == 20
-    emb = state["model"]["language_model"]["embedding"]["word_embeddings"]["weight"]
+    emb = state["model"]["embedding.word_embeddings.weight"]  # megatron-core's names (the default)
     assert emb.shape == (1024, cfg.hidden_size)  # padded for tp=1
-    assert "layers.1.self_attention.query_key_value.weight" in state["model"]["language_model"]["encoder"]
+    assert "decoder.layers.1.self_attention.linear_qkv.weight" in state["model"]
     assert model_config_from_args(state["args"]) == cfg
     assert not list(tmp_path.glob("*.tmp"))
 
@@ -78,11 +78,9 @@ def test_tp2_pp2_save_layout_and_reload(tmp_path: Path) -> None:
     names = sorted(p.name for p in (tmp_path / "iter_0000007").iterdir())
     assert names == ["mp_rank_00_000", "mp_rank_00_001", "mp_rank_01_000", "mp_rank_01_001"]
     last = torch.load(tmp_path / "iter_0000007" / "mp_rank_01_001" / "model_optim_rng.pt", weights_only=True)
-    assert last["model"]["word_embeddings_for_head"]["weight"].shape == (1024 // 2, cfg.hidden_size)
-    assert "layers.1.mlp.dense_4h_to_h.weight" in last["model"]["language_model"]["encoder"]
-    assert (
-        "layers.2.mlp.dense_4h_to_h.weight" not in last["model"]["language_model"]["encoder"]
-    )  # local index
+    assert last["model"]["output_layer.weight"].shape == (1024 // 2, cfg.hidden_size)  # the tied copy
+    assert "decoder.layers.1.mlp.linear_fc2.weight" in last["model"]
+    assert "decoder.layers.2.mlp.linear_fc2.weight" not in last["model"]  # local index
     ref = GPTModel(cfg, ParallelState.single())
     init_model_parameters(ref, seed=5)
     expected = gather_full_state_dict(ref)

@@ -51,7 +51,7 @@ def test_round_trip_chain_keeps_every_tensor(tmp_path: Path, full) -> None:
             assert torch.equal(reader.tensor(name), t), (tp, pp, vp, name)
         src = dst
     emb = torch.load(tmp_path / "b1/iter_0000003/mp_rank_03/" / MODEL_FILE, weights_only=True)
-    rows = emb["model"]["language_model"]["embedding"]["word_embeddings"]["weight"]
+    rows = emb["model"]["embedding.word_embeddings.weight"]  # reshard writes megatron-core names
     assert rows.shape == (1024 // 4, CFG.hidden_size)  # padding recomputed for tp=4
     assert torch.count_nonzero(rows[1003 - 3 * 256 :]) == 0  # padded rows carry nothing
 
@@ -224,8 +224,10 @@ def test_reshard_with_optimizer_moves_states_with_their_parameters(tmp_path: Pat
         opt = state["optimizer"]
         assert opt["step"] == 3 and opt["param_groups"] == [{"lr": 0.1}]
         from pretrain.checkpoint.layout import flatten
+        from pretrain.checkpoint.upstream_names import to_local_name
 
-        model = flatten(state["model"])
+        # the model file uses megatron-core names; optimizer states are keyed by our local names
+        model = {to_local_name(k): v for k, v in flatten(state["model"]).items()}
         assert set(opt["params"]) == {f"model0.{k}" for k in model}
         for k, p in model.items():
             entry = opt["params"][f"model0.{k}"]

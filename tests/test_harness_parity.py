@@ -101,7 +101,7 @@ def test_mlm_backend_under_torchrun_equals_one_process(
             (json.loads(line) for line in samples.read_text().splitlines()), key=lambda r: r["doc_id"]
         )
         resps[task] = [r["resps"] for r in rows]
-    assert_same({"results": results, "resps": resps}, setup["mlm"], rel=1e-9)
+    assert_same({"results": results, "resps": resps}, setup["mlm"], rel=1e-6)
 
 
 def test_greedy_mlm_generate_equals_transformers_generate(

@@ -120,7 +120,7 @@ def test_pickled_object_in_checkpoint_is_refused(
     assert pretrain_main(gpt_args(data, **{"train-iters": 1, "save": tmp_path / "ck"})) == 0
     path = tmp_path / "ck" / "iter_0000001" / "mp_rank_00" / "model_optim_rng.pt"
     state = torch.load(path, weights_only=True)
-    state["args"]["evil"] = Evil()
+    state["args"].evil = Evil()  # args: Megatron's Namespace
     torch.save(state, path)
     with pytest.raises(SystemExit) as exc:
         pretrain_main(gpt_args(data, **{"train-iters": 2, "load": tmp_path / "ck"}))

@@ -97,6 +97,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-vp", type=int, default=1)
     p.add_argument("--with-optimizer", action="store_true", help="reshard the optimizer state too")
     _add_format(p)
+    _add_module_names(p)
     _add_verify(p)
     p = sub.add_parser("to-hf", help="export to a Hugging Face model directory")
     _add_source(p)
@@ -114,6 +115,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer-dir", type=Path, help="tokenizer, when the Hugging Face directory has none")
     p.add_argument("--weights-only", action="store_true",
                    help="accept a Hugging Face directory without a tokenizer (the checkpoint records none)")  # fmt: skip
+    _add_module_names(p)
     _add_format(p)
     _add_verify(p)
     return parser
@@ -139,6 +141,12 @@ def _write(fmt: str, source: Any, save: Path, target: ParallelConfig, **kw: Any)
 def _add_verify(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify", action="store_true",
                    help="run source and target on a probe batch; exit 1 if the max difference exceeds --verify-tol")  # fmt: skip
+def _add_module_names(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--module-names", choices=("mcore", "legacy"), default=None,
+                   help="tensor names in the files: megatron-core's (default for GPT; current Megatron-LM) or the "
+                        "legacy nested ones (older Megatron-LM, HF's Megatron GPT-2 converter; always for BERT)")  # fmt: skip
+
+
     p.add_argument("--verify-tol", type=float, default=1e-4, help="tolerance of --verify (default 1e-4)")
 
 
@@ -243,7 +251,7 @@ def _carried_rng(reader: Any, target: ParallelConfig) -> Any:
 
 
 def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, with_optimizer: bool,
-                ckpt_format: str = "torch") -> int:  # fmt: skip
+                ckpt_format: str = "torch", module_names: str | None = None) -> int:  # fmt: skip
     check_output_dir(save, sources=(source.load,))
     reader = source.open()
     tok = source.tokenizer(reader, required=False)
@@ -265,6 +273,7 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
     )
     bar = _progress(target.tp * target.pp, "reshard")
     with bar:
+        module_names=module_names,
         _write(ckpt_format, reader, save, target, options=options, optimizer=optimizer,
                progress=lambda _name: bar.update(1), extra_files=_save_tokenizer_files(tok))  # fmt: skip
     print(f"wrote {save} (tp={target.tp}, pp={target.pp}, vp={target.vp}, iteration {options.iteration})")
@@ -315,7 +324,13 @@ def _hf_tokenizer(
 
 def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_by: int,
                 tokenizer_dir: Path | None = None, weights_only: bool = False,
-                ckpt_format: str = "torch") -> int:  # fmt: skip
+                ckpt_format: str = "torch", module_names: str | None = None) -> int:  # fmt: skip
+def _hf_model_type(hf_dir: Path) -> str | None:
+    """``model_type`` of a Hugging Face directory's config.json (already read by ``import_hf``)."""
+    value = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
+    return value if isinstance(value, str) else None
+
+
     check_output_dir(save, sources=(hf_dir,))
     source = import_hf(hf_dir, make_vocab_size_divisible_by=divisible_by)
     tok = _hf_tokenizer(hf_dir, tokenizer_dir, rows=source.spec.cfg.vocab_size, weights_only=weights_only)
@@ -323,7 +338,8 @@ def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_b
     options = WriteOptions(
         iteration="release",
         tokenizer=None if tok is None else tok.record,
-        provenance=Provenance(converted_from=str(hf_dir)),
+        provenance=Provenance(converted_from=str(hf_dir), source_model_type=_hf_model_type(hf_dir)),
+        module_names=module_names,
     )
     with bar:
         _write(ckpt_format, source, save, target, options=options, progress=lambda _name: bar.update(1),
@@ -342,14 +358,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "reshard":
         target = ParallelConfig(tp=args.target_tp, pp=args.target_pp, vp=args.target_vp)
         rc = run_reshard(_source(args), args.save, target, with_optimizer=args.with_optimizer,
-                         ckpt_format=args.ckpt_format)  # fmt: skip
+                         ckpt_format=args.ckpt_format, module_names=args.module_names)  # fmt: skip
     elif args.command == "to-hf":
         rc = run_to_hf(_source(args), args.save, weights_only=args.weights_only)
     else:
         target = ParallelConfig(tp=args.tp, pp=args.pp, vp=args.vp)
         rc = run_from_hf(args.load, args.save, target, divisible_by=args.make_vocab_size_divisible_by,
                          tokenizer_dir=args.tokenizer_dir, weights_only=args.weights_only,
-                         ckpt_format=args.ckpt_format)  # fmt: skip
+                         ckpt_format=args.ckpt_format, module_names=args.module_names)  # fmt: skip
     return _verify(args) if rc == 0 and args.verify else rc
 
 

@@ -19,6 +19,7 @@ import json
 from typing import Any
 
 import lm_eval.models  # noqa: F401  (the harness's own models first: it skips them if the registry is not empty)
+import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
@@ -59,6 +60,8 @@ class MLMHarnessLM(TemplateLM):
         **unused: Any,
     ) -> None:
         super().__init__()
+        if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
+            device = "cpu"  # the harness CLI's default is cuda:0 (its hf backend falls back to CPU too)
         size = 16 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
         if engine is None:
             if not ckpt:
@@ -89,7 +92,7 @@ class MLMHarnessLM(TemplateLM):
         self.seed = int(seed)
         self.add_bos_token = bool(add_bos_token)
         self.batch_size = engine.batch_size
-        self._device = device or "cpu"
+        self._device = device
 
     # --- what the harness asks of a model -------------------------------------------------------
     @property

@@ -30,14 +30,17 @@ def build_metadata(
     add_binary_head: bool = False,
     fresh_heads: tuple[str, ...] = (),
     finetune: FinetuneRecord | None = None,
+    module_names: str | None = None,
 ) -> CheckpointMetadata:
-    """The record of a checkpoint we are about to write (fields as in :class:`CheckpointMetadata`)."""
+    """The record of a checkpoint we are about to write (fields as in :class:`CheckpointMetadata`);
+    ``module_names`` defaults to megatron-core's names for GPT, legacy names for BERT."""
     provenance = provenance or Provenance()
     if provenance.toolkit_version is None:
         provenance = dataclasses.replace(provenance, toolkit_version=_toolkit_version())
     return CheckpointMetadata(
         kind=kind, model=model, parallel=parallel, tokenizer=tokenizer, provenance=provenance,
         add_binary_head=add_binary_head, fresh_heads=fresh_heads, finetune=finetune,
+        module_names=module_names or ("mcore" if kind == "gpt" else "legacy"),
     )  # fmt: skip
 
 
@@ -77,6 +80,7 @@ def training_metadata(
     argv: list[str] | tuple[str, ...] = (),
     global_batch_size: int | None = None,
     finetune: FinetuneRecord | None = None,
+    module_names: str | None = None,
 ) -> CheckpointMetadata:
     """The record of a training run's checkpoints; the writer rank (``write_tokenizer``) copies
     the tokenizer's files into ``SAVE/tokenizer/`` so the checkpoint carries them."""
@@ -90,4 +94,4 @@ def training_metadata(
         save_tokenizer(tokenizer, checkpoint_tokenizer_dir(save))
     prov = Provenance(argv=tuple(argv), global_batch_size=global_batch_size)
     return build_metadata(model, parallel, kind=kind, tokenizer=record, provenance=prov,
-                          add_binary_head=kind == "bert", finetune=finetune)  # fmt: skip
+                          add_binary_head=kind == "bert", finetune=finetune, module_names=module_names)  # fmt: skip

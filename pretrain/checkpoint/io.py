@@ -26,12 +26,12 @@ from pretrain.checkpoint.layout import (
     MODEL_FILE,
     flatten,
     iteration_dir,
-    nest_megatron,
     rank_dir_name,
     resolve_iteration,
     write_tracker,
 )
-from pretrain.checkpoint.metadata import SAFE_GLOBALS, as_mapping, to_args
+from pretrain.checkpoint.metadata import SAFE_GLOBALS, as_mapping, read_metadata, to_args
+from pretrain.checkpoint.module_names import chunk_from_file, chunk_to_file, file_keys
 from pretrain.checkpoint.types import CheckpointMetadata
 from pretrain.models.base import ShardedModule
 from pretrain.parallel.state import ParallelState
@@ -44,10 +44,16 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def model_state(chunks: Sequence[ShardedModule]) -> dict[str, Any]:
-    """``{"model": nested}`` or ``{"model0": ..., "modelV-1": ...}`` for virtual chunks."""
-    nested = [nest_megatron({k: v.detach().cpu() for k, v in c.state_dict().items()}) for c in chunks]
-    return {"model": nested[0]} if len(chunks) == 1 else {f"model{i}": n for i, n in enumerate(nested)}
+def model_state(
+    chunks: Sequence[ShardedModule], *, names: str = "legacy", kind: str = "gpt"
+) -> dict[str, Any]:
+    """``{"model": ...}`` or ``{"model0": ..., "modelV-1": ...}`` for virtual chunks, each under
+    ``names`` (see :mod:`pretrain.checkpoint.module_names`)."""
+    entries = [
+        chunk_to_file({k: v.detach().cpu() for k, v in c.state_dict().items()}, names=names, kind=kind)
+        for c in chunks
+    ]
+    return {"model": entries[0]} if len(chunks) == 1 else {f"model{i}": n for i, n in enumerate(entries)}
 
 
 def rng_state(ps: ParallelState) -> dict[str, Any]:
@@ -98,8 +104,10 @@ def save_checkpoint(
     ``args`` is our record (written as the Megatron-named Namespace at ``iteration``) or an
     already built Namespace.
     """
-    if isinstance(args, CheckpointMetadata):
-        args = to_args(args, iteration=iteration)
+    meta = args if isinstance(args, CheckpointMetadata) else read_metadata(args)
+    if meta is not None:  # iteration and consumed samples as of this save
+        args = to_args(meta, iteration=iteration)
+    names, kind = (meta.module_names, meta.kind) if meta is not None else ("legacy", "gpt")
     final = iteration_dir(root, iteration)
     tmp = final.with_name(final.name + ".tmp")
     if not dist.is_initialized() or dist.get_rank() == 0:
@@ -113,7 +121,7 @@ def save_checkpoint(
             "iteration": iteration,
             "checkpoint_version": CHECKPOINT_VERSION,
             "args": args,
-            **model_state(chunks),
+            **model_state(chunks, names=names, kind=kind),
             "optimizer": optimizer,
             "opt_param_scheduler": opt_param_scheduler,
             "rng_state": [rng_state(ps)],
@@ -171,9 +179,9 @@ def load_checkpoint(
     for key, chunk in zip(keys, chunks, strict=True):
         if key not in state:
             raise UserError(f"{path}: no {key!r} entry (saved with another virtual-pipeline size?)")
-        flat = flatten(state[key])
+        flat = chunk_from_file(state[key], list(chunk.state_dict()))
         missing = set(chunk.state_dict()) - set(flat)
-        unexpected = set(flat) - set(chunk.state_dict())
+        unexpected = set(flatten(state[key])) - file_keys(list(chunk.state_dict()))
         if missing or unexpected:
             raise UserError(
                 f"{path}: {key} does not match this layout (missing {sorted(missing)[:3]}, "

@@ -27,6 +27,7 @@ from pretrain.checkpoint.plan import Slot
 from pretrain.checkpoint.reader import LegacyReader
 from pretrain.checkpoint.reshard import OPTIM_STATES, _shard
 from pretrain.checkpoint.safe_unpickle import load_untrusted
+from pretrain.checkpoint.upstream_names import to_local_name
 from pretrain.config import ParallelConfig
 from pretrain.optim.distrib_optimizer import reassemble_full_state
 from pretrain.tensor_parallel.vocab import padded_vocab_size
@@ -81,7 +82,8 @@ class _OptimizerView(LegacyReader):
     full_states: _FullStates | None = None
 
     def _part(self, ref: tuple[int, str, str]) -> torch.Tensor:
-        i, chunk, local = ref
+        i, chunk, file_key = ref
+        local = to_local_name(file_key) or file_key  # the model file may use megatron-core names
         key = f"model{_chunk_index(chunk)}.{local}"
         assert self.full_states is not None
         params = self.full_states.full(i)["params"]
@@ -90,7 +92,7 @@ class _OptimizerView(LegacyReader):
         )
         if key not in params:
             raise UserError(f"{where}: optimizer state has no entry {key!r}")
-        shape = self.flats[i][chunk][local].shape
+        shape = self.flats[i][chunk][file_key].shape
         if params[key][self.state_kind].numel() != shape.numel():
             got = tuple(params[key][self.state_kind].shape)
             raise UserError(

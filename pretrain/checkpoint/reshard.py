@@ -24,14 +24,15 @@ from pretrain.checkpoint.layout import (
     CHECKPOINT_VERSION,
     MODEL_FILE,
     iteration_dir,
-    nest_megatron,
     rank_dir_name,
     write_tracker,
 )
 from pretrain.checkpoint.metadata import to_args
+from pretrain.checkpoint.module_names import chunk_to_file
 from pretrain.checkpoint.plan import LayoutPlan, Slot
 from pretrain.checkpoint.types import (
     CanonicalSource,
+    CheckpointMetadata,
     DictSource,
     FinetuneRecord,
     Provenance,
@@ -58,6 +59,7 @@ class WriteOptions:
     finetune: FinetuneRecord | None = None
     # rng_state entry of target rank (tp_rank, pp_rank) (e.g. carried from the source's files)
     rng_state: Callable[[int, int], list[dict[str, Any]] | None] | None = None
+    module_names: str | None = None  # "mcore" / "legacy" (None: mcore for GPT, legacy for BERT)
 
 
 def check_output_dir(save: Path, *, sources: tuple[Path, ...] = ()) -> None:
@@ -95,7 +97,9 @@ def _chunk_state(
     return flat
 
 
-def _target_args(source: CanonicalSource, target: ParallelConfig, options: WriteOptions) -> Any:
+def _target_metadata(
+    source: CanonicalSource, target: ParallelConfig, options: WriteOptions
+) -> CheckpointMetadata:
     spec = source.spec
     tok = options.tokenizer
     if tok is not None and tok.vocab_size > spec.cfg.vocab_size:
@@ -106,8 +110,9 @@ def _target_args(source: CanonicalSource, target: ParallelConfig, options: Write
     meta = build_metadata(
         spec.cfg, target, kind=spec.kind, tokenizer=tok, provenance=options.provenance,
         add_binary_head=spec.add_binary_head, fresh_heads=spec.fresh_heads, finetune=options.finetune,
+        module_names=options.module_names,
     )  # fmt: skip
-    return to_args(meta, iteration=options.iteration)
+    return meta
 
 
 def write_layout(
@@ -129,7 +134,8 @@ def write_layout(
     plan = LayoutPlan.for_parallel(source.spec, target)
     cfg = source.spec.cfg
     padded = padded_vocab_size(cfg.vocab_size, tp=target.tp, divisible_by=cfg.make_vocab_size_divisible_by)
-    args = _target_args(source, target, options)
+    meta = _target_metadata(source, target, options)
+    args = to_args(meta, iteration=options.iteration)
     save = Path(save)
     with atomic_directory(save) as tmp:
         it_dir = iteration_dir(tmp, options.iteration)
@@ -144,7 +150,7 @@ def write_layout(
                 }
                 for key, chunk_slots in zip(plan.chunk_keys(), slots, strict=True):
                     flat = _chunk_state(source, chunk_slots, tp_rank=tp_rank, tp=target.tp, padded=padded)
-                    state[key] = nest_megatron(flat)
+                    state[key] = chunk_to_file(flat, names=meta.module_names, kind=meta.kind)
                 state["optimizer"] = optimizer(tp_rank, pp_rank, slots) if optimizer else None
                 state["opt_param_scheduler"] = options.opt_param_scheduler
                 rng = options.rng_state(tp_rank, pp_rank) if options.rng_state else None

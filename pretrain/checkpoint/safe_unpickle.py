@@ -8,6 +8,10 @@ uses ``torch.load`` with a restricted ``pickle_module``:
 * allowed: tensor and parameter rebuild functions, storages, ``OrderedDict``, torch dtypes,
   ``torch.device``, ``torch.Size``, numpy arrays/dtypes/scalars (RNG states), plain containers;
 * ``argparse.Namespace`` becomes a plain ``dict``;
+* harmless value types real Megatron-LM ``args`` carry load as values: ``signal.Signals``
+  (``exit_signal``, core_v0.16+), torch dtypes (``params_dtype``, ``main_grads_dtype``, ...),
+  and Megatron's enums (:data:`MEGATRON_ENUMS`: ``AttnBackend``, ``ModelType``, ``AttnMaskType``,
+  ... in every module path they had) as inert :class:`Placeholder` objects naming their member;
 * any other *class* (a CamelCase name outside the dangerous modules, e.g.
   ``megatron.core.enums.ModelType``) becomes an inert :class:`Placeholder` that only records its
   name and arguments;
@@ -19,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import pickle
+import signal
 import types
 import zipfile
 from pathlib import Path
@@ -60,6 +65,26 @@ _DANGEROUS_ROOTS = {
     "signal", "glob", "zipimport", "pkgutil", "cProfile", "profile", "trace", "dill", "cloudpickle",
 }  # fmt: skip
 _INERT_CLASSES = {("io", "BytesIO"), ("_io", "BytesIO")}  # Transformer Engine ``_extra_state``
+# Enums found in Megatron-LM's ``args`` across releases (arguments.py and the pretrain scripts):
+# attention_backend (core_v0.10+), model_type (set by pretrain(); megatron.model.enums in v2-v3,
+# megatron.core.enums since core_r0.x), attn_mask_type / position_embedding_type of older code.
+MEGATRON_ENUMS = {
+    ("megatron.core.transformer.enums", "AttnBackend"),
+    ("megatron.core.transformer.enums", "AttnMaskType"),
+    ("megatron.core.transformer.enums", "AttnType"),
+    ("megatron.core.transformer.enums", "ModelType"),
+    ("megatron.core.enums", "ModelType"),
+    ("megatron.core.models.common.embeddings.rope_utils", "RopeType"),
+    ("megatron.model.enums", "ModelType"),
+    ("megatron.model.enums", "AttnMaskType"),
+    ("megatron.model.enums", "AttnType"),
+    ("megatron.model.enums", "LayerType"),
+    ("megatron.model.enums", "PositionEmbeddingType"),
+    ("megatron.legacy.model.enums", "AttnMaskType"),
+    ("megatron.legacy.model.enums", "AttnType"),
+    ("megatron.legacy.model.enums", "LayerType"),
+}
+_VALUE_CLASSES: dict[tuple[str, str], Any] = {("signal", "Signals"): signal.Signals}  # enum lookups only
 
 
 class UnsafePickleError(pickle.UnpicklingError):
@@ -128,7 +153,9 @@ def resolve_global(module: str, name: str) -> Any:
         return getattr(numpy.dtypes, name, None) or _placeholder(module, name)
     if (module, name) == ("argparse", "Namespace"):
         return NamespaceDict
-    if (module, name) in _INERT_CLASSES:
+    if (module, name) in _VALUE_CLASSES:  # Signals(15) looks a member up, nothing else
+        return _VALUE_CLASSES[(module, name)]
+    if (module, name) in _INERT_CLASSES or (module, name) in MEGATRON_ENUMS:
         return _placeholder(module, name)
     root = module.split(".")[0]
     if root not in _DANGEROUS_ROOTS and name[:1].isupper() and name.isidentifier():

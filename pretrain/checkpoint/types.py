@@ -62,6 +62,7 @@ class Provenance:
     data_hash: str | None = None
     weights_fingerprint: str | None = None
     converted_from: str | None = None
+    source_model_type: str | None = None  # a Hugging Face model_type converted from (to-hf writes it back)
     resharded_from: str | None = None
     argv: tuple[str, ...] = ()
     toolkit_version: str | None = None
@@ -88,7 +89,7 @@ class CheckpointMetadata:
     add_binary_head: bool = False
     fresh_heads: tuple[str, ...] = ()
     finetune: FinetuneRecord | None = None
-    module_names: str = "legacy"  # "legacy" or "mcore": the names of the model's tensors
+    module_names: str = "mcore"  # "mcore" or "legacy": the names of the model's tensors in the files
 
     def __post_init__(self) -> None:
         if self.kind not in ("gpt", "bert"):

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint.plan import ModelSpec
 from pretrain.checkpoint.opener import load_canonical
+from pretrain.checkpoint.plan import ModelSpec
 from pretrain.models.sharding import load_full_state_dict
 from pretrain.parallel.state import ParallelState
 from pretrain.utils.errors import UserError

@@ -1,0 +1,108 @@
+"""Which module names a model chunk is written under in the legacy ``torch`` format.
+
+* ``"mcore"`` (default for GPT models): megatron-core's flat ``state_dict`` names of its local
+  spec, what current Megatron-LM's ``load_checkpoint`` loads into its ``GPTModel``
+  (``embedding.word_embeddings.weight``, ``decoder.layers.N.self_attention.linear_qkv.weight``,
+  ``decoder.layers.N.pre_mlp_layernorm.weight``, ``decoder.final_layernorm.weight``,
+  ``output_layer.weight`` on the last of several stages), with the ``_extra_state`` entries
+  (``None``) its linear layers keep, so a strict ``load_state_dict`` matches every key.
+* ``"legacy"``: Megatron's nested legacy names (``model["language_model"]["encoder"]["layers.N..."]``),
+  read by older Megatron-LM and Hugging Face's ``convert_megatron_gpt2_checkpoint.py``.
+
+Layer indices stay local to the chunk in both (as each writes them). Both are read back by
+:func:`chunk_from_file` (and by the upstream readers).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import torch
+
+from pretrain.checkpoint.layout import flatten, nest_megatron
+from pretrain.utils.errors import UserError
+
+MODULE_NAMES = ("mcore", "legacy")
+_LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.*)$")
+_LAYER_RENAMES = [  # our names -> megatron-core local spec, inside decoder.layers.N.
+    ("self_attention.query_key_value.", "self_attention.linear_qkv."),
+    ("self_attention.dense.", "self_attention.linear_proj."),
+    ("post_attention_layernorm.", "pre_mlp_layernorm."),
+    ("mlp.dense_h_to_4h.", "mlp.linear_fc1."),
+    ("mlp.dense_4h_to_h.", "mlp.linear_fc2."),
+]
+_TOP_RENAMES = [
+    ("language_model.embedding.", "embedding."),
+    ("language_model.encoder.final_layernorm.", "decoder.final_layernorm."),
+    ("language_model.output_layer.", "output_layer."),
+    ("word_embeddings_for_head.", "output_layer."),
+]
+_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+
+
+def mcore_name(local: str) -> str:
+    """megatron-core's flat name of one of our GPT chunk's local parameter names."""
+    m = _LAYER.match(local)
+    if m is not None:
+        layer, rest = m.groups()
+        for ours, theirs in _LAYER_RENAMES:
+            if rest.startswith(ours):
+                rest = theirs + rest[len(ours) :]
+                break
+        return f"decoder.layers.{layer}.{rest}"
+    for ours, theirs in _TOP_RENAMES:
+        if local.startswith(ours):
+            return theirs + local[len(ours) :]
+    raise UserError(f"tensor {local}: no megatron-core name (write it with --module-names legacy)")
+
+
+def _mcore_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
+    out: dict[str, Any] = {mcore_name(k): v for k, v in flat.items()}
+    layers = sorted({int(m.group(1)) for k in flat if (m := _LAYER.match(k))})
+    for i in layers:
+        for linear in _LINEARS:
+            out[f"decoder.layers.{i}.{linear}._extra_state"] = None
+    if any(k.startswith("language_model.encoder.final_layernorm.") for k in flat):  # the last stage
+        out["output_layer._extra_state"] = None
+    return out
+
+
+def chunk_to_file(flat: dict[str, torch.Tensor], *, names: str, kind: str) -> dict[str, Any]:
+    """A chunk's local tensors as its ``model``/``model{i}`` entry under ``names``."""
+    if names not in MODULE_NAMES:
+        raise UserError(f"--module-names {names!r}: expected one of {', '.join(MODULE_NAMES)}")
+    if names == "legacy" or kind != "gpt":  # megatron-core BERT has no names for our heads: legacy
+        return nest_megatron(flat)
+    return _mcore_state(flat)
+
+
+def chunk_from_file(entry: dict[str, Any], expected: list[str]) -> dict[str, torch.Tensor]:
+    """Our local tensors of a ``model``/``model{i}`` entry written under either names.
+
+    ``expected`` are the chunk's local names; a name absent under both spellings is left out
+    (the caller reports missing tensors)."""
+    flat = flatten(entry)
+    out: dict[str, torch.Tensor] = {}
+    for local in expected:
+        if local in flat:
+            out[local] = flat[local]
+            continue
+        try:
+            theirs = mcore_name(local)
+        except UserError:
+            continue
+        if theirs in flat:
+            out[local] = flat[theirs]
+    return out
+
+
+def file_keys(expected: list[str]) -> set[str]:
+    """Every key a chunk with local names ``expected`` may hold in a file (either spelling)."""
+    out = set(expected)
+    for local in expected:
+        try:
+            out.add(mcore_name(local))
+        except UserError:
+            continue
+    return out
