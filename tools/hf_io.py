@@ -3,7 +3,7 @@
 This is the edge of the toolkit: the only module that reads and writes Hugging Face model files
 (the engine in ``pretrain/`` imports without ``transformers``).
 
-:func:`export_hf` writes ``model.safetensors``, ``config.json`` and the tokenizer files of a
+:func:`export_hf` writes (sharded) safetensors, streamed layer by layer, ``config.json`` and the tokenizer files of a
 checkpoint (GPT -> ``GPT2LMHeadModel``; pre-LN BERT -> ``MegatronBertForPreTraining``; post-LN
 BERT -> ``BertForPreTraining``; a checkpoint imported from a bare ``BertModel`` -> ``BertModel``
 again, its freshly initialised heads left out). :func:`import_hf` reads a local HF model directory into a
@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -24,8 +24,18 @@ from pretrain.checkpoint.types import PROBE_TEXT, DictSource
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.utils.atomic import atomic_directory
 from pretrain.utils.errors import UserError
+from tools.hf_shards import DEFAULT_MAX_SHARD_SIZE
 
 __all__ = ["export_hf", "hf_tokenizer_of", "import_hf", "read_hf_state"]
+
+
+@runtime_checkable
+class TensorSource(Protocol):
+    """Canonical tensors by name (a checkpoint reader): streamed by :func:`export_hf`."""
+
+    def names(self) -> list[str]: ...
+
+    def tensor(self, name: str) -> torch.Tensor: ...
 
 
 def hf_tokenizer_of(tok: Tokenizer) -> Any:
@@ -128,28 +138,42 @@ def hf_state_and_config(
 
 
 def export_hf(
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor]] | TensorSource,
     spec: ModelSpec,
     save: Path,
     *,
     tokenizer: Tokenizer | None = None,
+    max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     """Write a HF model directory at ``save`` (atomically) from canonical ``tensors``: weights,
     ``config.json``, ``generation_config.json`` and the complete tokenizer (``tokenizer.json``,
-    ``tokenizer_config.json``, ``special_tokens_map.json``) with the tokenizer's true special ids."""
-    from safetensors.torch import save_file
+    ``tokenizer_config.json``, ``special_tokens_map.json``) with the tokenizer's true special ids.
+
+    Weights are sharded safetensors as ``save_pretrained`` writes them (``max_shard_size``). A
+    source with ``names()`` and ``tensor(name)`` (a checkpoint reader) is streamed one layer at a
+    time (:mod:`tools.hf_shards`); an iterable of pairs is read into memory first."""
     from transformers import GenerationConfig
+
+    from tools.hf_shards import ShardWriter, meta_like, parse_shard_size, stream_hf_tensors
 
     if tokenizer is not None and tokenizer.vocab_size > spec.cfg.vocab_size:
         raise UserError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint only {spec.cfg.vocab_size}"
         )
+    max_bytes = parse_shard_size(max_shard_size)
     hf_tok = hf_tokenizer_of(tokenizer) if tokenizer is not None else None
-    full = {name: t.clone() for name, t in tensors}
-    state, config = hf_state_and_config(full, spec, tokenizer)
-    del full
+    if isinstance(tensors, TensorSource):
+        names, get = tensors.names(), tensors.tensor
+    else:
+        full = dict(tensors)
+        names, get = list(full), full.__getitem__
+    _, config = hf_state_and_config({n: meta_like(get(n)) for n in names}, spec, tokenizer)
     with atomic_directory(save) as tmp:
-        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        writer = ShardWriter(tmp, max_shard_size=max_bytes)
+        convert = lambda m: hf_state_and_config(m, spec, tokenizer)[0]  # noqa: E731
+        for name, t in stream_hf_tensors(names, get, convert):
+            writer.add(name, t)
+        writer.close()
         config.save_pretrained(str(tmp))
         if spec.kind == "gpt":
             GenerationConfig.from_model_config(config).save_pretrained(str(tmp))

@@ -1,0 +1,187 @@
+"""Streaming Hugging Face export: sharded safetensors written tensor by tensor, never the whole model.
+
+:func:`stream_hf_tensors` turns a source of canonical tensors (``names()`` + ``tensor(name)``, e.g. a
+memory-mapped checkpoint reader) into Hugging Face tensors one transformer layer at a time: the
+model-specific mapping (``canonical -> HF``, a function of a whole state dict) is called with the
+layer's real tensors and every other tensor as a ``meta`` placeholder (shape only, no memory), and
+the outputs that came out real are the layer's HF tensors. So one mapping table serves every family
+(GPT-2, Llama/Mistral/Qwen, BERT) and at most one layer is converted at a time.
+
+:class:`ShardWriter` writes them as ``save_pretrained`` does: ``model.safetensors`` when everything
+fits in ``max_shard_size``, else ``model-0000i-of-0000n.safetensors`` plus
+``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map"}``). Each tensor's
+bytes go straight to the shard's data file; the shard is closed by writing its safetensors header
+and appending the data with a kernel-side copy (``os.copy_file_range``), so resident memory stays
+about one layer.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import struct
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import BinaryIO
+
+import torch
+
+from pretrain.utils.errors import UserError
+
+DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
+INDEX_FILE = "model.safetensors.index.json"
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+    torch.bool: "BOOL",
+}  # fmt: skip
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+_LAYER = re.compile(r"\.layers\.(\d+)\.")
+
+
+def parse_shard_size(text: str | int) -> int:
+    """``"5GB"`` (10^9), ``"500MiB"`` (2^20), ``"100kb"`` or a byte count, as ``save_pretrained`` reads them."""
+    if isinstance(text, int):
+        value = text
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+        if m is None or m.group(2).upper() not in _UNITS:
+            raise UserError(f"--max-shard-size {text}: expected a size such as 5GB, 500MB or 2GiB")
+        value = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    if value < 1:
+        raise UserError(f"--max-shard-size {text}: must be at least 1 byte")
+    return value
+
+
+def layer_groups(names: Sequence[str]) -> list[list[str]]:
+    """Canonical names grouped by transformer layer (in order), then the rest (embeddings, heads)."""
+    groups: dict[int, list[str]] = {}
+    rest = []
+    for n in names:
+        m = _LAYER.search(n)
+        if m is None:
+            rest.append(n)
+        else:
+            groups.setdefault(int(m.group(1)), []).append(n)
+    return [*(groups[i] for i in sorted(groups)), *([rest] if rest else [])]
+
+
+Convert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def meta_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+
+
+def stream_hf_tensors(
+    names: Sequence[str], get: Callable[[str], torch.Tensor], convert: Convert
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` for every output of ``convert`` (canonical dict -> HF dict), computed one
+    layer group at a time; ``get(name)`` is called twice per canonical tensor (shape, then data)."""
+    metas = {n: meta_like(get(n)) for n in names}
+    expected = set(convert(dict(metas)))
+    seen: set[str] = set()
+    for group in layer_groups(names):
+        mapping = dict(metas)
+        mapping.update((n, get(n)) for n in group)
+        try:
+            out = convert(mapping)
+        except (RuntimeError, NotImplementedError) as exc:  # an output mixing layers: cannot stream
+            raise RuntimeError(f"the HF mapping combines tensors of several layers ({exc})") from exc
+        for hf_name, t in out.items():
+            if t.device.type != "meta" and hf_name not in seen:
+                seen.add(hf_name)
+                yield hf_name, t
+        del mapping, out
+    if seen != expected:
+        raise RuntimeError(f"HF tensors not produced by any single layer: {sorted(expected - seen)[:5]}")
+
+
+class ShardWriter:
+    """Sharded safetensors in ``directory`` (see the module docstring); ``add`` then ``close``."""
+
+    def __init__(
+        self, directory: Path, *, max_shard_size: int, metadata: dict[str, str] | None = None
+    ) -> None:
+        self.directory = Path(directory)
+        self.max_bytes = max_shard_size
+        self.metadata = {"format": "pt", **(metadata or {})}
+        self.shards: list[tuple[Path, list[str]]] = []  # finished shard files (temporary names)
+        self.total = 0
+        self._data: BinaryIO | None = None
+        self._header: dict[str, dict[str, object]] = {}
+        self._offset = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        t = tensor.detach().to("cpu").contiguous()
+        if t.dtype not in SAFETENSORS_DTYPES:
+            raise UserError(f"to-hf: tensor {name} has dtype {t.dtype}, which safetensors cannot store")
+        nbytes = t.numel() * t.element_size()
+        if self._data is not None and self._offset and self._offset + nbytes > self.max_bytes:
+            self._finish_shard()
+        if self._data is None:
+            self._data = open(self.directory / f".shard{len(self.shards)}.data", "wb")  # noqa: SIM115
+        if nbytes:
+            self._data.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        self._header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                              "data_offsets": [self._offset, self._offset + nbytes]}  # fmt: skip
+        self._offset += nbytes
+        self.total += nbytes
+
+    def _finish_shard(self) -> None:
+        assert self._data is not None
+        data_path = Path(self._data.name)
+        self._data.close()
+        self._data = None
+        header = json.dumps({"__metadata__": self.metadata, **self._header}, separators=(",", ":")).encode()
+        header += b" " * (-len(header) % 8)  # 8-byte aligned data, as the safetensors writer pads
+        path = self.directory / f".shard{len(self.shards)}.safetensors"
+        with open(path, "wb") as out, open(data_path, "rb") as src:
+            out.write(struct.pack("<Q", len(header)) + header)
+            _copy(src, out, self._offset)
+        data_path.unlink()
+        self.shards.append((path, list(self._header)))
+        self._header, self._offset = {}, 0
+
+    def close(self) -> list[Path]:
+        """Finish the last shard, give the files their final names, write the index if sharded."""
+        if self._data is not None or not self.shards:
+            if self._data is None:
+                self._data = open(self.directory / f".shard{len(self.shards)}.data", "wb")  # noqa: SIM115
+            self._finish_shard()
+        n = len(self.shards)
+        names = (
+            ["model.safetensors"]
+            if n == 1
+            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        )
+        weight_map = {}
+        for (path, tensors), final in zip(self.shards, names, strict=True):
+            path.rename(self.directory / final)
+            weight_map.update(dict.fromkeys(tensors, final))
+        if n > 1:
+            index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+            (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        return [self.directory / f for f in names]
+
+
+def _copy(src: BinaryIO, dst: BinaryIO, count: int) -> None:
+    """Append ``count`` bytes of ``src`` to ``dst``: in the kernel where possible."""
+    dst.flush()
+    if hasattr(os, "copy_file_range"):
+        try:
+            done = 0
+            while done < count:
+                n = os.copy_file_range(src.fileno(), dst.fileno(), count - done)
+                if n == 0:
+                    break
+                done += n
+            if done == count:
+                return
+            src.seek(done)
+        except OSError:
+            src.seek(0)
+    shutil.copyfileobj(src, dst, 1 << 20)
