@@ -41,6 +41,7 @@ from pretrain.training.cli import add_parallel_args
 from pretrain.training.config import TrainingConfig
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
+from pretrain.utils.outputs import check_writable_output
 from pretrain.utils.results import TASK_METRICS, make_result, write_result
 
 RESULT_TASK = {"squad": "squad1"}  # CLI name -> results schema task name
@@ -55,7 +56,9 @@ def build_parser() -> OneLineParser:
     src.add_argument("--hf-model", help="local Hugging Face BERT directory (weights + tokenizer)")
     g.add_argument("--data-dir", required=True, help="official task files (GLUE TSV, SQuAD JSON, RACE dirs)")
     tok = g.add_mutually_exclusive_group()
-    tok.add_argument("--tokenizer-dir", help="tokenizer directory (with --ckpt: checked against the checkpoint's)")
+    tok.add_argument(
+        "--tokenizer-dir", help="tokenizer directory (with --ckpt: checked against the checkpoint's)"
+    )
     tok.add_argument("--vocab-file", help="BERT WordPiece vocab.txt")
     g.add_argument("--cased", action="store_true", help="--vocab-file is cased (default: lower case)")
     g.add_argument("--force-tokenizer", action="store_true",
@@ -90,6 +93,7 @@ def build_parser() -> OneLineParser:
     o.add_argument("--eval-interval", type=int, default=0, help="validation loss every N iterations")
     o.add_argument("--eval-iters", type=int, default=10)
     o.add_argument("--no-progress", action="store_true")
+    o.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --save")
     add_parallel_args(p)
     return p
 
@@ -97,15 +101,63 @@ def build_parser() -> OneLineParser:
 def _hyper(args: Any) -> dict[str, Any]:
     """Preset values with the flags that were given on top."""
     preset = get_preset(args.task, args.preset)
-    h = {"epochs": args.epochs if args.epochs is not None else preset.epochs,
-         "global_batch_size": args.global_batch_size or preset.global_batch_size,
-         "lr": args.lr if args.lr is not None else preset.lr,
-         "seq_length": args.seq_length or preset.seq_length,
-         "warmup": args.lr_warmup_fraction if args.lr_warmup_fraction is not None else preset.warmup_fraction,
-         "weight_decay": args.weight_decay if args.weight_decay is not None else preset.weight_decay}  # fmt: skip
-    if h["epochs"] <= 0 or not 0.0 <= h["warmup"] < 1.0 or args.seeds < 1:
-        raise UserError("--epochs must be > 0, --lr-warmup-fraction in [0, 1) and --seeds >= 1")
+
+    def given(value: Any, default: Any) -> Any:
+        return default if value is None else value
+
+    h = {"epochs": given(args.epochs, preset.epochs),
+         "global_batch_size": given(args.global_batch_size, preset.global_batch_size),
+         "lr": given(args.lr, preset.lr),
+         "seq_length": given(args.seq_length, preset.seq_length),
+         "warmup": given(args.lr_warmup_fraction, preset.warmup_fraction),
+         "weight_decay": given(args.weight_decay, preset.weight_decay)}  # fmt: skip
+    for flag, ok, rule in (("--epochs", h["epochs"] > 0, "> 0"), ("--seeds", args.seeds >= 1, ">= 1"),
+                           ("--lr-warmup-fraction", 0.0 <= h["warmup"] < 1.0, "in [0, 1)"),
+                           ("--global-batch-size", h["global_batch_size"] >= 1, ">= 1"),
+                           ("--seq-length", h["seq_length"] >= 1, ">= 1"), ("--lr", h["lr"] >= 0, ">= 0")):  # fmt: skip
+        if not ok:
+            key = {"--epochs": "epochs", "--lr-warmup-fraction": "warmup", "--global-batch-size": "global_batch_size",
+                   "--seq-length": "seq_length", "--lr": "lr"}.get(flag)  # fmt: skip
+            raise UserError(f"{flag} must be {rule}, got {args.seeds if key is None else h[key]}")
     return h
+
+
+HYPER_FLAGS = ("epochs", "global_batch_size", "lr", "seq_length", "lr_warmup_fraction", "weight_decay", "preset",
+               "micro_batch_size", "clip_grad", "doc_stride", "max_query_length")  # fmt: skip
+
+
+def _with_saved_hyperparameters(args: Any, saved_argv: tuple[str, ...]) -> Any:
+    """--eval-only: the finetuning run's own flags (from the checkpoint) for every flag not given now."""
+    if not saved_argv:
+        return args
+    try:
+        saved = build_parser().parse_args(list(saved_argv))
+    except SystemExit:  # a checkpoint of another version: keep today's defaults
+        return args
+    given = {a.lstrip("-").split("=")[0].replace("-", "_") for a in (args.argv or []) if a.startswith("--")}
+    merged = dict(vars(args))
+    for name in HYPER_FLAGS:
+        if name not in given and hasattr(saved, name):
+            merged[name] = getattr(saved, name)
+    return type(args)(**merged)
+
+
+def _check_outputs(args: Any) -> None:
+    """Before any work: the output locations are writable; --save holds no checkpoint unless --overwrite."""
+    from pretrain.checkpoint.layout import TRACKER
+
+    if args.results_dir is not None:
+        check_writable_output(args.results_dir, kind="dir", flag="--results-dir")
+    if args.log_json is not None:
+        check_writable_output(args.log_json, kind="file", flag="--log-json")
+    if args.save is None:
+        return
+    check_writable_output(args.save, kind="dir", flag="--save")
+    save = Path(args.save)
+    trackers = [save / TRACKER, *save.glob(f"seed_*/{TRACKER}")]
+    if any(t.exists() for t in trackers) and not args.overwrite:
+        raise UserError(f"--save {args.save} already holds a finetuned checkpoint; choose another --save or "
+                        "pass --overwrite to replace it")  # fmt: skip
 
 
 def _eval_only_source(args: Any) -> Pretrained:
@@ -115,6 +167,8 @@ def _eval_only_source(args: Any) -> Pretrained:
 
     if args.ckpt is None:
         raise UserError("--eval-only needs --ckpt DIR (a checkpoint written by mlm-finetune --save)")
+    if args.save is not None:
+        raise UserError("--eval-only trains nothing to --save; drop --save")
     it_dir = resolve_iteration(args.ckpt, None)
     ckpt_args = load_rank_file(next(iter(list_rank_dirs(it_dir).values())) / MODEL_FILE).get("args") or {}
     meta = require_metadata(ckpt_args, source=f"--ckpt {args.ckpt}")
@@ -122,6 +176,7 @@ def _eval_only_source(args: Any) -> Pretrained:
     if task != args.task:
         raise UserError(f"--ckpt {args.ckpt}: not a {args.task} finetuning checkpoint (task {task!r})")
     tok_dir = args.tokenizer_dir or Path(args.ckpt) / "tokenizer"
+    args.saved_argv = tuple(meta.provenance.argv)
     return Pretrained(cfg=meta.model, tensors={}, tokenizer=tokenizer_from_dir(tok_dir), source=args.ckpt)
 
 
@@ -173,7 +228,7 @@ def _run_seed(args: Any, k: int, ctx: dict[str, Any]) -> dict[str, Any]:
         seq_length=h["seq_length"], seed=seed, log_interval=args.log_interval, eval_interval=args.eval_interval,
         eval_iters=args.eval_iters, save=save, load=args.ckpt if args.eval_only else None, finetune=True,
         log_json=args.log_json, schedule=args.pipeline_schedule, overlap_grad_reduce=args.overlap_grad_reduce,
-        progress=not args.no_progress,
+        progress=not args.no_progress and iters > 0,
     )  # fmt: skip
     optim = OptimizerConfig(lr=h["lr"], min_lr=0.0, weight_decay=h["weight_decay"], clip_grad=args.clip_grad,
                             use_distributed_optimizer=args.use_distributed_optimizer, fp16=args.fp16, bf16=args.bf16)  # fmt: skip
@@ -222,12 +277,18 @@ def _print_table(task: str, metrics: dict[str, float], runs: list[dict[str, Any]
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.argv = list(argv if argv is not None else sys.argv[1:])
     if args.bf16 and args.fp16:
         raise UserError("--bf16 and --fp16 are mutually exclusive")
+    _check_outputs(args)
+    if args.eval_only:
+        pre = _eval_only_source(args)
+        args = _with_saved_hyperparameters(args, args.saved_argv)
     h = _hyper(args)
-    pre = _eval_only_source(args) if args.eval_only else load_pretrained(
-        ckpt=args.ckpt, hf_model=args.hf_model, tokenizer_dir=args.tokenizer_dir, vocab_file=args.vocab_file,
-        lower_case=not args.cased, force_tokenizer=getattr(args, "force_tokenizer", False))  # fmt: skip
+    if not args.eval_only:
+        pre = load_pretrained(
+            ckpt=args.ckpt, hf_model=args.hf_model, tokenizer_dir=args.tokenizer_dir, vocab_file=args.vocab_file,
+            lower_case=not args.cased, force_tokenizer=getattr(args, "force_tokenizer", False))  # fmt: skip
     cfg = _model_cfg(args, pre, h["seq_length"])
     parallel, dp = _parallel(args, cfg)
     micro = args.micro_batch_size or max(1, min(8, h["global_batch_size"] // dp))
@@ -267,7 +328,9 @@ def _report(args: Any, pre: Pretrained, parallel: ParallelConfig, h: dict[str, A
                # the pretrained trunk every source of these weights shares (ckpt, HF export, bare BertModel)
                "fingerprint": fingerprint_tensors(pre.tensors.items(), vocab_size=pre.cfg.vocab_size)
                if len(pre.tensors) else None},  # --eval-only reads no pretrained tensors
-        metrics=headline, seed=args.seed,
+        metrics=headline, seed=args.seed, units={k: "percent" for k in headline},  # finetune metrics: x 100
+        dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
+        sample_data=_is_builtin_task(args.data_dir),
         details={"all_metrics": metrics, "hyperparameters": {**h, "preset": args.preset}, "eval_only": args.eval_only,
                  "data": str(Path(args.data_dir).resolve()),  # the report marks the built-in task data
                  "runs": [{k: r[k] for k in ("seed", "metrics", "details", "iterations", "final_loss", "files")}
@@ -277,6 +340,15 @@ def _report(args: Any, pre: Pretrained, parallel: ParallelConfig, h: dict[str, A
         path = write_result(Path(args.results_dir) / "results.json", record)
         print(f"wrote {path}")
     _print_table(task, metrics, runs)
+
+
+def _is_builtin_task(data_dir: str) -> bool:
+    import finetune.builtin
+
+    try:
+        return Path(data_dir).resolve().is_relative_to(Path(finetune.builtin.__file__).resolve().parent)
+    except (OSError, ValueError):
+        return False
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ from finetune.metrics import glue_task_metrics
 from finetune.tokenization import PairEncoder, PairEncoding, clean_text
 from pretrain.utils.atomic import atomic_open
 from pretrain.utils.errors import UserError
+from pretrain.utils.text import read_utf8
 
 OnBadRow = Literal["error", "skip"]
 
@@ -121,8 +122,7 @@ def read_glue_tsv(
     path = Path(path)
     if not path.is_file():
         raise UserError(f"{task.name} {split.name} file {path} does not exist")
-    with open(path, encoding="utf-8", newline="") as fh:
-        lines = [line.rstrip("\r\n") for line in fh]
+    lines = [line.rstrip("\r") for line in read_utf8(path).split("\n")]
     rows = [_Row(path=str(path), line=i + 1, fields=line.split("\t")) for i, line in enumerate(lines) if line]
     if layout.header is not None:
         if not rows:

@@ -209,7 +209,8 @@ def train(
         remove_stale_temporaries(cfg.save)
     log = TrainingLogger(enabled=rank0, total=cfg.train_iters, start=start, log_interval=cfg.log_interval,
                          json_path=cfg.log_json, progress=cfg.progress)  # fmt: skip
-    log.write(start_summary(trainer, start))
+    if cfg.train_iters > start:  # (nothing to announce for an evaluation-only run)
+        log.write(start_summary(trainer, start))
     history, valid = [], []
     exits = ExitConditions(cfg, device=ps.device)
     final, reason = cfg.train_iters, None

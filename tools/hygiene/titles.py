@@ -22,6 +22,7 @@ import unicodedata
 from pathlib import Path
 
 from pretrain.utils.errors import UserError
+from pretrain.utils.text import read_utf8
 
 _HEADING = re.compile(r"^\s*=\s+(?!=)(.*?)\s+=\s*$")
 
@@ -43,8 +44,9 @@ def load_exclusions(path: Path) -> frozenset[str]:
     """Read an exclusion file into a set of title keys."""
     if not path.is_file():
         raise UserError(f"--exclude-titles: file not found: {path}")
-    with open(path, encoding="utf-8") as fh:
-        lines = [line.rstrip("\n") for line in fh if line.strip()]
+    lines = [
+        line.rstrip("\r") for line in read_utf8(path, what="--exclude-titles").split("\n") if line.strip()
+    ]
     headings = [t for t in (heading_title(line) for line in lines) if t is not None]
     titles = headings if headings else lines
     keys = frozenset(k for k in (title_key(t) for t in titles) if k)
