@@ -7,11 +7,11 @@ Two formats are understood, both mapped onto one :class:`RunRecord`:
 * lm-evaluation-harness result files (read by :mod:`mlm_eval.report_harness`).
 
 Accuracy-like metrics (accuracy, F1, exact match, MCC, correlations) are normalised to percent,
-the scale of the paper's tables. The report never guesses a unit from the values: a record that
-declares its unit (``metric_unit``/``metric_scale`` = ``"percent" | "fraction"``, top level or in
-``details``, or a per-metric ``units`` map) is read as declared; an older record without one is read
-by its producer's definition of the metric: ``mlm-eval`` (kind ``eval``) and lm-evaluation-harness
-write fractions, ``mlm-finetune`` (kind ``finetune``) writes percent.
+the scale of the paper's tables. The report never guesses a unit from the values: a record with
+the schema's ``units`` map (``{metric: "fraction" | "percent"}``; a metric not named is a plain
+value) or an older single ``metric_unit``/``metric_scale`` is read as declared; an older record
+without either is read by its producer's definition of the metric: ``mlm-eval`` (kind ``eval``)
+and lm-evaluation-harness write fractions, ``mlm-finetune`` (kind ``finetune``) writes percent.
 
 Besides the metrics, each record says how far it can be trusted: ``partial`` (``--limit N``),
 the weights' ``dtype`` during evaluation (bf16/fp16 are reduced precision), ``sample_data`` (the
@@ -255,7 +255,10 @@ def _parse_hygiene(path: Path, data: dict[str, Any]) -> HygieneRecord:
         details.get("eval_task") if isinstance(details.get("eval_task"), str) else method.split("-")[0]
     )
     n = details.get("n")
-    (scaled, _) = to_percent({"share": float(share)}, _declared_units(data, details), "fraction")
+    units: Units | None = _declared_units(data, details)
+    if units is not None and "share" not in (units.per_metric or {}) and units.all_metrics is None:
+        units = None  # mlm-eval contamination's share is a fraction by definition
+    (scaled, _) = to_percent({"share": float(share)}, units, "fraction")
     return HygieneRecord(
         path=path,
         name=_nonempty(_field(model, "name", str, "model.name"), "model.name"),
@@ -267,19 +270,34 @@ def _parse_hygiene(path: Path, data: dict[str, Any]) -> HygieneRecord:
     )
 
 
-def _declared_units(data: dict[str, Any], details: dict[str, Any]) -> dict[str, str] | str | None:
-    """The unit a record declares for its accuracy-like metrics (all, or per metric)."""
+@dataclass(frozen=True)
+class Units:
+    """What a record declares about its metrics' scale: a per-metric map (``units``, the current
+    schema: a metric not named there is a plain value) and/or one unit for all accuracy-like
+    metrics (``metric_unit``/``metric_scale``, older records)."""
+
+    per_metric: dict[str, str] | None = None
+    all_metrics: str | None = None
+
+    @property
+    def declared(self) -> bool:
+        return bool(self.per_metric) or self.all_metrics is not None
+
+
+def _declared_units(data: dict[str, Any], details: dict[str, Any]) -> Units:
+    per_metric: dict[str, str] | None = None
     for obj in (data, details):
         units = obj.get("units")
-        if isinstance(units, dict):
-            return {str(k): str(v) for k, v in units.items()}
+        if isinstance(units, dict) and per_metric is None:
+            per_metric = {str(k): str(v) for k, v in units.items()}
+    for obj in (data, details):
         for key in ("metric_unit", "metric_scale", "unit"):
             value = obj.get(key)
             if value is not None:
                 if value not in UNITS:
                     raise MalformedResult(f"field {key!r}: expected 'percent' or 'fraction', got {value!r}")
-                return str(value)
-    return None
+                return Units(per_metric=per_metric, all_metrics=str(value))
+    return Units(per_metric=per_metric)
 
 
 def _dtype(data: dict[str, Any], details: dict[str, Any]) -> str | None:
@@ -313,18 +331,19 @@ def _sample_data(data: dict[str, Any], details: dict[str, Any]) -> bool:
     return False
 
 
-def to_percent(
-    metrics: dict[str, float], declared: dict[str, str] | str | None, producer: str
-) -> tuple[dict[str, float], str]:
-    """Accuracy-like metrics in percent, by the declared unit, else by the producer's definition."""
+def to_percent(metrics: dict[str, float], units: Units | None, producer: str) -> tuple[dict[str, float], str]:
+    """Accuracy-like metrics in percent: by the metric's declared unit, else the record's, else (a
+    record with a ``units`` map: a plain value) the producer's definition for older records."""
+    units = units or Units()
     out: dict[str, float] = {}
     for key, value in metrics.items():
-        unit = declared.get(key) if isinstance(declared, dict) else declared
+        unit = (units.per_metric or {}).get(key)
+        if unit is None and is_percent_metric(key):  # older records: one unit, or the producer's
+            unit = units.all_metrics or (producer if units.per_metric is None else None)
         if unit is not None and unit not in UNITS:
             raise MalformedResult(f"field 'units.{key}': expected 'percent' or 'fraction', got {unit!r}")
-        factor = 100.0 if is_percent_metric(key) and (unit or producer) == "fraction" else 1.0
-        out[key] = value * factor
-    return out, "producer" if declared is None else "declared"
+        out[key] = value * (100.0 if unit == "fraction" else 1.0)
+    return out, "declared" if units.declared else "producer"
 
 
 def leaderboard_metrics(task: str) -> tuple[str, ...] | None:

@@ -171,8 +171,10 @@ def build_leaderboard(
     groups = _group_models(records)
     runs = [_run_row(key, recs, columns, config.reduce) for key, recs in groups.items()]
     runs, unmatched = _attach_hygiene(runs, hygiene, columns)
-    hygiene_keys = {k for r in runs for k in r.cells if k.startswith(HYGIENE_TASK + ":")}
-    columns = make_columns({*triples, *(tuple(k.split(":")) + ("",) for k in hygiene_keys)})
+    overlap = {  # the Data hygiene columns: contamination shares attached to rows
+        (HYGIENE_TASK, k.partition(":")[2], "") for r in runs for k in r.cells if k.startswith(HYGIENE_TASK)
+    }
+    columns = make_columns(triples | overlap)
     runs = _rank(_mark_best(runs, columns), sort_column)
     ref_rows = [_reference_row(p, columns) for p in refs]
     ref_rows = sorted((r for r in ref_rows if r.cells), key=lambda r: _sort_value(r, sort_column)[:3])

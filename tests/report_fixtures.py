@@ -25,6 +25,14 @@ LAMBADA = "/data/lambada/lambada_test.jsonl"
 BUILTIN_WIKI = "/work/main/mlm_eval/builtin/wikitext_sample.tokens"
 
 
+NEW_FIELDS = ("units", "partial", "limit", "dtype", "sample_data")
+
+
+def legacy(record: dict[str, Any], *, keep: bool = False) -> dict[str, Any]:
+    """``record`` as written before the unit/partial/dtype/sample fields existed (``keep``: as is)."""
+    return dict(record) if keep else {k: v for k, v in record.items() if k not in NEW_FIELDS}
+
+
 def result(
     path: Path,
     *,
@@ -42,24 +50,26 @@ def result(
     details: dict[str, Any] | None = None,
     top: dict[str, Any] | None = None,
 ) -> Path:
-    """Write one result record (``top``: extra top-level fields, as newer records carry)."""
-    record = make_result(
-        kind=kind,
-        task=task,
-        method=method,
-        model={
-            "name": name,
-            "parameters": params,
-            "iteration": iteration,
-            "layout": layout,
-            "fingerprint": fingerprint,
-        },  # fmt: skip
-        metrics=metrics,
-        seed=seed,
-        details=details,
+    """Write one result record as older versions did; ``top``: top-level fields newer records carry."""
+    record = legacy(
+        make_result(
+            kind=kind,
+            task=task,
+            method=method,
+            model={
+                "name": name,
+                "parameters": params,
+                "iteration": iteration,
+                "layout": layout,
+                "fingerprint": fingerprint,
+            },  # fmt: skip
+            metrics=metrics,
+            seed=seed,
+            details=details,
+        )
     )
     record["created"] = created
-    record.update(top or {})
+    record.update(legacy(top or {}, keep=True))
     path.parent.mkdir(parents=True, exist_ok=True)
     return write_result(path, record)
 
@@ -119,7 +129,7 @@ def write_realistic(root: Path) -> None:
     result(ev / "1.3b-wiki-bf16.json", task="wikitext103", metrics={"adjusted_ppl": 15.72}, created=_day(7),
            details={"data": WIKI, "dtype": "bfloat16"}, **g13)  # fmt: skip
     result(ev / "1.3b-lambada.json", task="lambada", metrics={"accuracy": 0.5812, "ppl": 6.02}, created=_day(7),
-           top={"metric_unit": "fraction", "dtype": "float32"}, **g13)  # fmt: skip
+           top={"units": {"accuracy": "fraction"}, "dtype": "float32", "partial": False, "limit": None}, **g13)  # fmt: skip
     g760: dict[str, Any] = {"name": "gpt-760m", "fingerprint": GPT760, "params": M760, "iteration": 200_000}
     result(ev / "760m-lambada-limit.json", task="lambada", metrics={"accuracy": 0.54, "ppl": 8.1},
            created=_day(8), layout="tp1-pp1-vp1", details={"data": LAMBADA, "limit": 100}, **g760)  # fmt: skip
@@ -130,7 +140,12 @@ def write_realistic(root: Path) -> None:
         "date": 1709900000.0,
     }  # fmt: skip
     (root / "lm_eval_gpt2.json").write_text(json.dumps(harness))
-    b336: dict[str, Any] = {"name": "bert-336m", "fingerprint": BERT336, "params": B336, "iteration": 2_000_000}
+    b336: dict[str, Any] = {
+        "name": "bert-336m",
+        "fingerprint": BERT336,
+        "params": B336,
+        "iteration": 2_000_000,
+    }
     result(ft / "mnli.json", kind="finetune", method="median", task="mnli", metrics={"accuracy_m": 89.12,
            "accuracy_mm": 89.41}, created=_day(10), layout="tp1-pp1-vp1", top={"metric_unit": "percent"},
            **b336)  # fmt: skip
@@ -142,7 +157,7 @@ def write_realistic(root: Path) -> None:
     result(ft / "squad1.json", kind="finetune", method="median", task="squad1",
            metrics={"exact_match": 0.8712, "f1": 0.9381}, created=_day(11), layout="tp1-pp1-vp1",
            top={"units": {"exact_match": "fraction", "f1": "fraction"}}, **b336)  # fmt: skip
-    contamination = make_result(kind="eval", task="contamination", method="lambada-13gram",
+    contamination = legacy(make_result(kind="eval", task="contamination", method="lambada-13gram",
                                 model={"name": "gpt-345m"}, metrics={"share": 0.0083, "unique_share": 0.0101},
-                                details={"eval_task": "lambada", "n": 13})  # fmt: skip
+                                details={"eval_task": "lambada", "n": 13}))  # fmt: skip
     write_result(root / "hygiene" / "lambada-13gram.json", contamination)

@@ -58,6 +58,7 @@ def _result(
         seed=seed,
         details=details,
     )
+    record = rf.legacy(record)  # as older versions wrote it: no declared units
     record["created"] = created
     write_result(path, record)
 
@@ -226,14 +227,21 @@ def test_units_are_declared_or_the_producers_definition_never_guessed_from_value
         record = make_result(kind=kind, task="squad1" if kind == "finetune" else "lambada",
                              method="finetune" if kind == "finetune" else "paper",
                              model={"name": name}, metrics=metrics)  # fmt: skip
-        record.update(top)
-        write_result(tmp_path / f"{name}.json", record)
+        write_result(tmp_path / f"{name}.json", rf.legacy(record) | top)
 
     write("old-ft", "finetune", {"exact_match": 0.5, "f1": 0.9})
     write("declared", "finetune", {"exact_match": 0.5, "f1": 90.0}, units={"exact_match": "fraction"})
     write("old-eval", "eval", {"accuracy": 0.9, "ppl": 0.9})  # mlm-eval writes fractions
     write("eval-percent", "eval", {"accuracy": 45.0}, metric_unit="percent")
     write("bad-unit", "eval", {"accuracy": 45.0}, metric_unit="per mille")
+    # The current schema (pretrain.utils.results): a per-metric units map, unnamed metrics are plain.
+    write("new-eval", "eval", {"accuracy": 0.5, "ppl": 3.0}, units={"accuracy": "fraction"})
+    write(
+        "new-ft",
+        "finetune",
+        {"exact_match": 71.0, "f1": 0.8},
+        units={"exact_match": "percent", "f1": "fraction"},
+    )
     coll = collect_results([tmp_path])
     metrics = {r.model.name: dict(r.metrics) for r in coll.records}
     assert metrics == {
@@ -241,6 +249,8 @@ def test_units_are_declared_or_the_producers_definition_never_guessed_from_value
         "declared": {"exact_match": 50.0, "f1": 90.0},
         "old-eval": pytest.approx({"accuracy": 90.0, "ppl": 0.9}),
         "eval-percent": {"accuracy": 45.0},
+        "new-eval": {"accuracy": 50.0, "ppl": 3.0},
+        "new-ft": pytest.approx({"exact_match": 71.0, "f1": 80.0}),
     }
     (bad,) = coll.skipped
     assert (
