@@ -322,15 +322,15 @@ def _hf_tokenizer(
     return ResolvedTokenizer(tokenizer=tok, source=f"{flag} {where}", record=record_of(tok))
 
 
-def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_by: int,
-                tokenizer_dir: Path | None = None, weights_only: bool = False,
-                ckpt_format: str = "torch", module_names: str | None = None) -> int:  # fmt: skip
 def _hf_model_type(hf_dir: Path) -> str | None:
     """``model_type`` of a Hugging Face directory's config.json (already read by ``import_hf``)."""
     value = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
     return value if isinstance(value, str) else None
 
 
+def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_by: int,
+                tokenizer_dir: Path | None = None, weights_only: bool = False,
+                ckpt_format: str = "torch", module_names: str | None = None) -> int:  # fmt: skip
     check_output_dir(save, sources=(hf_dir,))
     source = import_hf(hf_dir, make_vocab_size_divisible_by=divisible_by)
     tok = _hf_tokenizer(hf_dir, tokenizer_dir, rows=source.spec.cfg.vocab_size, weights_only=weights_only)
