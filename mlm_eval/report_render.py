@@ -111,7 +111,7 @@ def render_markdown(board: Leaderboard, meta: ReportMeta) -> str:
         "",
         "Columns by task family: "
         + "; ".join(
-            f"{fam}: {', '.join(sorted({c.task_label for c in board.columns if c.family == fam}))}"
+            f"{fam}: {', '.join(dict.fromkeys(c.task_label for c in board.columns if c.family == fam))}"
             for fam in dict.fromkeys(c.family for c in board.columns)
         )
         + ".",
