@@ -136,10 +136,10 @@ def upstream_model_config(
         None if arch.swiglu else fc1.shape[0] * tp if fc1 is not None else 4 * hidden
     )
     if ffn is None:
-        need(args, "ffn_hidden_size", source)
+        ffn = need(args, "ffn_hidden_size", source)
     max_pos = args.get("max_position_embeddings") or (pos.shape[0] if pos is not None else None)
     if not max_pos:
-        need(args, "max_position_embeddings", source)
+        max_pos = need(args, "max_position_embeddings", source)
     tokentypes = shapes.get(lm + "embedding.tokentype_embeddings.weight")
     sample = next(iter(shapes.values()))
     kv = arch.kv_channels if arch.kv_channels not in (None, hidden // heads) else None
