@@ -9,8 +9,10 @@ starts small) waits for them with ``os.wait4``, which returns that child's ``get
 (``ru_maxrss``: peak resident set, file-backed pages of the mmap'd source included).
 
 Reported per phase: wall seconds, MB/s (model bytes / seconds) and peak RSS over the model's
-bytes. Target: the reshard's peak RSS <= 1.5x the model bytes. The last line is one JSON object
-with ``peak_rss_over_model`` and ``seconds`` (both for the reshard) and every phase's numbers.
+bytes. Target: the reshard's and the to-hf export's peak RSS <= 1.5x the model bytes (to-hf
+streams sharded safetensors, ``--max-shard-size``). The last line is one JSON object with
+``peak_rss_over_model`` and ``seconds`` (both for the reshard), ``to_hf_peak_rss_over_model`` and
+every phase's numbers. ``--layers/--hidden`` pick other sizes (``benchmarks/scaling.py``).
 Needs about 3x the model (~4.3 GB) of free disk under ``--workdir``; everything is deleted at the
 end unless ``--keep``.
 """
@@ -60,12 +62,12 @@ class RandomSource:
         return sum(4 * int(self.torch.Size(s).numel()) for s in self.shapes.values())
 
 
-def write_source(save: str) -> None:
+def write_source(save: str, shape: dict[str, Any]) -> None:
     """Child phase: write the random model at tp=2, pp=2; print its bytes."""
     from pretrain.checkpoint.reshard import WriteOptions, write_layout
     from pretrain.config import ModelConfig, ParallelConfig
 
-    source = RandomSource(ModelConfig(**SHAPE, hidden_dropout=0.0, attention_dropout=0.0))
+    source = RandomSource(ModelConfig(**shape, hidden_dropout=0.0, attention_dropout=0.0))
     write_layout(source, save, ParallelConfig(tp=2, pp=2), options=WriteOptions(iteration=1))
     print(source.nbytes())
 
@@ -104,10 +106,15 @@ def main(argv: list[str] | None = None) -> int:
         "--workdir", type=Path, default=None, help="scratch directory (default: a new /tmp dir)"
     )
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
+    parser.add_argument("--layers", type=int, default=SHAPE["num_layers"], help="default 24 (355M)")
+    parser.add_argument("--hidden", type=int, default=SHAPE["hidden_size"], help="default 1024 (355M)")
+    parser.add_argument("--max-shard-size", default="5GB", help="to-hf shard size (default 5GB)")
     parser.add_argument("--write-source", metavar="DIR", help=argparse.SUPPRESS)  # child phase
     args = parser.parse_args(argv)
+    shape = {**SHAPE, "num_layers": args.layers, "hidden_size": args.hidden,
+             "num_attention_heads": max(1, args.hidden // 64)}  # fmt: skip
     if args.write_source:
-        write_source(args.write_source)
+        write_source(args.write_source, shape)
         return 0
     work = Path(tempfile.mkdtemp(prefix="bench_reshard_", dir=args.workdir))
     free = shutil.disk_usage(work).free
@@ -117,14 +124,15 @@ def main(argv: list[str] | None = None) -> int:
     py, cli = sys.executable, [sys.executable, "-m", "tools.convert_cli"]
     try:
         t0 = time.perf_counter()
-        made = _run_measured([py, "-m", "benchmarks.bench_reshard", "--write-source", str(work / "src")])
+        made = _run_measured([py, "-m", "benchmarks.bench_reshard", "--write-source", str(work / "src"),
+                              "--layers", str(args.layers), "--hidden", str(args.hidden)])  # fmt: skip
         model_bytes = float(made["stdout"].strip().splitlines()[-1])  # type: ignore[attr-defined]
         print(f"model: {model_bytes / 1e6:.1f} MB fp32; source written at tp=2, pp=2 in "
               f"{time.perf_counter() - t0:.1f} s", flush=True)  # fmt: skip
         reshard = _phase("reshard", [*cli, "reshard", "--load", str(work / "src"), "--save", str(work / "tp4"),
                                      "--target-tp", "4", "--target-pp", "1"], model_bytes)  # fmt: skip
-        to_hf = _phase("to-hf", [*cli, "to-hf", "--load", str(work / "tp4"), "--save", str(work / "hf")],
-                       model_bytes)  # fmt: skip
+        to_hf = _phase("to-hf", [*cli, "to-hf", "--load", str(work / "tp4"), "--save", str(work / "hf"),
+                                 "--max-shard-size", args.max_shard_size, "--weights-only"], model_bytes)  # fmt: skip
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -135,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         "peak_rss_over_model": reshard["peak_rss_over_model"],
         "target_peak_rss_over_model": TARGET_RATIO,
         "meets_target": reshard["peak_rss_over_model"] <= TARGET_RATIO,
+        "to_hf_peak_rss_over_model": to_hf["peak_rss_over_model"],
+        "to_hf_seconds": to_hf["seconds"],
+        "to_hf_meets_target": to_hf["peak_rss_over_model"] <= TARGET_RATIO,
+        "layers": args.layers,
+        "hidden": args.hidden,
         "phases": [reshard, to_hf],
     }
     print(json.dumps(result))

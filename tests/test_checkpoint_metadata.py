@@ -164,7 +164,6 @@ def test_hf_megatron_gpt2_converter_reads_our_legacy_file(tmp_path: Path, full) 
     from pretrain.models.gpt import GPTModel
     from pretrain.models.sharding import load_full_state_dict
     from pretrain.parallel.state import ParallelState
-
     from tools.convert_cli import main as convert_main
 
     src = write_ours(tmp_path / "a", CFG, full, tp=2, pp=1, module_names="mcore")

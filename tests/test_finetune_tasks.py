@@ -201,16 +201,17 @@ def test_usage_errors_exit_2(bert: Path, tmp_path: Path, capsys: pytest.CaptureF
 
 def test_starts_from_our_checkpoint_of_another_layout(tmp_path: Path) -> None:
     """A MegatronBERT pretraining checkpoint written at tp=2 pp=2 finetunes in one process."""
-    from tools.hf_io import copy_tokenizer, import_hf
     from pretrain.checkpoint.reshard import write_layout
     from pretrain.config import ParallelConfig
+    from pretrain.tokenizer.loader import load_tokenizer_dir, save_tokenizer
+    from tools.hf_io import import_hf
 
     texts = [
         line.split("\t")[0] for line in (builtin_task_dir("sst2_tiny") / "train.tsv").read_text().splitlines()
     ]
     hf = make_tiny_hf_bert(tmp_path / "hf", texts, megatron=True)
     write_layout(import_hf(hf, make_vocab_size_divisible_by=8), tmp_path / "ckpt", ParallelConfig(tp=2, pp=2))
-    copy_tokenizer(hf, tmp_path / "ckpt" / "tokenizer")
+    save_tokenizer(load_tokenizer_dir(hf), tmp_path / "ckpt" / "tokenizer")  # no record: found by directory
     common = ["--data-dir", str(builtin_task_dir("sst2_tiny")), "--seq-length", "32", "--global-batch-size", "8",
               "--epochs", "0.1"]  # fmt: skip
     from_ckpt = _run(

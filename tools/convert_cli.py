@@ -138,15 +138,15 @@ def _write(fmt: str, source: Any, save: Path, target: ParallelConfig, **kw: Any)
     write_torch_dist(source, save, target, options=kw["options"], extra_files=kw.get("extra_files"))
 
 
-def _add_verify(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--verify", action="store_true",
-                   help="run source and target on a probe batch; exit 1 if the max difference exceeds --verify-tol")  # fmt: skip
 def _add_module_names(p: argparse.ArgumentParser) -> None:
     p.add_argument("--module-names", choices=("mcore", "legacy"), default=None,
                    help="tensor names in the files: megatron-core's (default for GPT; current Megatron-LM) or the "
                         "legacy nested ones (older Megatron-LM, HF's Megatron GPT-2 converter; always for BERT)")  # fmt: skip
 
 
+def _add_verify(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--verify", action="store_true",
+                   help="run source and target on a probe batch; exit 1 if the max difference exceeds --verify-tol")  # fmt: skip
     p.add_argument("--verify-tol", type=float, default=1e-4, help="tolerance of --verify (default 1e-4)")
 
 
@@ -270,10 +270,10 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
         provenance=dataclasses.replace(prov, resharded_from=str(source.load)),
         finetune=None if meta is None else meta.finetune,
         rng_state=_carried_rng(reader, target),
+        module_names=module_names,
     )
     bar = _progress(target.tp * target.pp, "reshard")
     with bar:
-        module_names=module_names,
         _write(ckpt_format, reader, save, target, options=options, optimizer=optimizer,
                progress=lambda _name: bar.update(1), extra_files=_save_tokenizer_files(tok))  # fmt: skip
     print(f"wrote {save} (tp={target.tp}, pp={target.pp}, vp={target.vp}, iteration {options.iteration})")
