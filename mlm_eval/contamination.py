@@ -82,7 +82,7 @@ def _ratio(part: int, whole: int) -> float:
 def _scan(config: ContaminationConfig, hasher: NgramHasher, eval_set: EvalNgramSet) -> TrainScanner:
     scanner = TrainScanner(hasher, eval_set)
     for path in config.train:
-        bar = tqdm(desc=f"scan {path.name}", unit="doc", disable=not config.progress)
+        bar = tqdm(desc=f"scan {path.name}", unit="doc", disable=None if config.progress else True)
         for text, end in iter_train_segments(
             path, text_key=config.train_text_key, tokenizer=config.tokenizer
         ):

@@ -269,7 +269,9 @@ def _score_local(
 ) -> list[ScoredRow]:
     total = sum(sum(1 for t in tgt if t >= 0) for _, tgt in rows)
     results: list[ScoredRow] = []
-    with tqdm(total=total, desc=desc, unit="tok", disable=not progress, dynamic_ncols=True) as bar:
+    with tqdm(
+        total=total, desc=desc, unit="tok", disable=None if progress else True, dynamic_ncols=True
+    ) as bar:
         for lo in range(0, len(rows), batch_size):
             batch = rows[lo : lo + batch_size]
             width = max(len(inp) for inp, _ in batch)

@@ -130,3 +130,17 @@ def test_contamination_speaks_the_common_vocabulary(tmp_path: Path) -> None:
     (path,) = (tmp_path / "res").glob("contamination-*.json")
     record = json.loads(path.read_text())
     assert record["sample_data"] is True and record["units"]["share"] == "fraction"
+
+
+def test_top_level_help_imports_no_heavy_library() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom mlm_eval.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'datasets', 'rich') if m in sys.modules)\n"
+        "print('HEAVY', heavy)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "wikitext103" in proc.stdout and "HEAVY []" in proc.stdout

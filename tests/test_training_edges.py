@@ -258,3 +258,12 @@ def test_start_summary_and_no_bar_off_a_terminal(
     assert "global batch 8 x seq 32 = 256 tokens/iteration" in out.out
     assert "it/s" not in out.err and "train:" not in out.err  # no tqdm bar in a log file
     assert "iter      2 | loss" in out.out
+
+
+def test_other_model_size_is_an_architecture_mismatch(
+    gpt_data: dict[str, str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert pretrain_main(gpt_args(gpt_data, **{"train-iters": 1, "save": tmp_path / "ck"})) == 0
+    err = _fails(gpt_args(gpt_data, **{"train-iters": 2, "load": tmp_path / "ck", "num-layers": 2}), capsys)
+    assert "architecture differs" in err and "num-layers 4 (checkpoint) vs 2 (this run)" in err
+    assert "reshard" not in err

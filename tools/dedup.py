@@ -123,7 +123,7 @@ def run_dedup(config: DedupConfig) -> DedupStats:
         unit="B",
         unit_scale=True,
         desc="dedup",
-        disable=not config.progress,
+        disable=None if config.progress else True,  # a bar only on a terminal
     )
     with atomic_open(config.output, "wb") as out, atomic_open(config.report, "w", encoding="utf-8") as rep:
         for line, raw, sig, doc_id in _signed_documents(config):

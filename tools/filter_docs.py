@@ -89,7 +89,7 @@ def run_filter(config: FilterConfig) -> FilterStats:
     counter = _counter(config)
     documents = excluded = short = 0
     bar = tqdm(total=config.input.stat().st_size if config.input.is_file() else None, unit="B",
-               unit_scale=True, desc="filter", disable=not config.progress)  # fmt: skip
+               unit_scale=True, desc="filter", disable=None if config.progress else True)  # fmt: skip
     with atomic_open(config.output, "wb") as out, atomic_open(config.report, "w", encoding="utf-8") as rep:
         for batch in batched(iter_raw_lines(config.input), config.batch_size):
             docs = [

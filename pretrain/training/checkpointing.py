@@ -63,8 +63,23 @@ def save_training_checkpoint(
                            opt_param_scheduler=scheduler.state_dict(), extra_files=extra)  # fmt: skip
 
 
-def check_layout(root: str | Path, ps: ParallelState, it_dir: Path, *, model_type: str) -> None:
-    """Fail with both layouts and the resharding command when the checkpoint's layout differs."""
+ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_size", "vocab_size",
+                       "max_position_embeddings")  # fmt: skip
+
+
+def check_architecture(root: str | Path, saved: Any, here: Any) -> None:
+    """A checkpoint of another model size is an architecture mismatch (not a layout one): show both."""
+    diff = [(f, getattr(saved, f, None), getattr(here, f, None)) for f in ARCHITECTURE_FIELDS]
+    diff = [(f, a, b) for f, a, b in diff if a is not None and b is not None and a != b]
+    if diff:
+        both = ", ".join(f"{f.replace('_', '-')} {a} (checkpoint) vs {b} (this run)" for f, a, b in diff)
+        raise UserError(f"{root}: the checkpoint's architecture differs from this run's model: {both}")
+
+
+def check_layout(
+    root: str | Path, ps: ParallelState, it_dir: Path, *, model_type: str, model_cfg: Any = None
+) -> None:
+    """Fail with both architectures, or both layouts and the resharding command, when they differ."""
     first = next(iter(list_rank_dirs(it_dir).values()))
     state = load_rank_file(first / MODEL_FILE)
     args = state.get("args") or {}
@@ -73,6 +88,8 @@ def check_layout(root: str | Path, ps: ParallelState, it_dir: Path, *, model_typ
     kind = meta.kind if meta is not None else args.get("model_type", model_type)
     if kind != model_type:
         raise UserError(f"{root}: checkpoint holds a {kind} model, not {model_type}")
+    if meta is not None and model_cfg is not None:
+        check_architecture(root, meta.model, model_cfg)
     here = (ps.tp_size, ps.pp_size, ps.vp_size)
     if (saved.tp, saved.pp, saved.vp) != here:
         raise UserError(
@@ -90,7 +107,7 @@ def load_model_weights(root: str | Path, chunks: Sequence[ShardedModule], ps: Pa
     random init) into their fp32 main parameters.
     """
     it_dir = resolve_iteration(root, None)
-    check_layout(root, ps, it_dir, model_type=model_type)
+    check_layout(root, ps, it_dir, model_type=model_type, model_cfg=chunks[0].cfg if chunks else None)
     rest = load_checkpoint(root, chunks, ps)
     rest["_iteration_dir"] = str(it_dir)
     return rest
