@@ -95,10 +95,12 @@ def train_llama_sentencepiece(path: Any, vocab_size: int = 400) -> Any:
 
 
 def qwen_style_bpe_tokenizer() -> Any:
-    """A tokenizer.json byte-level BPE (~400 tokens) with no BOS, eos ``<|endoftext|>`` (Qwen2's
-    convention: nothing is added before a document)."""
+    """A Qwen2 tokenizer (byte-level BPE, ~400 tokens, tokenizer.json) trained on the eval samples:
+    no BOS, eos = pad = ``<|endoftext|>`` (Qwen2's convention: nothing is added before a document)."""
+    import json
+
     from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
+    from transformers import Qwen2Tokenizer
 
     from tests.eval_helpers import sample_corpus
 
@@ -106,8 +108,9 @@ def qwen_style_bpe_tokenizer() -> Any:
     bpe.train_from_iterator(
         sample_corpus(), vocab_size=400, min_frequency=2, special_tokens=["<|endoftext|>"]
     )
-    return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, eos_token="<|endoftext|>",
-                                   pad_token="<|endoftext|>", clean_up_tokenization_spaces=False)  # fmt: skip
+    model = json.loads(bpe._tokenizer.to_str())["model"]
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model["merges"]]
+    return Qwen2Tokenizer(vocab=model["vocab"], merges=merges, clean_up_tokenization_spaces=False)
 
 
 def save_llama_with_tokenizer(directory: Any, tokenizer: Any, case: str = "llama3", **overrides: Any) -> Any:

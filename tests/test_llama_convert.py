@@ -14,7 +14,7 @@ from tools.convert_cli import main
 
 pytest.importorskip("transformers")
 EXPORTED_AS = {"llama3": "LlamaForCausalLM", "llama_linear_tied": "LlamaForCausalLM",
-               "mistral": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
+               "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}  # fmt: skip
 
 
 @pytest.mark.slow

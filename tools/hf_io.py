@@ -96,23 +96,32 @@ def hf_tokenizer_of(tok: Tokenizer) -> Any:
 def _special_ids(tok: Tokenizer | None) -> dict[str, int | None]:
     if tok is None:
         return {}
-    bos = getattr(tok, "bos", None)
-    return {"bos_token_id": bos if isinstance(bos, int) else tok.eod, "eos_token_id": tok.eod,
+    bos = tok.bos
+    if bos is None and tok.tokenizer_type != "HuggingFaceTokenizer":  # a HF tokenizer's None stays (Qwen2)
+        bos = tok.eod  # GPT-2's convention: bos = eos = <|endoftext|>
+    return {"bos_token_id": bos, "eos_token_id": tok.eod,
             "pad_token_id": tok.pad}  # fmt: skip
 
 
 def hf_state_and_config(
-    full: dict[str, torch.Tensor], spec: ModelSpec, tokenizer: Tokenizer | None = None
-) -> tuple[dict[str, torch.Tensor], Any]:
+    full: dict[str, torch.Tensor], spec: ModelSpec, tokenizer: Tokenizer | None = None, *,
+    family: str | None = None,
+) -> tuple[dict[str, torch.Tensor], Any]:  # fmt: skip
     """The HF state dict (tied copies omitted) and ``PretrainedConfig`` of canonical tensors;
-    the special-token ids are the tokenizer's (``None`` where it has none)."""
+    the special-token ids are the tokenizer's (``None`` where it has none). ``family``: the HF
+    ``model_type`` the checkpoint was converted from, written back when it holds the model."""
     ids = _special_ids(tokenizer)
     if spec.kind == "gpt" and spec.cfg.position_embedding_type == "rope":  # the Llama family
         from transformers import AutoConfig
 
         from pretrain.models import hf_llama
 
-        kw = hf_llama.hf_config_kwargs(spec.cfg, bos_token_id=ids.get("bos_token_id"),
+        fam = hf_llama.family_of(spec.cfg).model_type
+        if family in hf_llama.FAMILIES and hf_llama.FAMILIES[family].architecture != "LlamaForCausalLM":
+            same = hf_llama.FAMILIES[family]
+            if (same.qkv_bias, same.qk_norm) == (spec.cfg.add_qkv_bias, spec.cfg.qk_layernorm):
+                fam = family  # Mistral (same tensors as Llama) is written back as Mistral
+        kw = hf_llama.hf_config_kwargs(spec.cfg, family=fam, bos_token_id=ids.get("bos_token_id"),
                                        eos_token_id=ids.get("eos_token_id"))  # fmt: skip
         config = AutoConfig.for_model(kw.pop("model_type"), **kw, pad_token_id=ids.get("pad_token_id"))
         return hf_llama.canonical_to_hf(full, spec.cfg), config
@@ -143,6 +152,7 @@ def export_hf(
     save: Path,
     *,
     tokenizer: Tokenizer | None = None,
+    family: str | None = None,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
 ) -> Path:
     """Write a HF model directory at ``save`` (atomically) from canonical ``tensors``: weights,
@@ -151,7 +161,8 @@ def export_hf(
 
     Weights are sharded safetensors as ``save_pretrained`` writes them (``max_shard_size``). A
     source with ``names()`` and ``tensor(name)`` (a checkpoint reader) is streamed one layer at a
-    time (:mod:`tools.hf_shards`); an iterable of pairs is read into memory first."""
+    time (:mod:`tools.hf_shards`); an iterable of pairs is read into memory first. ``family``: see
+    :func:`hf_state_and_config`."""
     from transformers import GenerationConfig
 
     from tools.hf_shards import ShardWriter, meta_like, parse_shard_size, stream_hf_tensors
@@ -167,10 +178,10 @@ def export_hf(
     else:
         full = dict(tensors)
         names, get = list(full), full.__getitem__
-    _, config = hf_state_and_config({n: meta_like(get(n)) for n in names}, spec, tokenizer)
+    _, config = hf_state_and_config({n: meta_like(get(n)) for n in names}, spec, tokenizer, family=family)
     with atomic_directory(save) as tmp:
         writer = ShardWriter(tmp, max_shard_size=max_bytes)
-        convert = lambda m: hf_state_and_config(m, spec, tokenizer)[0]  # noqa: E731
+        convert = lambda m: hf_state_and_config(m, spec, tokenizer, family=family)[0]  # noqa: E731
         for name, t in stream_hf_tensors(names, get, convert):
             writer.add(name, t)
         writer.close()

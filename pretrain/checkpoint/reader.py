@@ -241,6 +241,9 @@ def _num_params(spec: ModelSpec, entries: dict[str, _Entry], tp: int) -> int:
         shape = list(e.slot.shape)
         if e.slot.dim is not None:
             shape[e.slot.dim] *= tp
+        lay = e.slot.layout
+        if e.slot.dim == 0 and lay is not None and lay.groups is not None:  # K/V replicated when tp > groups
+            shape[0] = (lay.groups * lay.q_per_group + 2 * lay.groups) * lay.head_dim
         if e.slot.vocab:
             shape[0] = spec.cfg.vocab_size
         total += int(torch.Size(shape).numel())
