@@ -1,8 +1,16 @@
-"""Model FLOPs per iteration (Megatron's GPT formula, Narayanan et al. 2021, eq. 3).
+"""Model FLOPs per iteration: Megatron-LM's ``num_floating_point_operations`` (GQA, SwiGLU,
+``kv_channels``, ``ffn_hidden_size``), which reduces to the paper's formula for GPT-2.
 
-``F = 24 B s l h^2 (1 + s / (6 h) + V / (16 l h))`` per forward-and-backward without
-recomputation, i.e. ``72 B s l h^2 (...)`` for 3 passes (forward + 2x backward); with full
-activation recomputation a second forward adds one pass (factor 96).
+Per layer and token, one forward pass costs ``2 x`` the weights of its matmuls plus the attention
+scores, i.e. with ``q = kv_channels x heads`` (query width), ``g / n`` query groups per head and
+``f`` the FFN width (x 3/2 for SwiGLU's three matrices instead of two)::
+
+    4 h^2 [ (1 + g/n + s/h) q/h + (f/h) x gated ]     (QKV + output projection, QK^T and AV, MLP)
+
+Training takes 3 passes of that (forward, data gradient, weight gradient), 4 with full activation
+recomputation (a second forward), and the output layer adds ``6 s h V`` per sequence (never
+recomputed). For GPT-2 (``q = h``, ``g = n``, ``f = 4h``) this is Narayanan et al. 2021, eq. 3:
+``96 B s l h^2 (1 + s/(6h) + V/(16 l h))`` with recomputation.
 """
 
 from __future__ import annotations
@@ -10,9 +18,21 @@ from __future__ import annotations
 from pretrain.config import ModelConfig
 
 
+def layer_forward_flops_per_token(cfg: ModelConfig, *, seq_length: int) -> float:
+    """FLOPs of one forward pass of one transformer layer, per token."""
+    h, s, n = cfg.hidden_size, seq_length, cfg.num_attention_heads
+    q = cfg.head_dim * n
+    gated = 1.5 if cfg.swiglu else 1.0
+    attention = (1 + cfg.query_groups / n + s / h) * q / h
+    return 4.0 * h * h * (attention + cfg.ffn_size / h * gated)
+
+
 def gpt_flops_per_iteration(
     cfg: ModelConfig, *, global_batch: int, seq_length: int, padded_vocab: int
 ) -> float:
-    b, s, l_, h, v = global_batch, seq_length, cfg.num_layers, cfg.hidden_size, padded_vocab
+    """Model FLOPs of one training iteration of ``global_batch`` sequences of ``seq_length``."""
+    tokens = float(global_batch) * seq_length
     passes = 4 if cfg.recompute_activations else 3
-    return 24.0 * passes * b * s * l_ * h * h * (1 + s / (6.0 * h) + v / (16.0 * l_ * h))
+    layers = passes * cfg.num_layers * layer_forward_flops_per_token(cfg, seq_length=seq_length)
+    logits = 6.0 * cfg.hidden_size * padded_vocab
+    return tokens * (layers + logits)
