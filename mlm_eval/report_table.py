@@ -237,7 +237,8 @@ def _format_of(r: RunRecord) -> str:
 
 
 def _reduce_cell(recs: list[RunRecord], metric: str, rule: str) -> Cell:
-    """Per dtype: full runs win over partial ones, then latest/median; full precision shown first."""
+    """Per dtype: full runs win over partial ones, then latest/median; shown: a full run before a
+    partial one, then full precision before bf16/fp16; the others are the cell's variants."""
     by_dtype: dict[str | None, list[RunRecord]] = {}
     for r in recs:
         by_dtype.setdefault(r.dtype, []).append(r)
@@ -245,7 +246,7 @@ def _reduce_cell(recs: list[RunRecord], metric: str, rule: str) -> Cell:
     for group in by_dtype.values():
         full = [r for r in group if not r.partial]
         kept.append(_reduce_group(full or group, metric, rule, n_total=len(group)))
-    kept.sort(key=lambda c: (c.reduced_precision, c.partial, c.sample_data))
+    kept.sort(key=lambda c: (c.partial, c.reduced_precision, c.sample_data))  # full data first
     shown, others = kept[0], kept[1:]
     variants = tuple((o.dtype or "dtype not recorded") + (", partial" if o.partial else "") for o in others)
     return replace(shown, variants=tuple(zip(variants, (o.value for o in others), strict=True)))

@@ -493,3 +493,16 @@ def test_no_valid_results_is_a_user_error(tmp_path: Path, capsys: pytest.Capture
     with pytest.raises(SystemExit):
         eval_main(["report", "--results", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
     assert "nope: not a directory" in capsys.readouterr().err
+
+
+def test_a_full_bf16_run_is_shown_before_a_partial_float32_one(tmp_path: Path) -> None:
+    common: dict[str, Any] = dict(
+        name="m", task="lambada", fingerprint=rf.GPT345, created="2024-01-01T00:00:00Z"
+    )
+    rf.result(
+        tmp_path / "partial.json", metrics={"accuracy": 0.5}, top={"limit": 10, "dtype": "float32"}, **common
+    )
+    rf.result(tmp_path / "bf16.json", metrics={"accuracy": 0.4}, top={"dtype": "bfloat16"}, **common)
+    (row,) = _board(tmp_path).rows
+    cell = row.cells[LA]
+    assert (cell.value, cell.marks(), cell.variants) == (40.0, ["bf16"], (("float32, partial", 50.0),))
