@@ -129,3 +129,23 @@ def test_greedy_equals_transformers_generate(tiny_gpt2_dir: Path) -> None:
                 )
             ref_new = ref[0, len(prompt) :].tolist()
             assert tokens == (ref_new[: ref_new.index(eos)] if eos in ref_new else ref_new)
+
+
+def test_untied_llama_greedy_equals_transformers_generate() -> None:
+    """An untied output layer (Llama-3 style) is what the logits come from, not the embedding."""
+    from pretrain.models import hf_llama
+    from tests.llama_fixtures import hf_model
+
+    hf: Any = hf_model("llama3")
+    assert not hf.config.tie_word_embeddings
+    cfg = hf_llama.model_config_from_hf(hf.config)
+    ours = GPTModel(cfg, ParallelState.single())
+    load_full_state_dict(ours, hf_llama.hf_to_canonical(hf.state_dict(), cfg))
+    prompts = [[p % cfg.vocab_size for p in prompt] for prompt in PROMPTS]
+    for cache in (True, False):
+        got = generate(ours.eval(), prompts, GenerationConfig(max_new_tokens=10, use_cache=cache))
+        for prompt, tokens in zip(prompts, got, strict=True):
+            with torch.no_grad():
+                ref = hf.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, eos_token_id=None,
+                                  pad_token_id=0)  # fmt: skip
+            assert tokens == ref[0, len(prompt) :].tolist()
