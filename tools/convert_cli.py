@@ -17,8 +17,11 @@ checkpoint is inconsistent.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import io
 import json
+import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,7 +33,9 @@ from pretrain.checkpoint.types import TOKENIZER_SUBDIR, Provenance
 from pretrain.config import ParallelConfig
 from pretrain.tokenizer.loader import ResolvedTokenizer, load_tokenizer_dir, resolve_tokenizer, save_tokenizer
 from pretrain.utils.errors import UserError, cli_entry
+from pretrain.utils.outputs import check_writable_output
 from tools.hf_io import export_hf, import_hf
+from tools.hf_shards import DEFAULT_MAX_SHARD_SIZE
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,14 +101,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--target-pp", type=int, required=True)
     p.add_argument("--target-vp", type=int, default=1)
     p.add_argument("--with-optimizer", action="store_true", help="reshard the optimizer state too")
-    _add_format(p)
     _add_module_names(p)
+    _add_format(p)
     _add_verify(p)
     p = sub.add_parser("to-hf", help="export to a Hugging Face model directory")
     _add_source(p)
     p.add_argument("--save", type=Path, required=True, help="new Hugging Face directory")
     p.add_argument("--weights-only", action="store_true",
                    help="write no tokenizer (only for checkpoints that have none; the result is not a usable model)")  # fmt: skip
+    p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
+                   help="largest safetensors shard, as save_pretrained (e.g. 5GB, 500MB; default 5GB)")  # fmt: skip
     _add_verify(p)
     p = sub.add_parser("from-hf", help="import a Hugging Face GPT-2 / BERT directory")
     p.add_argument("--load", type=Path, required=True, help="Hugging Face model directory")
@@ -112,10 +119,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pp", type=int, default=1)
     p.add_argument("--vp", type=int, default=1)
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
+    _add_module_names(p)
     p.add_argument("--tokenizer-dir", type=Path, help="tokenizer, when the Hugging Face directory has none")
     p.add_argument("--weights-only", action="store_true",
                    help="accept a Hugging Face directory without a tokenizer (the checkpoint records none)")  # fmt: skip
-    _add_module_names(p)
     _add_format(p)
     _add_verify(p)
     return parser
@@ -252,6 +259,8 @@ def _carried_rng(reader: Any, target: ParallelConfig) -> Any:
 
 def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, with_optimizer: bool,
                 ckpt_format: str = "torch", module_names: str | None = None) -> int:  # fmt: skip
+    if with_optimizer and ckpt_format != "torch":
+        raise UserError("--with-optimizer: optimizer state is written only with --ckpt-format torch")
     check_output_dir(save, sources=(source.load,))
     reader = source.open()
     tok = source.tokenizer(reader, required=False)
@@ -280,7 +289,8 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
     return 0
 
 
-def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False) -> int:
+def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
+              max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> int:  # fmt: skip
     check_output_dir(save, sources=(source.load,))
     reader = source.open()
     try:
@@ -293,11 +303,10 @@ def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False) 
         raise UserError(
             f"--load {source.load}: the true vocabulary size is unknown; pass --vocab-size or --tokenizer-dir"
         )
-    from tqdm import tqdm
-
-    names = reader.names()
-    tensors = ((n, reader.tensor(n)) for n in tqdm(names, desc="to-hf", unit="tensor", disable=None))
-    export_hf(tensors, reader.spec, save, tokenizer=None if tok is None else tok.tokenizer)
+    meta = reader.metadata
+    family = None if meta is None else meta.provenance.source_model_type  # e.g. Mistral stays Mistral
+    export_hf(reader, reader.spec, save, tokenizer=None if tok is None else tok.tokenizer, family=family,
+              max_shard_size=max_shard_size)  # fmt: skip
     print(f"wrote {save} ({reader.spec.kind}, {reader.info.num_parameters} parameters)")
     return 0
 
@@ -355,18 +364,49 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "inspect":
         return run_inspect(_source(args), as_json=args.json)
+    _check_outputs_and_flags(args)
+    if not args.verify:
+        return _convert(args)
+    announced = io.StringIO()  # "wrote ..." is printed only once the conversion is verified
+    with contextlib.redirect_stdout(announced):
+        rc = _convert(args)
+    if rc != 0:
+        print(announced.getvalue(), end="")
+        return rc
+    rc = _verify(args)
+    if rc != 0:  # a conversion that fails its check is not kept
+        shutil.rmtree(args.save, ignore_errors=True)
+        print(f"error: --verify failed; removed {args.save}", file=sys.stderr)
+        return rc
+    print(announced.getvalue(), end="")
+    return 0
+
+
+def _check_outputs_and_flags(args: argparse.Namespace) -> None:
+    """Before any work: --save writable, --verify-tol sane, --tokenizer-dir a directory."""
+    if not args.verify_tol >= 0:  # (also NaN)
+        raise UserError(f"--verify-tol must be >= 0, got {args.verify_tol}")
+    tok = getattr(args, "tokenizer_dir", None)
+    if tok is not None and not Path(tok).is_dir():
+        raise UserError(f"--tokenizer-dir {tok}: not a directory")
+    check_writable_output(args.save, kind="dir", flag="--save")
+
+
+def _convert(args: argparse.Namespace) -> int:
     if args.command == "reshard":
         target = ParallelConfig(tp=args.target_tp, pp=args.target_pp, vp=args.target_vp)
         rc = run_reshard(_source(args), args.save, target, with_optimizer=args.with_optimizer,
                          ckpt_format=args.ckpt_format, module_names=args.module_names)  # fmt: skip
     elif args.command == "to-hf":
-        rc = run_to_hf(_source(args), args.save, weights_only=args.weights_only)
+        rc = run_to_hf(
+            _source(args), args.save, weights_only=args.weights_only, max_shard_size=args.max_shard_size
+        )
     else:
         target = ParallelConfig(tp=args.tp, pp=args.pp, vp=args.vp)
         rc = run_from_hf(args.load, args.save, target, divisible_by=args.make_vocab_size_divisible_by,
                          tokenizer_dir=args.tokenizer_dir, weights_only=args.weights_only,
                          ckpt_format=args.ckpt_format, module_names=args.module_names)  # fmt: skip
-    return _verify(args) if rc == 0 and args.verify else rc
+    return rc
 
 
 if __name__ == "__main__":
