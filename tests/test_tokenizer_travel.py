@@ -185,3 +185,50 @@ def test_pretrain_to_hf_gives_a_complete_hf_model(trained_gpt: dict[str, str], t
     prompt = "The first word"
     out = gen(prompt, max_new_tokens=5, do_sample=False)[0]["generated_text"]
     assert out.startswith(prompt) and len(out) > len(prompt)
+
+
+def test_upstream_args_tokenizer_is_used_when_its_files_exist(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """An upstream checkpoint whose args name tokenizer_type/vocab_file/merge_file (and no
+    vocab_size): those files are the tokenizer and give the true vocabulary; without them the
+    vocabulary is reported unknown and nothing is scored."""
+    import argparse
+
+    from pretrain.tensor_parallel.vocab import padded_vocab_size
+    from pretrain.tokenizer.train_tiny import train_tiny_gpt2_bpe
+    from tests.convert_fixtures import rewrite_upstream, write_ours
+    from tests.gpt_fixtures import full_weights, tiny_config
+
+    tok_dir = train_tiny_gpt2_bpe(tmp_path / "tok", vocab_size=300)
+    vocab = len(json.loads((tok_dir / "vocab.json").read_text()))
+    cfg = tiny_config(vocab_size=vocab, max_position_embeddings=64)
+    ck = write_ours(tmp_path / "ck", cfg, full_weights(cfg), tp=1, pp=1)
+    args = argparse.Namespace(
+        num_layers=cfg.num_layers, hidden_size=cfg.hidden_size, num_attention_heads=cfg.num_attention_heads,
+        ffn_hidden_size=cfg.ffn_size, max_position_embeddings=cfg.max_position_embeddings,
+        padded_vocab_size=padded_vocab_size(vocab, tp=1, divisible_by=128), make_vocab_size_divisible_by=128,
+        tensor_model_parallel_size=1, pipeline_model_parallel_size=1, params_dtype=torch.float32, openai_gelu=True,
+        tokenizer_type="GPT2BPETokenizer", vocab_file=str(tok_dir / "vocab.json"),
+        merge_file=str(tok_dir / "merges.txt"), hidden_dropout=0.0, attention_dropout=0.0,
+    )  # fmt: skip
+    rewrite_upstream(ck, cfg, version=3.0, era="legacy", args=args)
+    reader = open_checkpoint(ck)
+    assert reader.metadata is None and reader.info.vocab_known and reader.spec.cfg.vocab_size == vocab
+    assert reader.info.vocab_source == "args.tokenizer_type GPT2BPETokenizer"
+    out = _eval(["lambada", "--ckpt", str(ck), "--data", "builtin:lambada_sample.jsonl"], tmp_path / "r.json")
+    assert out["model"]["tokenizer"]["source"] == "args.tokenizer_type GPT2BPETokenizer"
+    shutil.move(tok_dir, tmp_path / "moved")  # the files args name are gone
+    reader = open_checkpoint(ck)
+    assert not reader.info.vocab_known and "unknown" in reader.info.vocab_source
+    line = _fails(capsys, eval_main, ["lambada", "--ckpt", str(ck), "--data", "builtin:lambada_sample.jsonl"])
+    assert "no usable tokenizer" in line and "--tokenizer-dir" in line
+    assert convert_main(["inspect", str(ck), "--json"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["vocab_known"] is False and rec["tokenizer"] is None
+    # given the tokenizer again, it tells the true vocabulary
+    out = _eval(["lambada", "--ckpt", str(ck), "--tokenizer-dir", str(tmp_path / "moved"), "--data",
+                 "builtin:lambada_sample.jsonl"], tmp_path / "r2.json")  # fmt: skip
+    assert out["metrics"]["ppl"] == pytest.approx(
+        json.loads((tmp_path / "r.json").read_text())["metrics"]["ppl"]
+    )

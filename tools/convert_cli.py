@@ -199,12 +199,26 @@ def verify(reader: Any) -> list[str]:
 def run_inspect(source: SourceOptions, *, as_json: bool) -> int:
     reader = source.open()
     problems = verify(reader)
+    tokenizer = None
+    try:  # the tokenizer the checkpoint carries (or names) must fit the model
+        tok = source.tokenizer(reader, required=False)
+        if tok is not None:
+            tokenizer = {
+                "source": tok.source,
+                "type": tok.record.tokenizer_type,
+                "vocab_size": tok.record.vocab_size,
+            }
+    except UserError as exc:
+        problems.append(str(exc))
     info = dataclasses.asdict(reader.info)
+    meta = reader.metadata
     record = {
         **info,
         "ok": not problems,
         "problems": problems,
         "model_config": dataclasses.asdict(reader.spec.cfg),
+        "tokenizer": tokenizer,
+        "provenance": None if meta is None else dataclasses.asdict(meta.provenance),
     }
     if as_json:
         print(json.dumps(record, default=str))
@@ -219,7 +233,7 @@ def _print_inspect(record: dict[str, Any]) -> None:
 
     table = Table(title=f"checkpoint {record['path']}", show_header=False)
     for key in ("format", "kind", "iteration", "checkpoint_version", "tp", "pp", "vp", "vocab_size",
-                "vocab_source", "padded_vocab_size", "num_parameters", "dtypes", "ours"):  # fmt: skip
+                "vocab_source", "padded_vocab_size", "num_parameters", "dtypes", "ours", "tokenizer"):  # fmt: skip
         table.add_row(key, str(record[key]))
     cfg = record["model_config"]
     table.add_row(
