@@ -11,7 +11,7 @@ start-up imports, checkpoint loading, tokenization, training and dev evaluation 
 * reference: this script's ``--hf-worker`` mode, ``BertForSequenceClassification`` with
   ``torch.optim.AdamW`` and ``get_linear_schedule_with_warmup``, a shuffled ``DataLoader``.
 
-    python benchmarks/bench_finetune.py                  # 512 train pairs (about a minute each)
+    python benchmarks/bench_finetune.py                  # 128 train pairs, 64 dev (minutes on 2 busy cores)
     python benchmarks/bench_finetune.py --train 2000 --dev 400   # the full size
 
 Last line: one JSON object with ``ratio`` (HF seconds / ours), ``acc_ours``, ``acc_hf`` (dev
@@ -127,8 +127,8 @@ def run_timed(cmd: list[str]) -> tuple[float, str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--train", type=int, default=512, help="training pairs (default 512)")
-    p.add_argument("--dev", type=int, default=200)
+    p.add_argument("--train", type=int, default=128, help="training pairs (default 128)")
+    p.add_argument("--dev", type=int, default=64)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--seq-length", type=int, default=64)

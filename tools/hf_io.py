@@ -13,7 +13,7 @@ again, its freshly initialised heads left out). :func:`import_hf` reads a local 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
@@ -173,6 +173,7 @@ def export_hf(
         )
     max_bytes = parse_shard_size(max_shard_size)
     hf_tok = hf_tokenizer_of(tokenizer) if tokenizer is not None else None
+    get: Callable[[str], torch.Tensor]
     if isinstance(tensors, TensorSource):
         names, get = tensors.names(), tensors.tensor
     else:

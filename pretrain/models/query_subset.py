@@ -33,7 +33,9 @@ def gather_positions(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return x.gather(1, index[..., None].expand(-1, -1, x.shape[-1]))
 
 
-def _split_qkv_weight(attn: ParallelAttention) -> tuple[torch.Tensor, ...]:
+def _split_qkv_weight(
+    attn: ParallelAttention,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """The fused QKV weight/bias split into query rows ``[heads d, h]`` and key/value rows
     ``[groups 2 d, h]`` (bias: ``[heads d]``, ``[groups 2 d]`` or None)."""
     lin = attn.query_key_value

@@ -215,7 +215,7 @@ class TransformerBlock(nn.Module):
         rotary = self.rotary(x, position_ids)
         for i, layer in enumerate(self.layers):
             if query_index is not None and i == len(self.layers) - 1:
-                x = layer_at_positions(layer, x, query_index, attn_mask, rotary)
+                x = layer_at_positions(layer, x, query_index, attn_mask, rotary)  # type: ignore[arg-type]
             elif self.recompute and self.training and torch.is_grad_enabled():
                 x = checkpointed(layer, self.rng, x, attn_mask, rotary)
             elif kv_cache is not None:
