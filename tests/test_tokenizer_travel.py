@@ -19,6 +19,7 @@ from tools.convert_cli import main as convert_main
 
 def _fails(capsys: pytest.CaptureFixture[str], fn, argv: list[str]) -> str:  # type: ignore[no-untyped-def]
     """Run a CLI expecting exit 2 with one error line; returns that line."""
+    capsys.readouterr()  # drop what earlier steps printed
     with pytest.raises(SystemExit) as exc:
         fn(argv)
     assert exc.value.code == 2
@@ -232,3 +233,27 @@ def test_upstream_args_tokenizer_is_used_when_its_files_exist(
     assert out["metrics"]["ppl"] == pytest.approx(
         json.loads((tmp_path / "r.json").read_text())["metrics"]["ppl"]
     )
+
+
+def test_finetune_hf_model_without_tokenizer_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """mlm-finetune --hf-model DIR without a tokenizer stops with one line (it trained on [UNK]
+    before); --tokenizer-dir makes it usable."""
+    from finetune.builtin import builtin_task_dir
+    from finetune.cli import main as finetune_main
+    from tests.finetune_fixtures import FINETUNE_WORDS, make_tiny_hf_bert
+
+    hf = make_tiny_hf_bert(tmp_path / "hf", FINETUNE_WORDS)
+    weights = tmp_path / "weights"
+    weights.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(hf / name, weights / name)
+    common = ["sst2", "--data-dir", str(builtin_task_dir("sst2_tiny")), "--seq-length", "32",
+              "--global-batch-size", "8", "--epochs", "0.1", "--no-progress"]  # fmt: skip
+    line = _fails(
+        capsys, finetune_main, [*common, "--hf-model", str(weights), "--results-dir", str(tmp_path / "a")]
+    )
+    assert str(weights) in line and "tokenizer" in line
+    assert finetune_main([*common, "--hf-model", str(weights), "--tokenizer-dir", str(hf),
+                          "--results-dir", str(tmp_path / "b")]) == 0  # fmt: skip
