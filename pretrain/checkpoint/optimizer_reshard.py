@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pretrain.checkpoint.args_semantics import untie_head_names
 from pretrain.checkpoint.layout import DISTRIB_OPTIM_FILE
 from pretrain.checkpoint.plan import Slot
 from pretrain.checkpoint.reader import LegacyReader
@@ -84,6 +85,8 @@ class _OptimizerView(LegacyReader):
     def _part(self, ref: tuple[int, str, str]) -> torch.Tensor:
         i, chunk, file_key = ref
         local = to_local_name(file_key) or file_key  # the model file may use megatron-core names
+        if self.spec.cfg.untie_embeddings_and_output_weights:  # mcore output_layer: our untied head
+            local = next(iter(untie_head_names({local: file_key})))
         key = f"model{_chunk_index(chunk)}.{local}"
         assert self.full_states is not None
         params = self.full_states.full(i)["params"]
