@@ -24,6 +24,7 @@ from typing import Any
 
 from mlm_eval.data_sources import DataSource, add_data_arguments, load_wikitext_data
 from mlm_eval.model_loading import LoadedModel, add_model_arguments, load_scorer
+from mlm_eval.scorer import as_text_encoder, document_prefix
 from mlm_eval.wikitext import evaluate_wikitext_lm_eval, evaluate_wikitext_paper
 from pretrain.utils.errors import UserError
 from pretrain.utils.outputs import check_writable_output
@@ -136,6 +137,7 @@ def emit_result(
         "dtype": loaded.dtype,
         "layout": loaded.layout,
         "toolkit_version": toolkit_version(),
+        "bos": bos_record(loaded.tokenizer),
     }
     units = {k: "fraction" for k in metrics if k in ACCURACY_LIKE}
     record = make_result(
@@ -191,6 +193,14 @@ def check_result_output(args: argparse.Namespace) -> None:
                 f"--out {out}: holds a full (not --limit) result; a --limit run must not replace it "
                 "(drop --out to get a -limitN file name)"
             )
+
+
+def bos_record(tokenizer: Any) -> dict[str, Any]:
+    """How the documents began: ``prepended`` is True when the tokenizer's convention puts BOS
+    before a document (Llama; WikiText paper method and LAMBADA then score after it), and
+    ``prefix_token_id`` is the token lm-eval-style rolling windows start from (BOS, else EOS)."""
+    encoder = as_text_encoder(tokenizer)
+    return {"prepended": bool(document_prefix(encoder)), "prefix_token_id": encoder.prefix_token_id}
 
 
 def toolkit_version() -> str | None:
