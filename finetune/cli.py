@@ -192,8 +192,9 @@ def _model_cfg(args: Any, pre: Pretrained, seq_length: int) -> ModelConfig:
 
 
 def _parallel(args: Any, cfg: ModelConfig) -> tuple[ParallelConfig, int]:
-    n = args.num_layers_per_virtual_pipeline_stage
-    vp = 1 if n is None else max(1, cfg.num_layers // (args.pp * n))
+    from pretrain.utils.config_flags import virtual_pipeline_size  # the same rule as mlm-pretrain
+
+    vp = virtual_pipeline_size(cfg.num_layers, args.pp, args.num_layers_per_virtual_pipeline_stage)
     parallel = ParallelConfig(tp=args.tp, pp=args.pp, vp=vp, num_layers_in_first_stage=args.decoder_first_pipeline_num_layers,
                               num_layers_in_last_stage=args.decoder_last_pipeline_num_layers)  # fmt: skip
     cfg.check_tensor_parallel(parallel.tp)

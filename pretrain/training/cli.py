@@ -144,15 +144,9 @@ def build_parser() -> OneLineParser:
 
 
 def _virtual_size(args: Any) -> int:
-    n = args.num_layers_per_virtual_pipeline_stage
-    if n is None:
-        return 1
-    if n <= 0 or args.num_layers % (args.pp * n):
-        raise UserError(
-            f"--num-layers {args.num_layers} is not divisible by --pipeline-model-parallel-size {args.pp} x "
-            f"--num-layers-per-virtual-pipeline-stage {n}"
-        )
-    return args.num_layers // (args.pp * n)
+    from pretrain.utils.config_flags import virtual_pipeline_size
+
+    return virtual_pipeline_size(args.num_layers, args.pp, args.num_layers_per_virtual_pipeline_stage)
 
 
 def configs_from_args(args: Any, *, world_size: int) -> dict[str, Any]:
