@@ -350,3 +350,42 @@ print("ok")
 """
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]
+
+
+@pytest.mark.slow
+def test_checkpoint_written_by_megatron_core_converts_and_evaluates(tmp_path: Path) -> None:
+    """A legacy file megatron-core 0.16 writes with the full core_v0.16 args (exit_signal=SIGTERM,
+    AttnBackend, dtypes) naming a GPT-2 BPE: our reader loads it safely, the logits equal
+    megatron-core's, and to-hf / mlm-eval use the tokenizer its args name (no tokenizer flags)."""
+    pytest.importorskip("megatron.core")
+    from mlm_eval.cli import main as eval_main
+    from pretrain.models.gpt import GPTModel
+    from pretrain.models.sharding import load_full_state_dict
+    from pretrain.parallel.state import ParallelState
+    from pretrain.tokenizer.train_tiny import train_tiny_gpt2_bpe
+    from tools.convert_cli import main as convert_main
+
+    tok = train_tiny_gpt2_bpe(tmp_path / "tok", vocab_size=300)
+    vocab = len(json.loads((tok / "vocab.json").read_text()))
+    ck = tmp_path / "mcore"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "megatron_core_writer.py"), str(ck),
+                           str(tok / "vocab.json"), str(tok / "merges.txt"), str(vocab)],
+                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    reader = open_checkpoint(ck)
+    assert reader.metadata is None and reader.spec.cfg.vocab_size == vocab
+    assert reader.info.vocab_source == "args.vocab_size"
+    model = GPTModel(reader.spec.cfg, ParallelState.single()).eval()
+    load_full_state_dict(model, {n: reader.tensor(n) for n in reader.names()})
+    probe = torch.load(ck / "logits.pt")
+    with torch.no_grad():
+        ours = model.full_logits(model(probe["tokens"]))
+    torch.testing.assert_close(ours, probe["logits"], atol=1e-4, rtol=0)
+    assert convert_main(["to-hf", "--load", str(ck), "--save", str(tmp_path / "hf")]) == 0
+    assert (tmp_path / "hf" / "tokenizer.json").is_file()
+    out = tmp_path / "r.json"
+    assert eval_main(["lambada", "--ckpt", str(ck), "--data", "builtin:lambada_sample.jsonl", "--out", str(out),
+                      "--no-progress"]) == 0  # fmt: skip
+    record = json.loads(out.read_text())
+    assert record["model"]["tokenizer"]["source"] == "args.tokenizer_type GPT2BPETokenizer"
