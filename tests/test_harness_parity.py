@@ -57,8 +57,16 @@ def _evaluate(model: str, model_args: str, tasks: Path) -> dict[str, Any]:
 
 
 def _numbers(x: Any) -> list[Any]:
+    """Flattened values; the harness's sample files store numbers and flags as strings."""
     if isinstance(x, (list, tuple)):
         return [n for item in x for n in _numbers(item)]
+    if isinstance(x, str) and x in ("True", "False"):
+        return [x == "True"]
+    if isinstance(x, str):
+        try:
+            return [float(x)]
+        except ValueError:
+            return [x]
     return [x]
 
 
