@@ -48,13 +48,23 @@ def add_data_arguments(parser: argparse.ArgumentParser, *, data_help: str) -> No
     group.add_argument("--text-column", default="text", help="dataset column with the text (default: text)")
 
 
-def load_wikitext_data(args: argparse.Namespace) -> tuple[str, DataSource]:
-    """The raw WikiText text the flags select, and its source."""
+def load_wikitext_data(args: argparse.Namespace) -> tuple[str | list[str], DataSource]:
+    """The raw WikiText text the flags select, and its source.
+
+    Document-level rows (a ``page`` column, the format of lm-evaluation-harness's
+    ``wikitext_document_level`` data, used when the ``--text-column`` is absent) come back as the
+    list of pages, to be scored page by page as given (never re-split).
+    """
     path = _data_path(args)
     if path is not None and not _is_dataset_path(path):
         return read_wikitext(path), DataSource(label=str(path), sha256=_file_sha256(path),
                                                sample_data=is_builtin(args.data))  # fmt: skip
-    rows, label = _dataset_rows(args, path)
+    rows, label = _dataset_rows(args, path, page_column=True)
+    if getattr(args, "_page_rows", False):
+        if not any(page.strip() for page in rows):
+            raise UserError(f"{label}: WikiText pages are empty")
+        digest = hashlib.sha256("\n".join(json.dumps(p) for p in rows).encode("utf-8")).hexdigest()
+        return rows, DataSource(label=label, sha256=digest, sample_data=is_builtin(args.data))
     text = "".join(_wikitext_line(row) for row in rows)
     if not text.strip():
         raise UserError(f"{label}: WikiText data is empty")
@@ -107,8 +117,11 @@ def _wikitext_line(row: str) -> str:
     return row if row.endswith("\n") else row + "\n"
 
 
-def _dataset_rows(args: argparse.Namespace, path: Path | None) -> tuple[list[str], str]:
-    """The text column of the selected split, and a label naming the source."""
+def _dataset_rows(
+    args: argparse.Namespace, path: Path | None, *, page_column: bool = False
+) -> tuple[list[str], str]:
+    """The text column of the selected split, and a label naming the source (``page_column``:
+    a ``page`` column stands in for an absent default ``text`` column; sets ``args._page_rows``)."""
     import datasets  # lazy: slow import
 
     if path is None:
@@ -127,14 +140,24 @@ def _dataset_rows(args: argparse.Namespace, path: Path | None) -> tuple[list[str
         if args.split not in loaded:
             raise UserError(f"{label}: no split {args.split!r} (has {', '.join(loaded)}); use --split")
         loaded = loaded[args.split]
-    if args.text_column not in loaded.column_names:
+    column = args.text_column
+    if (
+        page_column
+        and column == "text"
+        and column not in loaded.column_names
+        and "page" in loaded.column_names
+    ):
+        column = "page"
+    if page_column and column == "page":  # document-level rows, as the harness's task reads them
+        args._page_rows = True
+    if column not in loaded.column_names:
         raise UserError(
             f"{label}: no column {args.text_column!r} (has {', '.join(loaded.column_names)}); use --text-column"
         )
-    rows = loaded[args.text_column]
+    rows = loaded[column]
     bad = next((i for i, r in enumerate(rows) if not isinstance(r, str)), None)
     if bad is not None:
-        raise UserError(f"{label}: row {bad}: column {args.text_column!r} is not a string")
+        raise UserError(f"{label}: row {bad}: column {column!r} is not a string")
     return list(rows), label
 
 

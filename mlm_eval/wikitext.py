@@ -172,7 +172,7 @@ def lm_eval_rolling_windows(
 def evaluate_wikitext_lm_eval(
     scorer: LMScorer,
     tokenizer: Any,
-    raw_text: str,
+    raw_text: str | list[str],
     *,
     seq_length: int = 1024,
     batch_size: int = 8,
@@ -181,7 +181,8 @@ def evaluate_wikitext_lm_eval(
 ) -> dict[str, float | int]:
     """lm-evaluation-harness's ``wikitext`` metrics on ``raw_text`` (``limit``: first N documents).
 
-    Per article (:func:`split_wikitext_documents`): the page is detokenized with the harness's
+    ``raw_text`` is a raw file (split into articles by :func:`split_wikitext_documents`) or the
+    list of pages of document-level data, scored as given. Per article: the page is detokenized with the harness's
     detokenizer (rule for rule the paper's, :func:`wikitext_detokenize`), tokenized without special
     tokens, and scored with :func:`lm_eval_rolling_windows` (prefix = BOS, else EOS, as ``HFLM``).
     Words (``len(re.split(r"\\s+", page))``) and UTF-8 bytes are counted on the raw page.
@@ -193,7 +194,7 @@ def evaluate_wikitext_lm_eval(
     prefix = encoder.prefix_token_id
     if prefix is None:
         raise UserError("the tokenizer has neither a BOS nor an EOS token, which --method lm-eval needs")
-    pages = split_wikitext_documents(raw_text)[:limit]
+    pages = (split_wikitext_documents(raw_text) if isinstance(raw_text, str) else list(raw_text))[:limit]
     rows: list[tuple[list[int], list[int]]] = []
     words = bytes_ = num_tokens = 0
     for page in pages:

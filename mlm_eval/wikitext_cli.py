@@ -91,8 +91,9 @@ def run(args: argparse.Namespace) -> int:
         started = time.perf_counter()
         progress = not args.no_progress
         if task.method == "paper":
+            stream = raw_text if isinstance(raw_text, str) else "\n".join(raw_text)  # pages -> the file
             metrics = evaluate_wikitext_paper(
-                loaded.scorer, loaded.tokenizer, raw_text, seq_length=task.seq_length, overlap=task.overlap,
+                loaded.scorer, loaded.tokenizer, stream, seq_length=task.seq_length, overlap=task.overlap,
                 batch_size=task.batch_size, progress=progress, limit=task.limit,
             )  # fmt: skip
         else:
