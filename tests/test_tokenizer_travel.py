@@ -257,3 +257,27 @@ def test_finetune_hf_model_without_tokenizer_is_refused(
     assert str(weights) in line and "tokenizer" in line
     assert finetune_main([*common, "--hf-model", str(weights), "--tokenizer-dir", str(hf),
                           "--results-dir", str(tmp_path / "b")]) == 0  # fmt: skip
+
+
+def test_pretrain_bert_to_hf_fill_mask(tmp_path: Path) -> None:
+    """mlm-pretrain bert -> to-hf (no tokenizer flags) -> AutoTokenizer + fill-mask pipeline: the
+    WordPiece ids equal ours, [MASK]/[PAD] are the true ids, the pipeline fills the mask."""
+    from transformers import AutoModelForMaskedLM, AutoTokenizer, pipeline
+
+    from pretrain.training.cli import main as pretrain_main
+    from tests.train_fixtures import bert_args, make_bert_data
+
+    data = make_bert_data(tmp_path / "data")
+    ck = tmp_path / "ck"
+    assert pretrain_main(bert_args(data, **{"train-iters": 2, "save": ck, "num-layers": 2})) == 0
+    assert (ck / "tokenizer" / "vocab.txt").is_file()
+    assert convert_main(["to-hf", "--load", str(ck), "--save", str(tmp_path / "hf")]) == 0
+    ours = resolve_tokenizer(open_checkpoint(ck))
+    assert ours is not None
+    tok = AutoTokenizer.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    assert tok(PROBE_TEXT, add_special_tokens=False)["input_ids"] == ours.tokenizer.tokenize(PROBE_TEXT)
+    assert (tok.mask_token_id, tok.pad_token_id) == (ours.tokenizer.mask, ours.tokenizer.pad)
+    model = AutoModelForMaskedLM.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    assert model.config.pad_token_id == ours.tokenizer.pad
+    filled = pipeline("fill-mask", model=model, tokenizer=tok)(f"the first {tok.mask_token} of the day")
+    assert len(filled) > 0 and all(r["sequence"].startswith("the first") for r in filled)
