@@ -92,6 +92,9 @@ def parse_config(args: argparse.Namespace) -> ReportConfig:
 def run(args: argparse.Namespace) -> int:
     """Collect, build, write, print. Returns the exit code."""
     config = parse_config(args)
+    from pretrain.utils.outputs import check_writable_output
+
+    check_writable_output(config.out, kind="dir", flag="--out")  # before any work (a file, read-only)
     collection = collect_results(config.results)
     for skipped in collection.skipped:
         print(f"warning: skipped {skipped.path}: {skipped.reason}", file=sys.stderr)

@@ -144,3 +144,28 @@ def test_top_level_help_imports_no_heavy_library() -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "wikitext103" in proc.stdout and "HEAVY []" in proc.stdout
+
+
+def test_report_out_that_is_a_file_is_refused_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "res").mkdir()
+    (tmp_path / "file").write_text("x")
+    err = _fails(["report", "--results", str(tmp_path / "res"), "--out", str(tmp_path / "file")], capsys)
+    assert err.startswith(f"error: --out {tmp_path / 'file'}: is a file")
+
+
+def test_torchrun_ranks_report_the_same_error_once(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    from pretrain.utils.errors import first_report
+
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    __import__("tempfile").tempdir = None
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"test-{os.getpid()}")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    try:
+        assert [first_report("--save x: bad") for _ in range(4)] == [True, False, False, False]
+        assert first_report("another message") is True
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID")
+        assert first_report("--save x: bad") is True  # outside torchrun: always printed
+    finally:
+        __import__("tempfile").tempdir = None

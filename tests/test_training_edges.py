@@ -267,3 +267,14 @@ def test_other_model_size_is_an_architecture_mismatch(
     err = _fails(gpt_args(gpt_data, **{"train-iters": 2, "load": tmp_path / "ck", "num-layers": 2}), capsys)
     assert "architecture differs" in err and "num-layers 4 (checkpoint) vs 2 (this run)" in err
     assert "reshard" not in err
+
+
+@pytest.mark.slow
+def test_under_torchrun_the_error_is_printed_once(gpt_data: dict[str, str], tmp_path: Path) -> None:
+    from tests.distributed import torchrun
+
+    (tmp_path / "file").write_text("x")
+    proc = torchrun(2, "pretrain.training.cli", gpt_args(gpt_data, **{"save": tmp_path / "file" / "ck"}))
+    assert proc.returncode != 0
+    assert proc.stderr.count(f"error: --save {tmp_path / 'file' / 'ck'}:") == 1, proc.stderr[-3000:]
+    assert "exitcode  : 2" in proc.stderr or "exit code 2" in proc.stderr or "exitcode: 2" in proc.stderr
