@@ -389,3 +389,26 @@ def test_checkpoint_written_by_megatron_core_converts_and_evaluates(tmp_path: Pa
                       "--no-progress"]) == 0  # fmt: skip
     record = json.loads(out.read_text())
     assert record["model"]["tokenizer"]["source"] == "args.tokenizer_type GPT2BPETokenizer"
+
+
+def test_reshard_keeps_rng_state(tmp_path: Path) -> None:
+    from pretrain.checkpoint.args import checkpoint_args
+    from pretrain.checkpoint.io import save_checkpoint
+    from pretrain.models.gpt import GPTModel
+    from pretrain.parallel.state import ParallelState
+    from tools.convert_cli import main as convert_main
+
+    ps = ParallelState.single()
+    save_checkpoint(
+        tmp_path / "a",
+        4,
+        [GPTModel(CFG, ps)],
+        ps,
+        args=checkpoint_args(CFG, ParallelConfig(), model_type="gpt"),
+    )
+    assert convert_main(["reshard", "--load", str(tmp_path / "a"), "--save", str(tmp_path / "b"), "--target-tp", "1",
+                         "--target-pp", "1"]) == 0  # fmt: skip
+    a = torch.load(tmp_path / "a/iter_0000004/mp_rank_00" / MODEL_FILE, weights_only=True)["rng_state"][0]
+    b = torch.load(tmp_path / "b/iter_0000004/mp_rank_00" / MODEL_FILE, weights_only=True)["rng_state"][0]
+    assert set(a) == set(b) and torch.equal(a["torch_rng_state"], b["torch_rng_state"])
+    assert a["random_rng_state"] == b["random_rng_state"]
