@@ -132,7 +132,7 @@ def restore_scheduler(scheduler: LRScheduler, state: dict[str, Any], cfg: Traini
     """The saved step count, with this run's schedule or (``--use-checkpoint-opt_param-scheduler``)
     the checkpoint's; a different schedule needs one of the two flags (Megatron's rule)."""
     if cfg.use_checkpoint_opt_param_scheduler:
-        saved = {k: state[k] for k in ("lr", "min_lr", "decay_style") if k in state}
+        saved: dict[str, Any] = {k: state[k] for k in ("lr", "min_lr", "decay_style") if k in state}
         unit = "samples" if state.get("by_samples") else "iters"
         other = "iters" if unit == "samples" else "samples"
         saved.update({f"warmup_{other}": 0, f"decay_{other}": None})
