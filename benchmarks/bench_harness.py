@@ -67,7 +67,21 @@ def _decode_speed(ckpt: Path, data: dict[str, str], new_tokens: int) -> dict[str
         tokenizer_type="GPT2BPETokenizer", vocab_file=data["vocab"], merge_file=data["merges"]
     )
     engine = HarnessEngine.load(EngineConfig(ckpt=str(ckpt), tokenizer=tok, progress=False))
-    words = ["the", "quick", "brown", "fox", "jumps", "over", "the", "lazy", "dog", "and", "runs", "far", "away"]
+    words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "over",
+        "the",
+        "lazy",
+        "dog",
+        "and",
+        "runs",
+        "far",
+        "away",
+    ]
     prompts = [engine.tokenizer.tokenize(" ".join(words[: 3 + i])) for i in range(8)]
     out: dict[str, float] = {}
     tokens: dict[bool, list[list[int]]] = {}
