@@ -97,3 +97,16 @@ def test_resharded_checkpoint_follows_the_umask(ckpt: Path, tmp_path: Path, mask
     for p in paths:
         want = (0o777 if p.is_dir() else 0o666) & ~mask
         assert stat.S_IMODE(p.stat().st_mode) == want, (p, oct(p.stat().st_mode))
+
+
+def test_truncated_safetensors_in_from_hf_is_one_line(
+    tiny_gpt2_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_gpt2_dir, broken)
+    weights = broken / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    err = _fails(["from-hf", "--load", str(broken), "--save", str(tmp_path / "ck")], capsys)
+    assert f"--load {broken}: cannot read {weights}" in err and not (tmp_path / "ck").exists()

@@ -195,7 +195,16 @@ def export_hf(
 
 
 def read_hf_state(hf_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file as _load_file
+
+    def load_file(path: str) -> dict[str, torch.Tensor]:
+        try:
+            return _load_file(path)
+        except (SafetensorError, OSError) as exc:  # truncated or not a safetensors file: one line
+            raise UserError(
+                f"--load {hf_dir}: cannot read {path} ({str(exc).strip() or type(exc).__name__})"
+            ) from None
 
     if (hf_dir / "model.safetensors").is_file():
         return load_file(str(hf_dir / "model.safetensors"))
