@@ -52,6 +52,7 @@ def _embed(model_dir: Path) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch
     return hidden, torch.nn.functional.normalize(pooled, dim=-1), dict(batch)
 
 
+@pytest.mark.slow  # > 10 s
 def test_minilm_round_trip_through_tp2_keeps_hidden_states_and_embeddings(tmp_path: Path) -> None:
     src = _package_dir()
     assert json.loads((src / "config.json").read_text())["architectures"] == ["BertModel"]

@@ -156,6 +156,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # > 10 s
 def test_reshard_peak_memory_below_model_size(tmp_path: Path) -> None:
     cfg = tiny_config(num_layers=16, hidden_size=256, num_attention_heads=8, max_position_embeddings=64)
     gen = torch.Generator().manual_seed(0)

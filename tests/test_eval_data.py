@@ -47,6 +47,7 @@ def _datasets_files(tmp: Path, column: str, rows: list[str]) -> dict[str, str]:
             "dir": str(tmp / f"{column}_dir")}  # fmt: skip
 
 
+@pytest.mark.slow  # > 10 s
 def test_wikitext_from_datasets_equals_raw_file(tiny: Path, tmp_path: Path) -> None:
     raw = _run(tiny, tmp_path, "raw", ["wikitext103", "--data", "builtin:wikitext_sample.tokens", *WIKI_ARGS])
     files = _datasets_files(tmp_path, "text", _hf_wikitext_rows())

@@ -96,6 +96,7 @@ def _ours(model_dir: Path, root: Path, argv: list[str]) -> dict[str, Any]:
     return json.loads(out.read_text())["metrics"]  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow  # > 10 s
 def test_lm_eval_harness_equals_mlm_eval(tmp_path: Path) -> None:
     from lm_eval import simple_evaluate
     from lm_eval.tasks import TaskManager

@@ -64,6 +64,7 @@ class RecordingScorer:
         return ScoreOutput(nll=torch.where(mask, self.nll, 0.0).double(), is_argmax=torch.zeros_like(mask))
 
 
+@pytest.mark.slow  # > 10 s
 def test_paper_method_equals_brute_force_reference(tiny, raw_text: str) -> None:  # type: ignore[no-untyped-def]
     model, tok = tiny
     scorer = HFCausalLMScorer(model, vocab_size=len(tok), batch_size=3)

@@ -54,6 +54,7 @@ def _run(argv: list[str], out: Path) -> dict:
     return json.loads((out / "results.json").read_text())
 
 
+@pytest.mark.slow  # > 10 s
 def test_sentence_pair_accuracy_above_85(tmp_path: Path) -> None:
     rec = _run(["rte", "--data-dir", str(_rte(tmp_path / "glue")), "--seq-length", "24", "--epochs", "2",
                 "--global-batch-size", "16", "--lr", "1e-4"], tmp_path / "res")  # fmt: skip
@@ -80,6 +81,7 @@ def _squad(root: Path, seed: int = 0) -> Path:
     return root
 
 
+@pytest.mark.slow  # > 10 s
 def test_span_f1_above_60(tmp_path: Path) -> None:
     rec = _run(["squad", "--data-dir", str(_squad(tmp_path / "squad")), "--seq-length", "32",
                 "--epochs", "2", "--global-batch-size", "16", "--lr", "3e-4"], tmp_path / "res")  # fmt: skip
