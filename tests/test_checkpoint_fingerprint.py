@@ -105,3 +105,43 @@ def test_loaded_hf_model_matches_its_megatron_checkpoint(tmp_path: Path, case: s
     assert (
         hf_weights_fingerprint({"x": torch.ones(2)}, model.config) != expected
     )  # not a valid model: raw hash
+
+
+def test_reshard_and_from_hf_record_the_fingerprint_and_inspect_shows_it(
+    tmp_path: Path, full, capsys
+) -> None:
+    import json
+
+    expected = weights_fingerprint(full)
+    src = write_ours(tmp_path / "tp2", CFG, full, tp=2, pp=1)
+    assert convert_main(["reshard", "--load", str(src), "--save", str(tmp_path / "tp1"),
+                         "--target-tp", "1", "--target-pp", "2"]) == 0  # fmt: skip
+    meta = open_checkpoint(tmp_path / "tp1").metadata
+    assert meta is not None and meta.provenance.weights_fingerprint == expected
+    assert convert_main(["reshard", "--load", str(tmp_path / "tp1"), "--save", str(tmp_path / "again"),
+                         "--target-tp", "2", "--target-pp", "1"]) == 0  # fmt: skip
+    again = open_checkpoint(tmp_path / "again").metadata
+    assert again is not None and again.provenance.weights_fingerprint == expected  # carried, still equal
+    capsys.readouterr()
+    assert convert_main(["inspect", str(tmp_path / "again"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["provenance"]["weights_fingerprint"] == expected
+    assert convert_main(["inspect", str(tmp_path / "again")]) == 0
+    assert short_fingerprint(expected) in capsys.readouterr().out
+    assert convert_main(["to-hf", "--weights-only", "--load", str(src), "--save", str(tmp_path / "hf")]) == 0
+    assert convert_main(["from-hf", "--weights-only", "--load", str(tmp_path / "hf"),
+                         "--save", str(tmp_path / "back")]) == 0  # fmt: skip
+    back = open_checkpoint(tmp_path / "back").metadata
+    assert back is not None and back.provenance.weights_fingerprint == expected
+
+
+def test_pretrain_records_the_data_hash_of_its_idx_files(trained_gpt: dict[str, str], tmp_path: Path) -> None:
+    from pretrain.data.gpt_dataset import data_hash
+
+    meta = open_checkpoint(trained_gpt["ckpt"]).metadata
+    assert meta is not None and meta.provenance.data_hash == data_hash([(trained_gpt["data"], None)])
+    assert meta.provenance.data_hash is not None and meta.provenance.data_hash.startswith("idx-b2:")
+    other = tmp_path / "other"
+    idx = Path(trained_gpt["data"] + ".idx").read_bytes()
+    (tmp_path / "other.idx").write_bytes(idx[:-8] + bytes(8))  # other document sizes, other data
+    assert data_hash([(str(other), None)]) != meta.provenance.data_hash
+    assert data_hash([(trained_gpt["data"], 0.5)]) != meta.provenance.data_hash  # weights count

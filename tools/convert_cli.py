@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pretrain.checkpoint.fingerprint import short_fingerprint, weights_fingerprint
 from pretrain.checkpoint.opener import open_checkpoint
 from pretrain.checkpoint.reshard import WriteOptions, check_output_dir, write_layout
 from pretrain.checkpoint.types import TOKENIZER_SUBDIR, Provenance
@@ -239,6 +240,11 @@ def _print_inspect(record: dict[str, Any]) -> None:
     table.add_row(
         "model", ", ".join(f"{k}={cfg[k]}" for k in ("num_layers", "hidden_size", "num_attention_heads"))
     )
+    prov = record["provenance"] or {}
+    if prov.get("weights_fingerprint"):  # the full string is in --json
+        table.add_row("weights_fingerprint", short_fingerprint(str(prov["weights_fingerprint"])))
+    if prov.get("data_hash"):
+        table.add_row("data_hash", str(prov["data_hash"]))
     console = Console()
     console.print(table)
     for p in record["problems"]:
@@ -286,6 +292,8 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
     scheduler = getattr(reader, "states", [{}])[0].get("opt_param_scheduler")
     meta = reader.metadata
     prov = meta.provenance if meta is not None else Provenance(iteration=reader.info.iteration)
+    if prov.weights_fingerprint is None:  # resharding keeps the weights: the source's fingerprint holds
+        prov = dataclasses.replace(prov, weights_fingerprint=weights_fingerprint(reader))
     options = WriteOptions(
         iteration=reader.info.iteration if reader.info.iteration is not None else "release",
         opt_param_scheduler=scheduler if isinstance(scheduler, dict) else None,
@@ -361,7 +369,11 @@ def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_b
     options = WriteOptions(
         iteration="release",
         tokenizer=None if tok is None else tok.record,
-        provenance=Provenance(converted_from=str(hf_dir), source_model_type=_hf_model_type(hf_dir)),
+        provenance=Provenance(
+            converted_from=str(hf_dir),
+            source_model_type=_hf_model_type(hf_dir),
+            weights_fingerprint=weights_fingerprint(source),
+        ),
         module_names=module_names,
     )
     with bar:

@@ -81,6 +81,7 @@ def training_metadata(
     global_batch_size: int | None = None,
     finetune: FinetuneRecord | None = None,
     module_names: str | None = None,
+    data_hash: str | None = None,
 ) -> CheckpointMetadata:
     """The record of a training run's checkpoints; the writer rank (``write_tokenizer``) copies
     the tokenizer's files into ``SAVE/tokenizer/`` so the checkpoint carries them."""
@@ -92,6 +93,6 @@ def training_metadata(
     record = record_of(tokenizer)
     if save is not None and write_tokenizer:
         save_tokenizer(tokenizer, checkpoint_tokenizer_dir(save))
-    prov = Provenance(argv=tuple(argv), global_batch_size=global_batch_size)
+    prov = Provenance(argv=tuple(argv), global_batch_size=global_batch_size, data_hash=data_hash)
     return build_metadata(model, parallel, kind=kind, tokenizer=record, provenance=prov,
                           add_binary_head=kind == "bert", finetune=finetune, module_names=module_names)  # fmt: skip

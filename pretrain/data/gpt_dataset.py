@@ -152,6 +152,16 @@ def _file_digest(path: str) -> str:
     return _HASH_MEMO[key]
 
 
+def data_hash(blend: Sequence[tuple[str, float | None]]) -> str:
+    """The identity of a ``--data-path`` blend for checkpoint provenance: ``blake2b`` over each
+    prefix's weight and the digest of its ``.idx`` file (document and sequence sizes; cheap to read,
+    independent of where the files lie)."""
+    h = hashlib.blake2b(digest_size=16)
+    for prefix, weight in blend:
+        h.update(f"{weight!r}:{_file_digest(prefix + '.idx')};".encode())
+    return f"idx-b2:{h.hexdigest()}"
+
+
 def _description_hash(desc: dict[str, Any]) -> str:
     return hashlib.md5(json.dumps(desc, sort_keys=True).encode(), usedforsecurity=False).hexdigest()
 

@@ -25,7 +25,7 @@ from typing import Any
 
 from pretrain.checkpoint.args import training_metadata
 from pretrain.config import DTypeName, ModelConfig, ParallelConfig
-from pretrain.data.gpt_dataset import GPTDatasetConfig
+from pretrain.data.gpt_dataset import GPTDatasetConfig, data_hash
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
 from pretrain.parallel.layout import check_sizes
 from pretrain.pipeline.partition import stage_layer_numbers
@@ -308,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     ps = setup_parallel(cfgs["parallel"], seed=cfgs["train"].seed)
     ckpt = training_metadata(cfgs["model"], cfgs["parallel"], kind=args.model, tokenizer=cfgs["tokenizer"],
                              save=cfgs["train"].save, write_tokenizer=ps.rank == 0, argv=list(argv or sys.argv[1:]),
-                             global_batch_size=cfgs["train"].global_batch_size)  # fmt: skip
+                             global_batch_size=cfgs["train"].global_batch_size,
+                             data_hash=data_hash(cfgs["data"].blend))  # fmt: skip
     result = train(task, ps=ps, optim_cfg=cfgs["optim"], lr_cfg=cfgs["lr"], cfg=cfgs["train"], ckpt_args=ckpt)
     if ps.rank == 0 and result["history"]:
         first, last = result["history"][0], result["history"][-1]
