@@ -18,6 +18,16 @@ from typing import Any
 
 from mlm_eval.scorer import DTYPE_FLAGS, HFCausalLMScorer, LMScorer
 from pretrain.utils.errors import UserError
+from pretrain.utils.flag_groups import (
+    DTypeFlags,
+    ParallelFlags,
+    TokenizerFlags,
+    add_flag_group,
+    flags_from_namespace,
+)
+
+# mlm-eval keeps Megatron's attribute names for the parallel sizes (torchrun launch scripts read them)
+PARALLEL_DESTS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size"}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,18 +49,20 @@ class ModelSpec:
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSpec:
         """Collect the model flags of a parsed namespace (see :func:`add_model_arguments`)."""
+        tok = flags_from_namespace(TokenizerFlags, args)
+        par = flags_from_namespace(ParallelFlags, args, dests=PARALLEL_DESTS)
         return cls(
             hf_model=args.hf_model,
             ckpt=args.ckpt,
-            tokenizer_type=args.tokenizer_type,
-            vocab_file=args.vocab_file,
-            merge_file=args.merge_file,
-            tokenizer_dir=args.tokenizer_dir,
+            tokenizer_type=tok.tokenizer_type,
+            vocab_file=tok.vocab_file,
+            merge_file=tok.merge_file,
+            tokenizer_dir=None if tok.tokenizer_dir is None else str(tok.tokenizer_dir),
             device=args.device,
-            dtype=DTYPE_FLAGS[args.dtype],
-            tp=args.tensor_model_parallel_size,
-            pp=args.pipeline_model_parallel_size,
-            force_tokenizer=bool(getattr(args, "force_tokenizer", False)),
+            dtype=DTYPE_FLAGS[flags_from_namespace(DTypeFlags, args).dtype],
+            tp=par.tp,
+            pp=par.pp,
+            force_tokenizer=tok.force_tokenizer,
         )
 
 
@@ -79,25 +91,13 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--hf-model", metavar="DIR", help="local Hugging Face causal LM + tokenizer directory"
     )
     source.add_argument("--ckpt", metavar="DIR", help="an mlm-toolkit (Megatron-layout) checkpoint directory")
-    group.add_argument(
-        "--tokenizer-type", help="Megatron tokenizer type, e.g. GPT2BPETokenizer (with --ckpt)"
-    )
-    group.add_argument("--vocab-file", metavar="PATH", help="tokenizer vocabulary file (with --ckpt)")
-    group.add_argument("--merge-file", metavar="PATH", help="BPE merges file (with --ckpt)")
-    group.add_argument(
-        "--tokenizer-dir", metavar="DIR",
-        help="a tokenizer directory to use instead of the model's own (with --ckpt: checked against the checkpoint's)",
-    )  # fmt: skip
-    group.add_argument("--force-tokenizer", action="store_true",
-                       help="use the given tokenizer even if it differs from the checkpoint's (the result says so)")  # fmt: skip
+    add_flag_group(parser, TokenizerFlags, title="tokenizer", group=group,
+                   include=("tokenizer_type", "vocab_file", "merge_file", "tokenizer_dir", "force_tokenizer"))  # fmt: skip
     group.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
-    group.add_argument(
-        "--dtype", choices=tuple(DTYPE_FLAGS), default="fp32", help="model weights' dtype (default fp32)"
+    add_flag_group(parser, DTypeFlags, title="dtype", group=group, include=("dtype",))
+    add_flag_group(
+        parser, ParallelFlags, title="parallel", group=group, include=("tp", "pp"), dests=PARALLEL_DESTS
     )
-    group.add_argument("--tensor-model-parallel-size", "--tp", type=int, default=1, metavar="N",
-                       help="TP degree (with --ckpt under torchrun)")  # fmt: skip
-    group.add_argument("--pipeline-model-parallel-size", "--pp", type=int, default=1, metavar="N",
-                       help="PP degree (with --ckpt under torchrun); DP = world / (TP x PP)")  # fmt: skip
     group.add_argument(
         "--name", default=None, help="model name in the result record (default: directory name)"
     )
