@@ -41,6 +41,7 @@ from pretrain.training.cli import add_parallel_args
 from pretrain.training.config import TrainingConfig
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
+from pretrain.utils.flag_groups import DTypeFlags, TokenizerFlags, add_flag_group
 from pretrain.utils.outputs import check_writable_output
 from pretrain.utils.results import TASK_METRICS, make_result, write_result
 
@@ -56,13 +57,9 @@ def build_parser() -> OneLineParser:
     src.add_argument("--hf-model", help="local Hugging Face BERT directory (weights + tokenizer)")
     g.add_argument("--data-dir", required=True, help="official task files (GLUE TSV, SQuAD JSON, RACE dirs)")
     tok = g.add_mutually_exclusive_group()
-    tok.add_argument(
-        "--tokenizer-dir", help="tokenizer directory (with --ckpt: checked against the checkpoint's)"
-    )
-    tok.add_argument("--vocab-file", help="BERT WordPiece vocab.txt")
+    add_flag_group(p, TokenizerFlags, title="tokenizer", group=tok, include=("tokenizer_dir", "vocab_file"))
     g.add_argument("--cased", action="store_true", help="--vocab-file is cased (default: lower case)")
-    g.add_argument("--force-tokenizer", action="store_true",
-                   help="use --tokenizer-dir/--vocab-file even if it differs from the checkpoint's tokenizer")  # fmt: skip
+    add_flag_group(p, TokenizerFlags, title="tokenizer", group=g, include=("force_tokenizer",))
     g.add_argument("--eval-only", action="store_true", help="evaluate the finetuned --ckpt, no training")
     t = p.add_argument_group("finetuning (default: the --preset)")
     t.add_argument("--preset", choices=SIZES, default="336m")
@@ -81,8 +78,7 @@ def build_parser() -> OneLineParser:
     t.add_argument("--null-score-diff-threshold", type=float, default=0.0, help="SQuAD 2.0")
     t.add_argument("--hidden-dropout", type=float, default=0.1)
     t.add_argument("--attention-dropout", type=float, default=0.1)
-    t.add_argument("--bf16", action="store_true")
-    t.add_argument("--fp16", action="store_true")
+    add_flag_group(p, DTypeFlags, title="finetuning", group=t, include=("bf16", "fp16"))
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--seeds", type=int, default=1, help="finetune N times, report the median")
     o = p.add_argument_group("output")

@@ -11,6 +11,7 @@ import importlib
 import sys
 from typing import Any
 
+from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import cli_entry
 
 SUBCOMMAND_MODULES = (
@@ -31,7 +32,7 @@ SUBCOMMANDS = {
 
 def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     """The parser; with ``command`` only that subcommand's module is imported (others are stubs)."""
-    parser = argparse.ArgumentParser(prog="mlm-eval", description=__doc__.splitlines()[0])
+    parser = OneLineParser(prog="mlm-eval", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     known = {module for module, _ in SUBCOMMANDS.values()}
     for name, (module_name, helptext) in SUBCOMMANDS.items():

@@ -32,3 +32,101 @@ def test_finetune_refuses_a_virtual_stage_size_that_does_not_divide(
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--num-layers 3 is not divisible" in err[0]
+
+
+# ------------------------------------------------------------------ shared typed flag groups
+
+SHARED_HELP = {  # command -> (argv for --help, flags of the shared groups it shows)
+    "mlm-pretrain": (["gpt"], ["--tensor-model-parallel-size N, --tp N", "--tokenizer-type", "--bf16", "--fp16"]),
+    "mlm-eval": (["lambada"], ["--tensor-model-parallel-size N, --tp N", "--tokenizer-dir DIR", "--force-tokenizer",
+                               "--dtype {fp32,bf16,fp16}", "(default: fp32)"]),
+    "mlm-finetune": ([], ["--tensor-model-parallel-size N, --tp N", "--tokenizer-dir DIR", "--force-tokenizer",
+                          "--bf16"]),
+    "mlm-convert": (["from-hf"], ["--tensor-model-parallel-size N, --tp N", "--tokenizer-dir DIR", "--vp N"]),
+}  # fmt: skip
+
+
+def _main(command: str):  # type: ignore[no-untyped-def]
+    if command == "mlm-pretrain":
+        from pretrain.training.cli import main
+    elif command == "mlm-eval":
+        from mlm_eval.cli import main
+    elif command == "mlm-finetune":
+        from finetune.cli import main
+    else:
+        from tools.convert_cli import main
+    return main
+
+
+@pytest.mark.parametrize("command", sorted(SHARED_HELP))
+def test_every_command_help_shows_the_shared_flags_with_defaults(
+    command: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    argv, shown = SHARED_HELP[command]
+    with pytest.raises(SystemExit) as exc:
+        _main(command)([*argv, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for flag in shown:
+        assert flag in out, (command, flag)
+    assert "tensor-parallel size (TP) (default: 1)" in out
+    assert "pipeline-parallel size (PP); DP = world / (TP x PP) (default: 1)" in out
+
+
+def test_flag_dataclasses_round_trip_through_argparse() -> None:
+    import argparse
+    from pathlib import Path
+
+    from pretrain.utils.flag_groups import (
+        DTypeFlags,
+        ParallelFlags,
+        TokenizerFlags,
+        add_flag_group,
+        flags_from_namespace,
+    )
+
+    parser = argparse.ArgumentParser()
+    for cls in (TokenizerFlags, DTypeFlags, ParallelFlags):
+        add_flag_group(parser, cls, title=cls.__name__)
+    assert flags_from_namespace(ParallelFlags, parser.parse_args([])) == ParallelFlags()
+    assert flags_from_namespace(TokenizerFlags, parser.parse_args([])) == TokenizerFlags()
+    ns = parser.parse_args(["--tp", "2", "--pipeline-model-parallel-size", "4", "--vp", "3", "--dtype", "bf16",
+                            "--bf16", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json",
+                            "--merge-file", "m.txt", "--tokenizer-dir", "tok", "--force-tokenizer"])  # fmt: skip
+    assert flags_from_namespace(ParallelFlags, ns) == ParallelFlags(tp=2, pp=4, vp=3)
+    assert flags_from_namespace(DTypeFlags, ns) == DTypeFlags(dtype="bf16", bf16=True)
+    tok = flags_from_namespace(TokenizerFlags, ns)
+    assert tok == TokenizerFlags(tokenizer_type="GPT2BPETokenizer", vocab_file="v.json", merge_file="m.txt",
+                                 tokenizer_dir=Path("tok"), force_tokenizer=True)  # fmt: skip
+    assert isinstance(tok.tokenizer_dir, Path)  # typed from the annotation
+    # a command's own names for the same fields (mlm-convert reshard's target layout)
+    from tools.convert_cli import TARGET_DESTS, TARGET_FLAGS
+
+    target = argparse.ArgumentParser()
+    add_flag_group(
+        target, ParallelFlags, title="t", flags=TARGET_FLAGS, dests=TARGET_DESTS, required=("tp", "pp")
+    )
+    ns = target.parse_args(["--target-tp", "4", "--target-pp", "2"])
+    assert flags_from_namespace(ParallelFlags, ns, dests=TARGET_DESTS) == ParallelFlags(tp=4, pp=2, vp=1)
+
+
+@pytest.mark.parametrize(
+    ("command", "argv", "flag"),
+    [
+        ("mlm-eval", ["lambada", "--ckpt", "x", "--tp", "two"], "--tensor-model-parallel-size/--tp"),
+        ("mlm-eval", ["lambada", "--ckpt", "x", "--dtype", "fp8"], "--dtype"),
+        ("mlm-convert", ["from-hf", "--load", "x", "--save", "y", "--pp", "1.5"], "--pipeline-model-parallel-size/--pp"),
+        ("mlm-convert", ["reshard", "--load", "x", "--save", "y", "--target-tp", "a", "--target-pp", "1"], "--target-tp"),
+        ("mlm-pretrain", ["gpt", "--tokenizer-type", "Nope"], "--tokenizer-type"),
+        ("mlm-finetune", ["sst2", "--hf-model", "x", "--data-dir", "d", "--tp", "x"], "--tensor-model-parallel-size/--tp"),
+    ],
+)  # fmt: skip
+def test_a_bad_flag_value_is_one_line_and_exit_2(
+    command: str, argv: list[str], flag: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _main(command)(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error:" in err[0] and flag in err[0], err

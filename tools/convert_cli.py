@@ -33,7 +33,9 @@ from pretrain.checkpoint.reshard import WriteOptions, check_output_dir, write_la
 from pretrain.checkpoint.types import TOKENIZER_SUBDIR, Provenance
 from pretrain.config import ParallelConfig
 from pretrain.tokenizer.loader import ResolvedTokenizer, load_tokenizer_dir, resolve_tokenizer, save_tokenizer
+from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
+from pretrain.utils.flag_groups import ParallelFlags, TokenizerFlags, add_flag_group, flags_from_namespace
 from pretrain.utils.outputs import check_writable_output
 from tools.hf_io import export_hf, import_hf
 from tools.hf_shards import DEFAULT_MAX_SHARD_SIZE
@@ -73,6 +75,11 @@ def _iteration(text: str) -> int | str:
         raise argparse.ArgumentTypeError(f"expected an iteration number or 'release', got {text!r}") from None
 
 
+# reshard names its layout --target-tp/--target-pp/--target-vp (the source's layout is read from disk)
+TARGET_FLAGS = {"tp": ("--target-tp",), "pp": ("--target-pp",), "vp": ("--target-vp",)}
+TARGET_DESTS = {"tp": "target_tp", "pp": "target_pp", "vp": "target_vp"}
+
+
 def _add_source(p: argparse.ArgumentParser, *, positional: bool = False) -> None:
     if positional:
         p.add_argument("load", type=Path, metavar="DIR", help="checkpoint root or iteration directory")
@@ -80,17 +87,11 @@ def _add_source(p: argparse.ArgumentParser, *, positional: bool = False) -> None
         p.add_argument("--load", type=Path, required=True, help="source checkpoint directory")
     p.add_argument("--iteration", type=_iteration, help="iteration to read (default: the tracker's)")
     p.add_argument("--vocab-size", type=int, help="true vocabulary size, where the checkpoint records none")
-    p.add_argument(
-        "--tokenizer-dir",
-        type=Path,
-        help="tokenizer directory to use instead of the checkpoint's own (checked against it)",
-    )
-    p.add_argument("--force-tokenizer", action="store_true",
-                   help="use --tokenizer-dir even if it differs from the checkpoint's recorded tokenizer")  # fmt: skip
+    add_flag_group(p, TokenizerFlags, title="tokenizer", include=("tokenizer_dir", "force_tokenizer"))
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mlm-convert", description=__doc__.split("\n\n")[0])
+    parser = OneLineParser(prog="mlm-convert", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="describe a checkpoint and check it across shards")
     _add_source(p, positional=True)
@@ -98,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("reshard", help="rewrite a checkpoint at another TP/PP/VP layout")
     _add_source(p)
     p.add_argument("--save", type=Path, required=True, help="new output directory")
-    p.add_argument("--target-tp", type=int, required=True)
-    p.add_argument("--target-pp", type=int, required=True)
-    p.add_argument("--target-vp", type=int, default=1)
+    add_flag_group(
+        p, ParallelFlags, title="target layout", flags=TARGET_FLAGS, dests=TARGET_DESTS, required=("tp", "pp")
+    )
     p.add_argument("--with-optimizer", action="store_true", help="reshard the optimizer state too")
     _add_module_names(p)
     _add_format(p)
@@ -116,12 +117,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("from-hf", help="import a Hugging Face GPT-2 / BERT directory")
     p.add_argument("--load", type=Path, required=True, help="Hugging Face model directory")
     p.add_argument("--save", type=Path, required=True, help="new checkpoint directory")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--vp", type=int, default=1)
+    add_flag_group(p, ParallelFlags, title="parallel layout")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     _add_module_names(p)
-    p.add_argument("--tokenizer-dir", type=Path, help="tokenizer, when the Hugging Face directory has none")
+    add_flag_group(p, TokenizerFlags, title="tokenizer", include=("tokenizer_dir",))
     p.add_argument("--weights-only", action="store_true",
                    help="accept a Hugging Face directory without a tokenizer (the checkpoint records none)")  # fmt: skip
     _add_format(p)
@@ -418,9 +417,13 @@ def _check_outputs_and_flags(args: argparse.Namespace) -> None:
     check_writable_output(args.save, kind="dir", flag="--save")
 
 
+def _layout(flags: ParallelFlags) -> ParallelConfig:
+    return ParallelConfig(tp=flags.tp, pp=flags.pp, vp=flags.vp)
+
+
 def _convert(args: argparse.Namespace) -> int:
     if args.command == "reshard":
-        target = ParallelConfig(tp=args.target_tp, pp=args.target_pp, vp=args.target_vp)
+        target = _layout(flags_from_namespace(ParallelFlags, args, dests=TARGET_DESTS))
         rc = run_reshard(_source(args), args.save, target, with_optimizer=args.with_optimizer,
                          ckpt_format=args.ckpt_format, module_names=args.module_names)  # fmt: skip
     elif args.command == "to-hf":
@@ -428,7 +431,7 @@ def _convert(args: argparse.Namespace) -> int:
             _source(args), args.save, weights_only=args.weights_only, max_shard_size=args.max_shard_size
         )
     else:
-        target = ParallelConfig(tp=args.tp, pp=args.pp, vp=args.vp)
+        target = _layout(flags_from_namespace(ParallelFlags, args))
         rc = run_from_hf(args.load, args.save, target, divisible_by=args.make_vocab_size_divisible_by,
                          tokenizer_dir=args.tokenizer_dir, weights_only=args.weights_only,
                          ckpt_format=args.ckpt_format, module_names=args.module_names)  # fmt: skip

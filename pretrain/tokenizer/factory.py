@@ -91,22 +91,10 @@ class TokenizerConfig:
 
 def add_tokenizer_arguments(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
     """Add ``--tokenizer-type``, ``--vocab-file``, ``--merge-file``, ``--tokenizer-model``."""
-    group = parser.add_argument_group("tokenizer")
-    group.add_argument(
-        "--tokenizer-type",
-        choices=TOKENIZER_TYPES,
-        required=required,
-        help="which tokenizer (Megatron's names)",
-    )
-    group.add_argument(
-        "--vocab-file", default=None, help="vocab.json (GPT-2 BPE) or vocab.txt (BERT WordPiece)"
-    )
-    group.add_argument("--merge-file", default=None, help="merges.txt (GPT-2 BPE)")
-    group.add_argument(
-        "--tokenizer-model",
-        default=None,
-        help="SentencePiece .model file or Hugging Face tokenizer directory",
-    )
+    from pretrain.utils.flag_groups import TokenizerFlags, add_flag_group
+
+    add_flag_group(parser, TokenizerFlags, title="tokenizer", required=("tokenizer_type",) if required else (),
+                   include=("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"))  # fmt: skip
 
 
 def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:

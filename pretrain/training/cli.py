@@ -34,6 +34,7 @@ from pretrain.training.architecture_args import add_architecture_args, architect
 from pretrain.training.config import TrainingConfig
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
+from pretrain.utils.flag_groups import DTypeFlags, ParallelFlags, add_flag_group
 from pretrain.utils.outputs import check_writable_output
 
 
@@ -57,8 +58,7 @@ def add_model_args(p: OneLineParser) -> None:
 
 def add_parallel_args(p: OneLineParser) -> None:
     g = p.add_argument_group("parallelism")
-    g.add_argument("--tensor-model-parallel-size", "--tp", dest="tp", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", "--pp", dest="pp", type=int, default=1)
+    add_flag_group(p, ParallelFlags, title="parallelism", group=g, include=("tp", "pp"))
     g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
     g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
     g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
@@ -83,8 +83,7 @@ def add_training_args(p: OneLineParser) -> None:
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--clip-grad", type=float, default=1.0)
-    g.add_argument("--bf16", action="store_true")
-    g.add_argument("--fp16", action="store_true")
+    add_flag_group(p, DTypeFlags, title="training", group=g, include=("bf16", "fp16"))
     g.add_argument("--loss-scale", type=float, default=None)
     g.add_argument("--initial-loss-scale", type=float, default=2.0**32)
     g.add_argument("--seed", type=int, default=1234)

@@ -21,6 +21,7 @@ import argparse
 import dataclasses
 import types
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -131,9 +132,9 @@ def add_flag_group(
     *,
     title: str,
     include: tuple[str, ...] | None = None,
-    dests: dict[str, str] | None = None,
-    flags: dict[str, tuple[str, ...]] | None = None,
-    defaults: dict[str, Any] | None = None,
+    dests: Mapping[str, str] | None = None,
+    flags: Mapping[str, tuple[str, ...]] | None = None,
+    defaults: Mapping[str, Any] | None = None,
     required: tuple[str, ...] = (),
     group: Any = None,
 ) -> Any:
@@ -161,7 +162,9 @@ def add_flag_group(
     return target
 
 
-def flags_from_namespace(cls: type[T], ns: argparse.Namespace, *, dests: dict[str, str] | None = None) -> T:
+def flags_from_namespace(
+    cls: type[T], ns: argparse.Namespace, *, dests: Mapping[str, str] | None = None
+) -> T:
     """The ``cls`` instance a parsed namespace holds; fields the command did not add keep their defaults."""
     values: dict[str, Any] = {}
     for f in dataclasses.fields(cls):  # type: ignore[arg-type]
