@@ -41,7 +41,7 @@ from pretrain.training.cli import add_parallel_args
 from pretrain.training.config import TrainingConfig
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
-from pretrain.utils.flag_groups import DTypeFlags, TokenizerFlags, add_flag_group
+from pretrain.utils.flag_groups import DTypeFlags, TokenizerFlags, add_flag_group, flags_from_namespace
 from pretrain.utils.outputs import check_writable_output
 from pretrain.utils.results import TASK_METRICS, make_result, write_result
 
@@ -177,7 +177,7 @@ def _eval_only_source(args: Any) -> Pretrained:
 
 
 def _model_cfg(args: Any, pre: Pretrained, seq_length: int) -> ModelConfig:
-    dtype: DTypeName = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+    dtype: DTypeName = flags_from_namespace(DTypeFlags, args).dtype_name()
     cfg = dataclasses.replace(pre.cfg, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
                               params_dtype=dtype)  # fmt: skip
     if seq_length > cfg.max_position_embeddings:
@@ -275,8 +275,7 @@ def _print_table(task: str, metrics: dict[str, float], runs: list[dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
-    if args.bf16 and args.fp16:
-        raise UserError("--bf16 and --fp16 are mutually exclusive")
+    flags_from_namespace(DTypeFlags, args).dtype_name()  # --bf16 with --fp16 is refused before any work
     _check_outputs(args)
     if args.eval_only:
         pre = _eval_only_source(args)

@@ -130,3 +130,13 @@ def test_a_bad_flag_value_is_one_line_and_exit_2(
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "error:" in err[0] and flag in err[0], err
+
+
+def test_dtype_flags_name_one_dtype() -> None:
+    from pretrain.utils.flag_groups import DTypeFlags
+
+    assert DTypeFlags().dtype_name() == "float32"
+    assert DTypeFlags(bf16=True).dtype_name() == "bfloat16" == DTypeFlags(dtype="bf16").dtype_name()
+    assert DTypeFlags(fp16=True).dtype_name() == "float16"
+    with pytest.raises(UserError, match="--bf16 and --fp16 are mutually exclusive"):
+        DTypeFlags(bf16=True, fp16=True).dtype_name()

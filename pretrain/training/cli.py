@@ -34,7 +34,7 @@ from pretrain.training.architecture_args import add_architecture_args, architect
 from pretrain.training.config import TrainingConfig
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
-from pretrain.utils.flag_groups import DTypeFlags, ParallelFlags, add_flag_group
+from pretrain.utils.flag_groups import DTypeFlags, ParallelFlags, add_flag_group, flags_from_namespace
 from pretrain.utils.outputs import check_writable_output
 
 
@@ -152,10 +152,11 @@ def configs_from_args(args: Any, *, world_size: int) -> dict[str, Any]:
     """Every config of a run, validated (no process group needed)."""
     tok_cfg = TokenizerConfig.from_args(args)
     tokenizer = build_tokenizer(tok_cfg)
-    parallel = ParallelConfig(tp=args.tp, pp=args.pp, vp=_virtual_size(args),
+    flags = flags_from_namespace(ParallelFlags, args)  # the typed run objects of the shared flags
+    parallel = ParallelConfig(tp=flags.tp, pp=flags.pp, vp=_virtual_size(args),
                               num_layers_in_first_stage=args.decoder_first_pipeline_num_layers,
                               num_layers_in_last_stage=args.decoder_last_pipeline_num_layers)  # fmt: skip
-    dtype: DTypeName = "bfloat16" if args.bf16 else "float16" if args.fp16 else "float32"
+    dtype: DTypeName = flags_from_namespace(DTypeFlags, args).dtype_name()
     bert = args.model == "bert"
     model = ModelConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,

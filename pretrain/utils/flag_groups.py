@@ -26,7 +26,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
+from pretrain.config import DTypeName
 from pretrain.tokenizer.factory import TOKENIZER_TYPES
+from pretrain.utils.errors import UserError
 
 T = TypeVar("T")
 
@@ -71,6 +73,15 @@ class DTypeFlags:
     dtype: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata=_help("model weights' dtype"))
     bf16: bool = field(default=False, metadata=_help("bfloat16 weights and compute (fp32 master weights)"))
     fp16: bool = field(default=False, metadata=_help("float16 weights and compute with loss scaling"))
+
+    def dtype_name(self) -> DTypeName:
+        """The torch dtype's name: ``--bf16``/``--fp16`` where given, else ``--dtype``."""
+        if self.bf16 and self.fp16:
+            raise UserError("--bf16 and --fp16 are mutually exclusive")
+        if self.bf16 or self.fp16:
+            return "bfloat16" if self.bf16 else "float16"
+        names: dict[str, DTypeName] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+        return names[self.dtype]
 
 
 @dataclass(frozen=True, kw_only=True)
