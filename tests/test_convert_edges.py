@@ -110,3 +110,24 @@ def test_truncated_safetensors_in_from_hf_is_one_line(
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     err = _fails(["from-hf", "--load", str(broken), "--save", str(tmp_path / "ck")], capsys)
     assert f"--load {broken}: cannot read {weights}" in err and not (tmp_path / "ck").exists()
+
+
+def test_help_imports_no_heavy_library() -> None:
+    """``mlm-convert --help`` answers without importing torch or transformers (issue: 2.5 s)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys\nfrom tools.convert_cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules)\n"
+        "print('HEAVY', heavy)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "reshard" in proc.stdout and "HEAVY []" in proc.stdout
+
+
+def test_max_shard_size_default_is_the_exporters() -> None:
+    from tools import convert_cli, hf_shards
+
+    assert convert_cli.DEFAULT_MAX_SHARD_SIZE == hf_shards.DEFAULT_MAX_SHARD_SIZE

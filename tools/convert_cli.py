@@ -25,20 +25,21 @@ import shutil
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from pretrain.checkpoint.fingerprint import short_fingerprint, weights_fingerprint
-from pretrain.checkpoint.opener import open_checkpoint
-from pretrain.checkpoint.reshard import WriteOptions, check_output_dir, write_layout
-from pretrain.checkpoint.types import TOKENIZER_SUBDIR, Provenance
 from pretrain.config import ParallelConfig
-from pretrain.tokenizer.loader import ResolvedTokenizer, load_tokenizer_dir, resolve_tokenizer, save_tokenizer
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
 from pretrain.utils.flag_groups import ParallelFlags, TokenizerFlags, add_flag_group, flags_from_namespace
 from pretrain.utils.outputs import check_writable_output
-from tools.hf_io import export_hf, import_hf
-from tools.hf_shards import DEFAULT_MAX_SHARD_SIZE
+
+if TYPE_CHECKING:
+    from pretrain.tokenizer.loader import ResolvedTokenizer
+
+# transformers' save_pretrained default (tools.hf_shards.DEFAULT_MAX_SHARD_SIZE; a test keeps them equal).
+# The heavy modules (torch, transformers) are imported inside the functions that use them, so that
+# ``mlm-convert --help`` and flag errors answer at once.
+DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -53,6 +54,9 @@ class SourceOptions:
 
     def open(self) -> Any:
         """The reader; a ``--tokenizer-dir`` gives the true vocabulary when ``args`` do not."""
+        from pretrain.checkpoint.opener import open_checkpoint
+        from pretrain.tokenizer.loader import load_tokenizer_dir
+
         reader = open_checkpoint(self.load, iteration=self.iteration, vocab_size=self.vocab_size)
         if self.tokenizer_dir is not None and not reader.info.vocab_known and self.vocab_size is None:
             size = load_tokenizer_dir(self.tokenizer_dir).vocab_size
@@ -62,6 +66,8 @@ class SourceOptions:
 
     def tokenizer(self, reader: Any, *, required: bool) -> ResolvedTokenizer | None:
         """The checked tokenizer (``--tokenizer-dir`` or the recorded one; see ``resolve_tokenizer``)."""
+        from pretrain.tokenizer.loader import resolve_tokenizer
+
         return resolve_tokenizer(reader, tokenizer_dir=self.tokenizer_dir, force=self.force_tokenizer,
                                  required=required)  # fmt: skip
 
@@ -135,6 +141,8 @@ def _add_format(p: argparse.ArgumentParser) -> None:
 
 def _write(fmt: str, source: Any, save: Path, target: ParallelConfig, **kw: Any) -> None:
     """``write_layout`` (legacy ``torch``) or :func:`write_torch_dist` with the same options."""
+    from pretrain.checkpoint.reshard import write_layout
+
     if fmt == "torch":
         write_layout(source, save, target, **kw)
         return
@@ -231,6 +239,8 @@ def _print_inspect(record: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from pretrain.checkpoint.fingerprint import short_fingerprint
+
     table = Table(title=f"checkpoint {record['path']}", show_header=False)
     for key in ("format", "kind", "iteration", "checkpoint_version", "tp", "pp", "vp", "vocab_size",
                 "vocab_source", "padded_vocab_size", "num_parameters", "dtypes", "ours", "tokenizer"):  # fmt: skip
@@ -259,6 +269,9 @@ def _print_inspect(record: dict[str, Any]) -> None:
 # --- conversions -------------------------------------------------------------------------------
 def _save_tokenizer_files(tok: ResolvedTokenizer | None) -> Any:
     """``extra_files`` for :func:`write_layout`: the tokenizer's files into ``tokenizer/``."""
+    from pretrain.checkpoint.types import TOKENIZER_SUBDIR
+    from pretrain.tokenizer.loader import save_tokenizer
+
     return None if tok is None else (lambda tmp: save_tokenizer(tok.tokenizer, tmp / TOKENIZER_SUBDIR))
 
 
@@ -278,6 +291,10 @@ def _carried_rng(reader: Any, target: ParallelConfig) -> Any:
 
 def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, with_optimizer: bool,
                 ckpt_format: str = "torch", module_names: str | None = None) -> int:  # fmt: skip
+    from pretrain.checkpoint.fingerprint import weights_fingerprint
+    from pretrain.checkpoint.reshard import WriteOptions, check_output_dir
+    from pretrain.checkpoint.types import Provenance
+
     if with_optimizer and ckpt_format != "torch":
         raise UserError("--with-optimizer: optimizer state is written only with --ckpt-format torch")
     check_output_dir(save, sources=(source.load,))
@@ -312,6 +329,9 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
 
 def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
               max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> int:  # fmt: skip
+    from pretrain.checkpoint.reshard import check_output_dir
+    from tools.hf_io import export_hf
+
     check_output_dir(save, sources=(source.load,))
     reader = source.open()
     try:
@@ -335,7 +355,7 @@ def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
 def _hf_tokenizer(
     hf_dir: Path, tokenizer_dir: Path | None, *, rows: int, weights_only: bool
 ) -> ResolvedTokenizer | None:
-    from pretrain.tokenizer.loader import check_tokenizer, record_of
+    from pretrain.tokenizer.loader import ResolvedTokenizer, check_tokenizer, load_tokenizer_dir, record_of
 
     where, flag = (tokenizer_dir, "--tokenizer-dir") if tokenizer_dir is not None else (hf_dir, "--load")
     try:
@@ -361,6 +381,11 @@ def _hf_model_type(hf_dir: Path) -> str | None:
 def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_by: int,
                 tokenizer_dir: Path | None = None, weights_only: bool = False,
                 ckpt_format: str = "torch", module_names: str | None = None) -> int:  # fmt: skip
+    from pretrain.checkpoint.fingerprint import weights_fingerprint
+    from pretrain.checkpoint.reshard import WriteOptions, check_output_dir
+    from pretrain.checkpoint.types import Provenance
+    from tools.hf_io import import_hf
+
     check_output_dir(save, sources=(hf_dir,))
     source = import_hf(hf_dir, make_vocab_size_divisible_by=divisible_by)
     tok = _hf_tokenizer(hf_dir, tokenizer_dir, rows=source.spec.cfg.vocab_size, weights_only=weights_only)
