@@ -72,6 +72,7 @@ def _save_load(rank: int, world: int, cfg, root: str):
     return full
 
 
+@pytest.mark.slow
 def test_tp2_pp2_save_layout_and_reload(tmp_path: Path) -> None:
     cfg = tiny_config(num_layers=4)
     results = run_distributed(_save_load, 4, cfg, str(tmp_path))
