@@ -11,6 +11,7 @@ import pytest
 
 import pretrain.checkpoint.verify as verify_module
 from pretrain.utils.errors import UserError
+from tests.cli_helpers import help_output_and_heavy_imports
 from tests.convert_fixtures import write_ours
 from tests.gpt_fixtures import full_weights, tiny_config
 from tools.convert_cli import main as convert_main
@@ -114,17 +115,8 @@ def test_truncated_safetensors_in_from_hf_is_one_line(
 
 def test_help_imports_no_heavy_library() -> None:
     """``mlm-convert --help`` answers without importing torch or transformers (issue: 2.5 s)."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys\nfrom tools.convert_cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-        "heavy = sorted(m for m in ('torch', 'transformers', 'safetensors') if m in sys.modules)\n"
-        "print('HEAVY', heavy)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "reshard" in proc.stdout and "HEAVY []" in proc.stdout
+    out, heavy = help_output_and_heavy_imports("tools.convert_cli", ("torch", "transformers", "safetensors"))
+    assert "reshard" in out and heavy == []
 
 
 def test_max_shard_size_default_is_the_exporters() -> None:

@@ -12,6 +12,7 @@ import pytest
 
 from mlm_eval.cli import main
 from pretrain.utils.results import make_result, normalized
+from tests.cli_helpers import help_output_and_heavy_imports, one_line_error
 from tests.finetune_fixtures import make_tiny_hf_bert
 
 WIKI = ["wikitext103", "--data", "builtin:wikitext_sample.tokens", "--seq-length", "32", "--no-progress"]
@@ -19,12 +20,7 @@ LAMBADA = ["lambada", "--data", "builtin:lambada_sample.jsonl", "--no-progress"]
 
 
 def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-    return err
+    return one_line_error(main, argv, capsys)
 
 
 @pytest.mark.parametrize("where", ["out-is-a-dir", "out-under-a-file", "results-dir-is-a-file"])
@@ -133,17 +129,8 @@ def test_contamination_speaks_the_common_vocabulary(tmp_path: Path) -> None:
 
 
 def test_top_level_help_imports_no_heavy_library() -> None:
-    import subprocess
-    import sys
-
-    code = (
-        "import sys\nfrom mlm_eval.cli import main\ntry:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
-        "heavy = sorted(m for m in ('torch', 'transformers', 'datasets', 'rich') if m in sys.modules)\n"
-        "print('HEAVY', heavy)\n"
-    )
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 0, proc.stderr
-    assert "wikitext103" in proc.stdout and "HEAVY []" in proc.stdout
+    out, heavy = help_output_and_heavy_imports("mlm_eval.cli", ("torch", "transformers", "datasets", "rich"))
+    assert "wikitext103" in out and heavy == []
 
 
 def test_report_out_that_is_a_file_is_refused_first(

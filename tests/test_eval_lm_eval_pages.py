@@ -18,7 +18,7 @@ import pytest
 from mlm_eval.builtin import builtin_path
 from mlm_eval.cli import main
 from mlm_eval.wikitext import split_wikitext_documents
-from tests.test_eval_lm_eval_peer import WIKI_YAML
+from tests.harness_fixtures import WIKI_YAML
 
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")

@@ -23,43 +23,11 @@ from mlm_eval.builtin import builtin_path
 from mlm_eval.cli import main
 from mlm_eval.wikitext import split_wikitext_documents
 from tests.eval_helpers import build_tiny_hf, load_tiny
+from tests.harness_fixtures import LAMBADA_YAML, WIKI_YAML
 
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-
-WIKI_YAML = """task: wiki_local
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-output_type: loglikelihood_rolling
-test_split: test
-doc_to_text: ""
-doc_to_target: !function preprocess_wikitext.wikitext_detokenizer
-process_results: !function preprocess_wikitext.process_results
-metric_list:
-  - metric: word_perplexity
-  - metric: byte_perplexity
-  - metric: bits_per_byte
-"""
-LAMBADA_YAML = """task: lambada_local
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {data}
-output_type: loglikelihood
-test_split: test
-doc_to_text: "{{{{text.split(' ')[:-1]|join(' ')}}}}"
-doc_to_target: "{{{{' '+text.split(' ')[-1]}}}}"
-metric_list:
-  - metric: perplexity
-    aggregation: perplexity
-    higher_is_better: false
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-"""
 
 
 def _lambada_texts(model_dir: Path) -> list[str]:

@@ -11,18 +11,14 @@ import pytest
 
 from finetune.builtin import builtin_task_dir
 from finetune.cli import main
+from tests.cli_helpers import one_line_error
 
 SST2 = ["sst2", "--data-dir", str(builtin_task_dir("sst2_tiny")), "--no-progress", "--hidden-dropout", "0",
         "--attention-dropout", "0"]  # fmt: skip
 
 
 def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-    return err
+    return one_line_error(main, argv, capsys)
 
 
 @pytest.mark.parametrize(

@@ -12,18 +12,12 @@ import pytest
 from pretrain.data.builtin import builtin_corpus_path
 from pretrain.utils.errors import UserError
 from pretrain.utils.outputs import check_writable_output
+from tests.cli_helpers import one_line_error
 from tools.dedup import main as dedup_main
 from tools.filter_docs import main as filter_main
 from tools.preprocess import main as preprocess_main
 
-
-def _fails(main, argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:  # type: ignore[no-untyped-def]
-    with pytest.raises(SystemExit) as exc:
-        main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-    return err
+_fails = one_line_error
 
 
 def test_check_writable_output_rules(tmp_path: Path) -> None:
