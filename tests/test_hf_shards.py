@@ -110,3 +110,18 @@ def test_cli_bad_shard_size_is_one_line(trained_gpt: dict[str, str], tmp_path: P
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and len(err) == 1 and "--max-shard-size lots" in err[0]
     assert not (tmp_path / "hf").exists()
+
+
+def test_progress_is_told_the_total_and_every_written_tensor(tmp_path: Path) -> None:
+    cfg = tiny_config(num_layers=2)
+    full = full_weights(cfg)
+    totals: list[int] = []
+    written: list[str] = []
+
+    def start(total: int):  # type: ignore[no-untyped-def]
+        totals.append(total)
+        return written.append
+
+    out = export_hf(full.items(), ModelSpec(kind="gpt", cfg=cfg), tmp_path / "hf", progress=start)
+    on_disk = set(load_file(str(out / "model.safetensors")))
+    assert totals == [len(on_disk)] and sorted(written) == sorted(on_disk)

@@ -186,10 +186,11 @@ def _source(args: argparse.Namespace) -> SourceOptions:
                          tokenizer_dir=args.tokenizer_dir, force_tokenizer=args.force_tokenizer)  # fmt: skip
 
 
-def _progress(total: int, desc: str) -> Any:
+def _progress(total: int, desc: str, unit: str = "file") -> Any:
+    """A bar on a terminal; ``disable=None`` turns it off when stderr is not a TTY (logs, CI)."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit="file", disable=None, file=sys.stderr)
+    return tqdm(total=total, desc=desc, unit=unit, disable=None, file=sys.stderr)
 
 
 # --- inspect ---------------------------------------------------------------------------------------
@@ -346,8 +347,18 @@ def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
         )
     meta = reader.metadata
     family = None if meta is None else meta.provenance.source_model_type  # e.g. Mistral stays Mistral
-    export_hf(reader, reader.spec, save, tokenizer=None if tok is None else tok.tokenizer, family=family,
-              max_shard_size=max_shard_size)  # fmt: skip
+    bars: list[Any] = []
+
+    def start_bar(total: int) -> Any:
+        bars.append(_progress(total, "to-hf", unit="tensor"))
+        return lambda _name: bars[0].update(1)
+
+    try:
+        export_hf(reader, reader.spec, save, tokenizer=None if tok is None else tok.tokenizer, family=family,
+                  max_shard_size=max_shard_size, progress=start_bar)  # fmt: skip
+    finally:
+        for bar in bars:
+            bar.close()
     print(f"wrote {save} ({reader.spec.kind}, {reader.info.num_parameters} parameters)")
     return 0
 

@@ -154,6 +154,7 @@ def export_hf(
     tokenizer: Tokenizer | None = None,
     family: str | None = None,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+    progress: Callable[[int], Callable[[str], object]] | None = None,
 ) -> Path:
     """Write a HF model directory at ``save`` (atomically) from canonical ``tensors``: weights,
     ``config.json``, ``generation_config.json`` and the complete tokenizer (``tokenizer.json``,
@@ -162,7 +163,8 @@ def export_hf(
     Weights are sharded safetensors as ``save_pretrained`` writes them (``max_shard_size``). A
     source with ``names()`` and ``tensor(name)`` (a checkpoint reader) is streamed one layer at a
     time (:mod:`tools.hf_shards`); an iterable of pairs is read into memory first. ``family``: see
-    :func:`hf_state_and_config`."""
+    :func:`hf_state_and_config`. ``progress(total)`` (optional) is told the number of HF tensors and
+    returns a callback called with each tensor's name once it is written."""
     from transformers import GenerationConfig
 
     from tools.hf_shards import ShardWriter, meta_like, parse_shard_size, stream_hf_tensors
@@ -179,12 +181,17 @@ def export_hf(
     else:
         full = dict(tensors)
         names, get = list(full), full.__getitem__
-    _, config = hf_state_and_config({n: meta_like(get(n)) for n in names}, spec, tokenizer, family=family)
+    hf_metas, config = hf_state_and_config(
+        {n: meta_like(get(n)) for n in names}, spec, tokenizer, family=family
+    )
+    written = progress(len(hf_metas)) if progress is not None else None
     with atomic_directory(save) as tmp:
         writer = ShardWriter(tmp, max_shard_size=max_bytes)
         convert = lambda m: hf_state_and_config(m, spec, tokenizer, family=family)[0]  # noqa: E731
         for name, t in stream_hf_tensors(names, get, convert):
             writer.add(name, t)
+            if written is not None:
+                written(name)
         writer.close()
         config.save_pretrained(str(tmp))
         if spec.kind == "gpt":
