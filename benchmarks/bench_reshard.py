@@ -111,8 +111,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-shard-size", default="5GB", help="to-hf shard size (default 5GB)")
     parser.add_argument("--write-source", metavar="DIR", help=argparse.SUPPRESS)  # child phase
     args = parser.parse_args(argv)
-    shape = {**SHAPE, "num_layers": args.layers, "hidden_size": args.hidden,
-             "num_attention_heads": max(1, args.hidden // 64)}  # fmt: skip
+    # 16 heads whenever the width allows (the parameter count does not depend on it): the target
+    # layout splits heads 4 ways, which hidden // 64 heads (6 at width 384) would not allow.
+    heads = 16 if args.hidden % 16 == 0 else max(1, args.hidden // 64)
+    shape = {**SHAPE, "num_layers": args.layers, "hidden_size": args.hidden, "num_attention_heads": heads}
     if args.write_source:
         write_source(args.write_source, shape)
         return 0
