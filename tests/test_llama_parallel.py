@@ -8,7 +8,6 @@ import dataclasses
 import pytest
 import torch
 
-from pretrain.config import ParallelConfig
 from pretrain.distributed import DDPConfig
 from pretrain.models.gpt import GPTModel
 from pretrain.models.init import init_model_parameters
@@ -25,7 +24,10 @@ from tests.dp_training import OPT, assert_params_close, global_batches, referenc
 from tests.gpt_fixtures import batch, single_process_reference
 from tests.llama_fixtures import llama_config
 from tests.test_pipeline_equivalence import _pp_worker
-from tests.test_tensor_parallel_gpt import _tp_step
+from tests.test_tensor_parallel_gpt import (
+    _init_full,  # the same worker: init at tp=world, gathered
+    _tp_step,
+)
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 QKV = "language_model.encoder.layers.0.self_attention.query_key_value.weight"
@@ -75,12 +77,6 @@ def test_training_refuses_tp_beyond_query_groups() -> None:
         cfg.check_training_tensor_parallel(4)
     with pytest.raises(UserError, match="one must divide the other"):
         llama_config(hidden_size=48, num_attention_heads=12, num_query_groups=3).check_tensor_parallel(2)
-
-
-def _init_full(rank: int, world: int, cfg):
-    model = GPTModel(cfg, ParallelState.from_distributed(ParallelConfig(tp=world)))
-    init_model_parameters(model, seed=42)
-    return gather_full_state_dict(model)
 
 
 @pytest.mark.slow
