@@ -143,14 +143,14 @@ def _write(fmt: str, source: Any, save: Path, target: ParallelConfig, **kw: Any)
     """``write_layout`` (legacy ``torch``) or :func:`write_torch_dist` with the same options."""
     from pretrain.checkpoint.reshard import write_layout
 
+    optimizer_state = kw.pop("optimizer_state", None)
     if fmt == "torch":
         write_layout(source, save, target, **kw)
         return
     from pretrain.checkpoint.torch_dist_writer import write_torch_dist
 
-    if kw.get("optimizer") is not None:
-        raise UserError("--with-optimizer: optimizer state is written only with --ckpt-format torch")
-    write_torch_dist(source, save, target, options=kw["options"], extra_files=kw.get("extra_files"))
+    write_torch_dist(source, save, target, options=kw["options"], extra_files=kw.get("extra_files"),
+                     optimizer=optimizer_state)  # fmt: skip
 
 
 def _add_module_names(p: argparse.ArgumentParser) -> None:
@@ -290,25 +290,41 @@ def _carried_rng(reader: Any, target: ParallelConfig) -> Any:
     return rng
 
 
+def _open_optimizer(reader: Any) -> Any:
+    """The optimizer state of the source (ours per-rank files or ``torch_dist``) as canonical tensors."""
+    from pretrain.checkpoint.torch_dist import TorchDistReader
+
+    if isinstance(reader, TorchDistReader):
+        from pretrain.checkpoint.torch_dist_optimizer import open_optimizer
+
+        return open_optimizer(reader)
+    from pretrain.checkpoint.optimizer_reshard import open_legacy_optimizer
+
+    return open_legacy_optimizer(reader)
+
+
 def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, with_optimizer: bool,
                 ckpt_format: str = "torch", module_names: str | None = None) -> int:  # fmt: skip
     from pretrain.checkpoint.fingerprint import weights_fingerprint
     from pretrain.checkpoint.reshard import WriteOptions, check_output_dir
     from pretrain.checkpoint.types import Provenance
 
-    if with_optimizer and ckpt_format != "torch":
-        raise UserError("--with-optimizer: optimizer state is written only with --ckpt-format torch")
     check_output_dir(save, sources=(source.load,))
     reader = source.open()
     tok = source.tokenizer(reader, required=False)
+    opt = _open_optimizer(reader) if with_optimizer else None
     optimizer = None
-    if with_optimizer:
+    if opt is not None and ckpt_format == "torch":
         from pretrain.checkpoint.optimizer_reshard import optimizer_writer
 
-        optimizer = optimizer_writer(reader, target)
-    scheduler = getattr(reader, "states", [{}])[0].get("opt_param_scheduler")
+        optimizer = optimizer_writer(opt, reader.spec, target)
+    scheduler = (
+        opt.scheduler if opt is not None else getattr(reader, "states", [{}])[0].get("opt_param_scheduler")
+    )
     meta = reader.metadata
     prov = meta.provenance if meta is not None else Provenance(iteration=reader.info.iteration)
+    if prov.global_batch_size is None and opt is not None and opt.global_batch_size:
+        prov = dataclasses.replace(prov, global_batch_size=opt.global_batch_size)  # the schedule's unit
     if prov.weights_fingerprint is None:  # resharding keeps the weights: the source's fingerprint holds
         prov = dataclasses.replace(prov, weights_fingerprint=weights_fingerprint(reader))
     options = WriteOptions(
@@ -322,7 +338,7 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
     )
     bar = _progress(target.tp * target.pp, "reshard")
     with bar:
-        _write(ckpt_format, reader, save, target, options=options, optimizer=optimizer,
+        _write(ckpt_format, reader, save, target, options=options, optimizer=optimizer, optimizer_state=opt,
                progress=lambda _name: bar.update(1), extra_files=_save_tokenizer_files(tok))  # fmt: skip
     print(f"wrote {save} (tp={target.tp}, pp={target.pp}, vp={target.vp}, iteration {options.iteration})")
     return 0

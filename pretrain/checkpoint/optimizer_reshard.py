@@ -24,9 +24,10 @@ import torch
 
 from pretrain.checkpoint.args_semantics import untie_head_names
 from pretrain.checkpoint.layout import DISTRIB_OPTIM_FILE
-from pretrain.checkpoint.plan import Slot
+from pretrain.checkpoint.optimizer_state import OPTIM_STATES, OptimizerCommon, OptimizerSource
+from pretrain.checkpoint.plan import ModelSpec, Slot
 from pretrain.checkpoint.reader import LegacyReader
-from pretrain.checkpoint.reshard import OPTIM_STATES, _shard
+from pretrain.checkpoint.reshard import _shard
 from pretrain.checkpoint.safe_unpickle import load_untrusted
 from pretrain.checkpoint.upstream_names import to_local_name
 from pretrain.config import ParallelConfig
@@ -104,10 +105,22 @@ class _OptimizerView(LegacyReader):
         return params[key][self.state_kind].view(shape)
 
 
-def optimizer_writer(
-    reader: Any, target: ParallelConfig
-) -> Callable[[int, int, list[list[Slot]]], dict[str, Any] | None]:
-    """The ``optimizer`` callback of :func:`pretrain.checkpoint.reshard.write_layout`."""
+@dataclasses.dataclass
+class LegacyOptimizerSource:
+    """The optimizer state of our per-rank files as canonical full fp32 tensors
+    (an :class:`~pretrain.checkpoint.optimizer_state.OptimizerSource`)."""
+
+    views: dict[str, _OptimizerView]
+    common: OptimizerCommon
+    scheduler: dict[str, Any] | None
+    global_batch_size: int | None
+
+    def state(self, kind: str, canonical: str) -> torch.Tensor:
+        return self.views[kind].tensor(canonical).float()
+
+
+def open_legacy_optimizer(reader: Any) -> LegacyOptimizerSource:
+    """The optimizer state of our checkpoint ``reader`` (one line and exit 2 when it has none)."""
     if not isinstance(reader, LegacyReader) or not reader.info.ours:
         raise UserError("--with-optimizer: only mlm-toolkit checkpoints carry a reshardable optimizer state")
     full_states = _FullStates(reader.files, reader.states, capacity=2 * reader.info.tp)
@@ -122,9 +135,25 @@ def optimizer_writer(
     }
     for view in views.values():
         view.head_copies = {}  # the head copy's state is checked through the model tensors
-    cfg = reader.spec.cfg
+    common = OptimizerCommon(
+        step=int(first.get("step") or 0),
+        param_groups=tuple(first.get("param_groups") or ()),
+        grad_scaler=first.get("grad_scaler"),
+    )
+    scheduler = reader.states[0].get("opt_param_scheduler")
+    meta = reader.metadata
+    gbs = meta.provenance.global_batch_size if meta is not None else None
+    return LegacyOptimizerSource(views, common, scheduler if isinstance(scheduler, dict) else None, gbs)
+
+
+def optimizer_writer(
+    opt: OptimizerSource, spec: ModelSpec, target: ParallelConfig
+) -> Callable[[int, int, list[list[Slot]]], dict[str, Any] | None]:
+    """The ``optimizer`` callback of :func:`pretrain.checkpoint.reshard.write_layout`: each target
+    rank file's full-form ``optimizer`` entry, every state split exactly like its parameter."""
+    cfg = spec.cfg
     padded = padded_vocab_size(cfg.vocab_size, tp=target.tp, divisible_by=cfg.make_vocab_size_divisible_by)
-    common = {k: first.get(k) for k in ("step", "param_groups", "grad_scaler")}
+    common = opt.common.as_ours()
 
     def build(tp_rank: int, pp_rank: int, slots: list[list[Slot]]) -> dict[str, Any]:
         params: dict[str, dict[str, torch.Tensor]] = {}
@@ -132,13 +161,9 @@ def optimizer_writer(
             for slot in chunk_slots:
                 params[f"model{c}.{slot.local}"] = {
                     kind: _shard(
-                        view.tensor(slot.canonical).float(),
-                        slot,
-                        tp_rank=tp_rank,
-                        tp=target.tp,
-                        padded=padded,
-                    )
-                    for kind, view in views.items()
+                        opt.state(kind, slot.canonical), slot, tp_rank=tp_rank, tp=target.tp, padded=padded
+                    )  # fmt: skip
+                    for kind in OPTIM_STATES
                 }
         return {"params": params, **common}
 

@@ -45,7 +45,6 @@ from pretrain.utils.atomic import atomic_directory, atomic_open
 from pretrain.utils.errors import UserError
 
 __all__ = ["DictSource", "WriteOptions", "check_output_dir", "with_vocab", "write_layout"]
-OPTIM_STATES = ("param", "exp_avg", "exp_avg_sq")
 
 
 @dataclass(frozen=True, kw_only=True)

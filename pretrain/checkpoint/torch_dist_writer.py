@@ -39,8 +39,10 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from pretrain.checkpoint.layout import CHECKPOINT_VERSION, iteration_dir, write_tracker
 from pretrain.checkpoint.metadata import to_args
+from pretrain.checkpoint.optimizer_state import MCORE_STATE_PREFIX, OptimizerSource
 from pretrain.checkpoint.plan import chunk_slots
 from pretrain.checkpoint.reshard import WriteOptions, _target_metadata
+from pretrain.checkpoint.torch_dist_optimizer import optimizer_common, optimizer_entry_kinds
 from pretrain.checkpoint.types import CanonicalSource
 from pretrain.checkpoint.upstream_names import to_mcore_key
 from pretrain.config import ParallelConfig
@@ -66,6 +68,7 @@ class _Entry:
     dtype: torch.dtype
     parts: tuple[tuple[str, int | None], ...]  # (canonical name, layer) per chunk; layer None: whole
     pad_rows: int | None  # vocabulary tensors: padded row count
+    state_kind: str | None = None  # an optimizer state ("exp_avg", ...) of the weight; None: the weight
 
 
 def _entries(source: CanonicalSource, tp: int) -> list[_Entry]:
@@ -93,7 +96,7 @@ def _entries(source: CanonicalSource, tp: int) -> list[_Entry]:
 class _StreamingPlanner(DefaultSavePlanner):
     """Save plan built from the entries; each chunk is fetched from the source when written."""
 
-    def __init__(self, entries: list[_Entry], fetch: Callable[[str, int | None], torch.Tensor]) -> None:
+    def __init__(self, entries: list[_Entry], fetch: Callable[[_Entry, str], torch.Tensor]) -> None:
         super().__init__()
         self.entries, self.fetch = entries, fetch
         self.chunk_of: dict[tuple[str, tuple[int, ...]], tuple[str, _Entry]] = {}
@@ -128,14 +131,29 @@ class _StreamingPlanner(DefaultSavePlanner):
             return buf
         key, offsets = write_item.index.fqn, tuple(write_item.index.offset or ())
         name, entry = self.chunk_of[(key, offsets)]
-        t = self.fetch(name, entry.pad_rows)
-        t = t.to(entry.dtype).contiguous()
+        t = self.fetch(entry, name).to(entry.dtype).contiguous()
         return t if entry.parts[0][1] is None else t.unsqueeze(0)
 
 
-def _fetcher(source: CanonicalSource) -> Callable[[str, int | None], torch.Tensor]:
-    def fetch(name: str, pad_rows: int | None) -> torch.Tensor:
-        full = source.tensor(name)
+def _optimizer_entries(entries: list[_Entry], params_dtype: str) -> list[_Entry]:
+    """Per weight entry, its fp32 optimizer-state entries (``optimizer.state.<name>.<key>``)."""
+    return [
+        dataclasses.replace(
+            e, key=f"{MCORE_STATE_PREFIX}.{name}.{e.key}", dtype=torch.float32, state_kind=kind
+        )
+        for e in entries
+        for kind, name in optimizer_entry_kinds(params_dtype)
+    ]
+
+
+def _fetcher(source: CanonicalSource, opt: OptimizerSource | None) -> Callable[[_Entry, str], torch.Tensor]:
+    def fetch(entry: _Entry, name: str) -> torch.Tensor:
+        pad_rows = entry.pad_rows
+        if entry.state_kind is None:
+            full = source.tensor(name)
+        else:
+            assert opt is not None
+            full = opt.state(entry.state_kind, name)
         if pad_rows is not None:
             if full.shape[0] > pad_rows:
                 raise UserError(
@@ -154,15 +172,23 @@ def write_torch_dist(
     *,
     options: WriteOptions | None = None,
     extra_files: Callable[[Path], object] | None = None,
+    optimizer: OptimizerSource | None = None,
 ) -> Path:
     """Write ``source`` as a ``torch_dist`` checkpoint for layout ``target`` into the new ``save``.
 
     ``target`` sets the vocabulary padding and the layout recorded in ``args``; the stored
-    tensors are global, so megatron-core may load them at any TP/PP.
+    tensors are global, so megatron-core may load them at any TP/PP. ``optimizer``: its state
+    is written as megatron-core's non-distributed optimizer saves it (see
+    :mod:`pretrain.checkpoint.torch_dist_optimizer`), with the LR schedule.
     """
     source.spec.cfg.check_tensor_parallel(target.tp)
     entries = _entries(source, target.tp)
     options = options or WriteOptions()
+    common: dict[str, Any] = {}
+    if optimizer is not None:
+        dtype = source.spec.cfg.params_dtype
+        entries += _optimizer_entries(entries, dtype)
+        common = optimizer_common(optimizer, params_dtype=dtype)
     meta = dataclasses.replace(_target_metadata(source, target, options), module_names="mcore")
     args: Any = to_args(meta, iteration=options.iteration)
     args.ckpt_format = "torch_dist"
@@ -173,8 +199,8 @@ def write_torch_dist(
         with warnings.catch_warnings():  # "assuming ... a single process": intended
             warnings.simplefilter("ignore", UserWarning)
             dcp.save({}, storage_writer=FileSystemWriter(str(it_dir), thread_count=1),
-                     planner=_StreamingPlanner(entries, _fetcher(source)), no_dist=True)  # fmt: skip
-        common = {"args": args, "iteration": options.iteration, "checkpoint_version": CHECKPOINT_VERSION}
+                     planner=_StreamingPlanner(entries, _fetcher(source, optimizer)), no_dist=True)  # fmt: skip
+        common.update(args=args, iteration=options.iteration, checkpoint_version=CHECKPOINT_VERSION)
         with atomic_open(it_dir / "common.pt", "wb") as fh:
             torch.save(common, fh)
         with atomic_open(it_dir / "metadata.json", "w") as fh:

@@ -1,0 +1,248 @@
+"""A real peer for optimizer state: megatron-core trains, saves and resumes with its own optimizer.
+
+Run as ``python -m tests.megatron_core_optim_peer train|resume ...`` (the tests do, in a
+subprocess, with ``--tp`` processes). Nothing here is mlm-toolkit code. The model is
+megatron-core's ``GPTModel`` (see :mod:`tests.megatron_core_peer`), the parameter groups come from
+megatron-core's ``_get_param_groups`` (no weight decay on biases and 1-D tensors), the optimizer
+from ``_get_megatron_optimizer_based_on_param_groups`` (``FP32Optimizer`` over torch ``AdamW``;
+``Float16OptimizerWithFloat16Params`` with ``--bf16``) and the schedule from megatron-core's
+``OptimizerParamScheduler`` stepped by the global batch size, as Megatron-LM's ``train_step`` does.
+Checkpoints are what Megatron-LM's ``save_checkpoint`` puts in a ``torch_dist`` directory:
+``{"model", "optimizer", "opt_param_scheduler", "iteration", "args", "checkpoint_version"}``
+through ``dist_checkpointing.save``.
+
+* ``train OUT --steps N --save-at K``: N steps on :func:`batch` ``0..N-1``; saves after step K
+  under ``OUT/ckpt`` and writes ``OUT/losses.pt`` and the final full parameters ``OUT/params.pt``.
+* ``resume CKPT OUT --steps N``: loads model, optimizer and scheduler from ``CKPT`` (an iteration
+  directory) and continues to step N (batches ``iteration..N-1``); writes ``OUT/losses.pt``,
+  ``OUT/params.pt`` and ``OUT/loaded_state.pt`` (the optimizer state right after loading, full
+  tensors by megatron-core key).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import os
+import sys
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from tests.megatron_core_peer import CASES, _cpu_shims, build_model, megatron_args
+
+LR, WD, BATCH, SEQ = 1e-2, 0.1, 4, 16
+GATED = [False]  # set from the case: SwiGLU linear_fc1 shards are [gate; up]
+
+
+def batch(step: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and labels ``[BATCH, SEQ]`` of ``step`` (the same on every rank)."""
+    g = torch.Generator().manual_seed(1000 + step)
+    seq = torch.randint(0, vocab, (BATCH, SEQ + 1), generator=g)
+    return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
+
+
+def _optimizer(model: Any, bf16: bool) -> tuple[Any, Any]:
+    from megatron.core.optimizer import (
+        OptimizerConfig,
+        _get_megatron_optimizer_based_on_param_groups,
+        _get_param_groups,
+    )
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    config = OptimizerConfig(
+        optimizer="adam", lr=LR, min_lr=LR, weight_decay=WD, adam_beta1=0.9, adam_beta2=0.95,
+        adam_eps=1e-8, clip_grad=0.0, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+    )  # fmt: skip
+    groups = _get_param_groups([model], config, None)
+    real_tensor, real_type = torch.tensor, torch.Tensor.type
+    # CPU shims while the optimizer is built: it allocates small buffers with device="cuda", and
+    # Float16OptimizerWithFloat16Params accepts only parameters whose type() is a CUDA type.
+    torch.tensor = lambda *a, **k: real_tensor(*a, **{**k, "device": "cpu"})  # type: ignore[assignment]
+    torch.Tensor.type = lambda self, *a, **k: (  # type: ignore[method-assign]
+        real_type(self, *a, **k) if a or k else real_type(self).replace("torch.", "torch.cuda.", 1)
+    )
+    try:
+        optimizer = _get_megatron_optimizer_based_on_param_groups(config, [model], groups)
+    finally:
+        torch.tensor, torch.Tensor.type = real_tensor, real_type  # type: ignore[assignment,method-assign]
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0, lr_decay_steps=100 * BATCH,
+        lr_decay_style="constant", start_wd=WD, end_wd=WD, wd_incr_steps=100 * BATCH, wd_incr_style="constant",
+    )  # fmt: skip
+    return optimizer, scheduler
+
+
+def _train_step(model: Any, optimizer: Any, scheduler: Any, step: int, vocab: int) -> float:
+    tokens, labels = batch(step, vocab)
+    pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
+    mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
+    optimizer.zero_grad()
+    loss = model(tokens, pos, mask, labels=labels).float().mean()
+    loss.backward()
+    optimizer.step()
+    scheduler.step(increment=BATCH)
+    return float(loss)
+
+
+def _full_params(model: Any) -> dict[str, torch.Tensor]:
+    """Every parameter as the full (TP-gathered) fp32 tensor, keyed by its ``state_dict`` name."""
+    return {name: _gather(name, p, p.detach().float()) for name, p in model.named_parameters()}
+
+
+def _gather(name: str, param: Any, local: torch.Tensor) -> torch.Tensor:
+    """The full tensor of TP-split ``param`` (``local``: a tensor shaped like it).
+
+    Split parameters carry megatron-core's ``tensor_model_parallel`` / ``partition_dim``; a
+    SwiGLU ``linear_fc1`` shard is ``[gate_r; up_r]``, so its halves are gathered separately."""
+    from megatron.core import parallel_state as ps
+
+    group = ps.get_tensor_model_parallel_group()
+    if not getattr(param, "tensor_model_parallel", False) or dist.get_world_size(group) == 1:
+        return local.clone()
+    dim = param.partition_dim
+    halves = local.chunk(2, dim=0) if "linear_fc1" in name and GATED[0] else (local,)
+    full = []
+    for half in halves:
+        parts = [torch.empty_like(half) for _ in range(dist.get_world_size(group))]
+        dist.all_gather(parts, half.contiguous(), group=group)
+        full.append(torch.cat(parts, dim=dim))
+    return torch.cat(full, dim=0)
+
+
+def _state(model: Any, optimizer: Any, scheduler: Any, args: Any, iteration: int) -> dict[str, Any]:
+    model_sd = model.sharded_state_dict()
+    return {
+        "model": model_sd,
+        "optimizer": optimizer.sharded_state_dict(model_sd),
+        "opt_param_scheduler": scheduler.state_dict(),
+        "iteration": iteration,
+        "args": args,
+        "checkpoint_version": 3.0,
+    }
+
+
+def _loaded_optimizer_state(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
+    """``{"<state>.<param name>": full tensor}`` of the optimizer's per-parameter state
+    (``exp_avg``, ``exp_avg_sq``, ``step``; ``fp32_param`` for the mixed-precision optimizer)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    inner = optimizer.optimizer
+    mixed = hasattr(optimizer, "fp32_from_float16_groups")
+    out: dict[str, torch.Tensor] = {}
+    for gi, group in enumerate(inner.param_groups):
+        for pi, p in enumerate(group["params"]):
+            model_param = optimizer.float16_groups[gi][pi] if mixed else p
+            name = names[id(model_param)]
+            for kind, value in inner.state[p].items():
+                if kind == "step":
+                    out[f"step.{name}"] = torch.as_tensor(value).float()
+                else:
+                    out[f"{kind}.{name}"] = _gather(name, model_param, value.float())
+            if mixed:
+                out[f"fp32_param.{name}"] = _gather(name, model_param, p.detach().float())
+            out[f"wd.{name}"] = torch.tensor(group["weight_decay"])
+    return out
+
+
+def _train(out: Path, case: str, tp: int, steps: int, save_at: int, bf16: bool) -> None:
+    from megatron.core import dist_checkpointing
+
+    args = megatron_args(case, tp)
+    args.bf16, args.lr, args.weight_decay = bf16, LR, WD
+    args.global_batch_size = args.micro_batch_size = BATCH
+    GATED[0] = bool(args.swiglu)
+    torch.manual_seed(1234)
+    model = build_model(args).train()
+    if bf16:
+        model = model.to(torch.bfloat16)
+    optimizer, scheduler = _optimizer(model, bf16)
+    losses = []
+    for step in range(steps):
+        losses.append(_train_step(model, optimizer, scheduler, step, args.vocab_size))
+        if step + 1 == save_at:
+            it_dir = out / "ckpt" / f"iter_{save_at:07d}"
+            if dist.get_rank() == 0:
+                it_dir.mkdir(parents=True, exist_ok=True)
+                (out / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(save_at))
+            dist.barrier()
+            dist_checkpointing.save(_state(model, optimizer, scheduler, args, save_at), str(it_dir))
+    _finish(out, model, losses)
+
+
+def _resume(ckpt: Path, out: Path, tp: int, steps: int) -> None:
+    from megatron.core import dist_checkpointing
+
+    common = torch.load(ckpt / "common.pt", weights_only=False)
+    args = copy.copy(common["args"])
+    args.tensor_model_parallel_size = tp
+    bf16 = bool(getattr(args, "bf16", False))
+    GATED[0] = bool(args.swiglu)
+    model = build_model(args).train()
+    if bf16:
+        model = model.to(torch.bfloat16)
+    optimizer, scheduler = _optimizer(model, bf16)
+    template = _state(model, optimizer, scheduler, args, 0)
+    template["optimizer"] = optimizer.sharded_state_dict(template["model"], is_loading=True)
+    loaded = dist_checkpointing.load(template, str(ckpt))
+    model.load_state_dict(loaded["model"], strict=False)
+    optimizer.load_state_dict(loaded["optimizer"])
+    scheduler.load_state_dict(loaded["opt_param_scheduler"])
+    loaded_state = _loaded_optimizer_state(model, optimizer)
+    losses = [
+        _train_step(model, optimizer, scheduler, step, args.vocab_size)
+        for step in range(int(loaded["iteration"]), steps)
+    ]
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save({"state": loaded_state, "num_steps": scheduler.num_steps}, out / "loaded_state.pt")
+    _finish(out, model, losses)
+
+
+def _finish(out: Path, model: Any, losses: list[float]) -> None:
+    params = _full_params(model)
+    if dist.get_rank() == 0:
+        out.mkdir(parents=True, exist_ok=True)
+        torch.save(torch.tensor(losses), out / "losses.pt")
+        torch.save(params, out / "params.pt")
+
+
+def _worker(rank: int, a: argparse.Namespace) -> None:
+    warnings.filterwarnings("ignore")
+    _cpu_shims()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
+    dist.init_process_group("gloo", rank=rank, world_size=a.tp)
+    from megatron.core import parallel_state as ps
+    from megatron.core import tensor_parallel
+
+    ps.initialize_model_parallel(tensor_model_parallel_size=a.tp)
+    tensor_parallel.get_cuda_rng_tracker().fork = lambda *x, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    if a.cmd == "train":
+        _train(Path(a.paths[0]), a.case, a.tp, a.steps, a.save_at, a.bf16)
+    else:
+        _resume(Path(a.paths[0]), Path(a.paths[1]), a.tp, a.steps)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("cmd", choices=("train", "resume"))
+    p.add_argument("paths", nargs="+", help="train: OUT; resume: CKPT_ITER_DIR OUT")
+    p.add_argument("--case", default="llama", choices=sorted(CASES))
+    p.add_argument("--tp", type=int, default=1)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--save-at", type=int, default=2)
+    p.add_argument("--bf16", action="store_true")
+    p.add_argument("--port", type=int, default=29631)
+    a = p.parse_args(argv)
+    import torch.multiprocessing as mp
+
+    mp.spawn(_worker, args=(a,), nprocs=a.tp)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
