@@ -153,6 +153,7 @@ def _train(out: Path, case: str, tp: int, steps: int, save_at: int, bf16: bool) 
 
     args = megatron_args(case, tp)
     args.bf16, args.lr, args.weight_decay = bf16, LR, WD
+    args.params_dtype = torch.bfloat16 if bf16 else torch.float32  # as Megatron-LM's validate_args sets it
     args.global_batch_size = args.micro_batch_size = BATCH
     GATED[0] = bool(args.swiglu)
     torch.manual_seed(1234)
@@ -192,13 +193,14 @@ def _resume(ckpt: Path, out: Path, tp: int, steps: int) -> None:
     optimizer.load_state_dict(loaded["optimizer"])
     scheduler.load_state_dict(loaded["opt_param_scheduler"])
     loaded_state = _loaded_optimizer_state(model, optimizer)
+    loaded_steps = scheduler.num_steps
     losses = [
         _train_step(model, optimizer, scheduler, step, args.vocab_size)
         for step in range(int(loaded["iteration"]), steps)
     ]
     if dist.get_rank() == 0:
         out.mkdir(parents=True, exist_ok=True)
-        torch.save({"state": loaded_state, "num_steps": scheduler.num_steps}, out / "loaded_state.pt")
+        torch.save({"state": loaded_state, "num_steps": loaded_steps}, out / "loaded_state.pt")
     _finish(out, model, losses)
 
 

@@ -15,7 +15,6 @@ from pretrain.checkpoint.reshard import write_layout
 from pretrain.checkpoint.torch_dist_writer import write_torch_dist
 from pretrain.checkpoint.types import DictSource
 from pretrain.config import ModelConfig, ParallelConfig
-from pretrain.utils.errors import UserError
 from tools.convert_cli import main as convert
 
 
@@ -71,16 +70,3 @@ def test_torch_dist_layout_is_megatron_cores(tmp_path: Path) -> None:
     assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" in md  # TE spelling, as megatron-core saves
     assert "decoder.layers.self_attention.q_layernorm.weight" in md
     assert "decoder.layers.mlp.linear_fc1._extra_state/shard_3_4" in md
-
-
-def test_optimizer_state_with_torch_dist_is_refused(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    src = _source()
-    write_layout(src, tmp_path / "legacy", ParallelConfig(tp=1, pp=1))
-    with pytest.raises((SystemExit, UserError)):
-        rc = convert(["reshard", "--load", str(tmp_path / "legacy"), "--save", str(tmp_path / "d"), "--target-tp",
-                      "1", "--target-pp", "1", "--ckpt-format", "torch_dist", "--with-optimizer"])  # fmt: skip
-        raise SystemExit(rc)
-    assert "optimizer state is written only with --ckpt-format torch" in capsys.readouterr().err
-    assert not (tmp_path / "d").exists()
