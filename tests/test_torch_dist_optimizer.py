@@ -53,6 +53,9 @@ class _KnownState:
     def state(self, kind: str, canonical: str) -> torch.Tensor:
         return self.tensors[(kind, canonical)]
 
+    def state_vocab_padding(self, kind: str, canonical: str) -> torch.Tensor:
+        return self.tensors[(kind, canonical)][:0]  # a made-up state stores no padding rows
+
 
 def _legacy_with_optimizer(tmp: Path, *, dtype: str, layout: ParallelConfig) -> tuple[Path, _KnownState]:
     src = _source(params_dtype=dtype)
@@ -140,30 +143,46 @@ def _peer(*argv: str, tp: int) -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("bf16", [False, True], ids=["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("case", "ours", "resume_tp", "bf16"),
+    [
+        ("llama_v256", ParallelConfig(tp=1, pp=2), 1, False),
+        ("llama_v256", ParallelConfig(tp=1, pp=2), 1, True),
+        # vocabulary 100 padded to 256 at tp2: megatron-core trains the padding rows; they are carried
+        ("llama", ParallelConfig(tp=2, pp=2), 2, False),
+    ],
+    ids=["fp32", "bf16", "padded-vocab"],
+)
 def test_megatron_core_resumes_from_our_conversion_as_from_its_own_checkpoint(
-    tmp_path: Path, bf16: bool
+    tmp_path: Path, case: str, ours: ParallelConfig, resume_tp: int, bf16: bool
 ) -> None:
     """megatron-core trains 4 steps at tp2 saving after step 2; we take that checkpoint through our
-    layout (tp1 pp2, with optimizer) back to torch_dist (tp2); megatron-core resuming at tp1 from
-    ours and from its own checkpoint loads the same optimizer state and trains to the same
-    weights, bit for bit; and its resumed losses equal the uninterrupted run's."""
-    _peer("train", str(tmp_path / "run"), "--case", "llama_v256", "--steps", "4", "--save-at", "2",
+    layout (with optimizer) back to torch_dist (tp2); megatron-core resuming from ours and from its
+    own checkpoint loads the same optimizer state and trains to the same weights, bit for bit; and
+    its resumed losses equal the uninterrupted run's."""
+    _peer("train", str(tmp_path / "run"), "--case", case, "--steps", "4", "--save-at", "2",
           *(["--bf16"] if bf16 else []), tp=2)  # fmt: skip
     ckpt = tmp_path / "run/ckpt"
-    assert convert(["reshard", "--load", str(ckpt), "--save", str(tmp_path / "ours"), "--target-tp", "1",
-                    "--target-pp", "2", "--with-optimizer"]) == 0  # fmt: skip
+    assert convert(["reshard", "--load", str(ckpt), "--save", str(tmp_path / "ours"), "--target-tp", str(ours.tp),
+                    "--target-pp", str(ours.pp), "--with-optimizer"]) == 0  # fmt: skip
     assert convert(["reshard", "--load", str(tmp_path / "ours"), "--save", str(tmp_path / "dist"), "--target-tp",
                     "2", "--target-pp", "1", "--with-optimizer", "--ckpt-format", "torch_dist"]) == 0  # fmt: skip
-    _peer("resume", str(ckpt / "iter_0000002"), str(tmp_path / "from_own"), "--steps", "4", tp=1)
-    _peer("resume", str(tmp_path / "dist/iter_0000002"), str(tmp_path / "from_ours"), "--steps", "4", tp=1)
-    own, ours = (torch.load(tmp_path / d / "loaded_state.pt") for d in ("from_own", "from_ours"))
-    assert own["num_steps"] == ours["num_steps"] == 2 * 4
-    assert sorted(own["state"]) == sorted(ours["state"])
+    _peer("resume", str(ckpt / "iter_0000002"), str(tmp_path / "from_own"), "--steps", "4", tp=resume_tp)
+    _peer(
+        "resume",
+        str(tmp_path / "dist/iter_0000002"),
+        str(tmp_path / "from_ours"),
+        "--steps",
+        "4",
+        tp=resume_tp,
+    )
+    own, theirs = (torch.load(tmp_path / d / "loaded_state.pt") for d in ("from_own", "from_ours"))
+    assert own["num_steps"] == theirs["num_steps"] == 2 * 4
+    assert sorted(own["state"]) == sorted(theirs["state"])
     assert any(k.startswith("exp_avg_sq.") for k in own["state"])
     assert any(k.startswith("fp32_param.") for k in own["state"]) == bf16
     for key, want in own["state"].items():
-        assert torch.equal(ours["state"][key], want), key
+        assert torch.equal(theirs["state"][key], want), key
     for name in ("losses.pt", "params.pt"):
         a, b = (torch.load(tmp_path / d / name) for d in ("from_own", "from_ours"))
         if isinstance(a, dict):

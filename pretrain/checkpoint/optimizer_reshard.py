@@ -27,7 +27,7 @@ from pretrain.checkpoint.layout import DISTRIB_OPTIM_FILE
 from pretrain.checkpoint.optimizer_state import OPTIM_STATES, OptimizerCommon, OptimizerSource
 from pretrain.checkpoint.plan import ModelSpec, Slot
 from pretrain.checkpoint.reader import LegacyReader
-from pretrain.checkpoint.reshard import _shard
+from pretrain.checkpoint.reshard import _shard, carried_padding
 from pretrain.checkpoint.safe_unpickle import load_untrusted
 from pretrain.checkpoint.upstream_names import to_local_name
 from pretrain.config import ParallelConfig
@@ -118,6 +118,9 @@ class LegacyOptimizerSource:
     def state(self, kind: str, canonical: str) -> torch.Tensor:
         return self.views[kind].tensor(canonical).float()
 
+    def state_vocab_padding(self, kind: str, canonical: str) -> torch.Tensor:
+        return self.views[kind].vocab_padding(canonical).float()
+
 
 def open_legacy_optimizer(reader: Any) -> LegacyOptimizerSource:
     """The optimizer state of our checkpoint ``reader`` (one line and exit 2 when it has none)."""
@@ -146,6 +149,13 @@ def open_legacy_optimizer(reader: Any) -> LegacyOptimizerSource:
     return LegacyOptimizerSource(views, common, scheduler if isinstance(scheduler, dict) else None, gbs)
 
 
+def _state_rows(opt: OptimizerSource, kind: str, slot: Slot, padded: int) -> torch.Tensor:
+    full = opt.state(kind, slot.canonical)
+    return (
+        carried_padding(full, opt.state_vocab_padding(kind, slot.canonical), padded) if slot.vocab else full
+    )
+
+
 def optimizer_writer(
     opt: OptimizerSource, spec: ModelSpec, target: ParallelConfig
 ) -> Callable[[int, int, list[list[Slot]]], dict[str, Any] | None]:
@@ -161,7 +171,11 @@ def optimizer_writer(
             for slot in chunk_slots:
                 params[f"model{c}.{slot.local}"] = {
                     kind: _shard(
-                        opt.state(kind, slot.canonical), slot, tp_rank=tp_rank, tp=target.tp, padded=padded
+                        _state_rows(opt, kind, slot, padded),
+                        slot,
+                        tp_rank=tp_rank,
+                        tp=target.tp,
+                        padded=padded,
                     )  # fmt: skip
                     for kind in OPTIM_STATES
                 }

@@ -60,6 +60,10 @@ class OptimizerSource(Protocol):
 
     def state(self, kind: str, canonical: str) -> torch.Tensor: ...
 
+    def state_vocab_padding(self, kind: str, canonical: str) -> torch.Tensor:
+        """The stored padding rows (beyond the true vocabulary) of a vocabulary tensor's state."""
+        ...
+
 
 def _mcore_group(ours: dict[str, Any], *, decay: bool, min_lr: float) -> dict[str, Any]:
     """One of our groups as megatron-core's ``_get_param_groups`` + torch ``AdamW`` group."""

@@ -100,15 +100,25 @@ class LegacyReader:
                 self.pages.release(part)
         if self.norm_1p and is_zero_centred_norm(name):  # args.apply_layernorm_1p: stored gamma - 1
             full = full + 1
-        return full[: cfg.vocab_size] if slot.vocab else full
+        return full
+
+    def vocab_padding(self, name: str) -> torch.Tensor:
+        """The stored rows of vocabulary tensor ``name`` beyond the true vocabulary (``[p - v, h]``).
+
+        megatron-core's softmax spans the padded vocabulary, so upstream runs train these rows;
+        writers carry them (see :func:`pretrain.checkpoint.reshard.carried_padding`)."""
+        if name not in self.entries:
+            raise UserError(f"{self.info.path}: no tensor {name!r}")
+        return self._assemble(name, self.entries[name])[self.spec.cfg.vocab_size :]
 
     def tensor(self, name: str) -> torch.Tensor:
         """The canonical full tensor ``name`` (vocab rows trimmed), checked across shards."""
         if name not in self.entries:
             raise UserError(f"{self.info.path}: no tensor {name!r}")
-        full = self._assemble(name, self.entries[name])
+        vocab = self.spec.cfg.vocab_size if self.entries[name].slot.vocab else None
+        full = self._assemble(name, self.entries[name])[:vocab]
         if name in self.head_copies:
-            head = self._assemble(name, self.head_copies[name])
+            head = self._assemble(name, self.head_copies[name])[:vocab]
             if not torch.equal(head, full):
                 where = self.files[self.head_copies[name].parts[0][0]]
                 raise UserError(

@@ -131,6 +131,13 @@ class TorchDistReader:
         t = read_region(self.path, self.meta[ref.key], ref.key, ref.layer)
         return t[: self.spec.cfg.vocab_size] if vocab else t
 
+    def vocab_padding(self, name: str) -> torch.Tensor:
+        """The stored rows of vocabulary tensor ``name`` beyond the true vocabulary (trained by
+        megatron-core, whose softmax spans them; writers carry them)."""
+        if name not in self.refs:
+            raise UserError(f"{self.path}: no tensor {name!r}")
+        return self._read(self.refs[name], False)[self.spec.cfg.vocab_size :]
+
     def tensor(self, name: str) -> torch.Tensor:
         if name not in self.refs:
             raise UserError(f"{self.path}: no tensor {name!r}")

@@ -52,6 +52,14 @@ class TorchDistOptimizerSource:
         return next((k for k in mcore_state_keys(kind, model_key) if k in self.reader.meta), None)
 
     def state(self, kind: str, canonical: str) -> torch.Tensor:
+        full = self._full_state(kind, canonical)
+        return full[: self.reader.spec.cfg.vocab_size] if is_vocab_tensor(canonical) else full
+
+    def state_vocab_padding(self, kind: str, canonical: str) -> torch.Tensor:
+        return self._full_state(kind, canonical)[self.reader.spec.cfg.vocab_size :]
+
+    def _full_state(self, kind: str, canonical: str) -> torch.Tensor:
+        """State ``kind`` of ``canonical`` with every stored row (vocabulary padding included)."""
         r = self.reader
         if canonical not in r.refs:
             raise UserError(f"{r.path}: no tensor {canonical!r}")
@@ -59,7 +67,11 @@ class TorchDistOptimizerSource:
         key = self._key(kind, ref.key)
         if key is None:
             if kind == "param" and r.meta[ref.key].properties.dtype == torch.float32:
-                return r.tensor(canonical).float()  # fp32 weights are the main parameters
+                # fp32 weights are the main parameters
+                weight = r.tensor(canonical)
+                if is_vocab_tensor(canonical):
+                    weight = torch.cat([weight, r.vocab_padding(canonical)])
+                return weight.float()
             raise UserError(f"{r.path}: optimizer state has no {mcore_state_keys(kind, ref.key)[0]}")
         if tuple(r.meta[key].size) != tuple(r.meta[ref.key].size):
             raise UserError(
@@ -67,7 +79,6 @@ class TorchDistOptimizerSource:
                 f"{tuple(r.meta[ref.key].size)} (a flattened distributed-optimizer layout is not read)"
             )
         full = read_region(r.path, r.meta[key], key, ref.layer).float()
-        full = full[: r.spec.cfg.vocab_size] if is_vocab_tensor(canonical) else full
         if kind == "param" and r.norm_1p and is_zero_centred_norm(canonical):
             full = full + 1
         return full
