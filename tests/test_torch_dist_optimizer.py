@@ -16,14 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.checkpoint.opener import load_canonical
+from pretrain.checkpoint.opener import load_canonical, open_checkpoint
 from pretrain.checkpoint.optimizer_reshard import open_legacy_optimizer, optimizer_writer
 from pretrain.checkpoint.optimizer_state import OPTIM_STATES, OptimizerCommon
-from pretrain.checkpoint.reader import open_checkpoint
 from pretrain.checkpoint.reshard import WriteOptions, write_layout
 from pretrain.checkpoint.torch_dist import TorchDistReader
 from pretrain.checkpoint.types import DictSource, Provenance
 from pretrain.config import ParallelConfig
+from pretrain.utils.errors import UserError
 from tests.test_torch_dist_reshard import _source
 from tools.convert_cli import main as convert
 
@@ -81,10 +81,13 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_optimizer_state_round_trips_through_torch_dist_exactly(tmp_path: Path, dtype: str) -> None:
+def test_optimizer_state_round_trips_through_torch_dist_exactly(
+    tmp_path: Path, dtype: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     legacy, known = _legacy_with_optimizer(tmp_path, dtype=dtype, layout=ParallelConfig(tp=2, pp=2))
     assert convert(["reshard", "--load", str(legacy), "--save", str(tmp_path / "dist"), "--target-tp", "1",
-                    "--target-pp", "1", "--ckpt-format", "torch_dist", "--with-optimizer"]) == 0  # fmt: skip
+                    "--target-pp", "1", "--ckpt-format", "torch_dist", "--with-optimizer", "--verify"]) == 0  # fmt: skip
+    assert "verify: optimizer state identical" in capsys.readouterr().out
     dist_reader = open_checkpoint(tmp_path / "dist")
     assert isinstance(dist_reader, TorchDistReader)
     stored = {k for k in dist_reader.meta if k.startswith("optimizer.state.")}
@@ -94,7 +97,7 @@ def test_optimizer_state_round_trips_through_torch_dist_exactly(tmp_path: Path, 
     assert [g["wd_mult"] for g in inner["param_groups"]] == [1.0, 0.0]
     assert common["opt_param_scheduler"]["num_steps"] == 5 * 8  # megatron counts samples
     assert convert(["reshard", "--load", str(tmp_path / "dist"), "--save", str(tmp_path / "back"), "--target-tp",
-                    "4", "--target-pp", "2", "--with-optimizer"]) == 0  # fmt: skip
+                    "4", "--target-pp", "2", "--with-optimizer", "--verify"]) == 0  # fmt: skip
     back = open_legacy_optimizer(open_checkpoint(tmp_path / "back"))
     assert back.common == known.common
     assert back.scheduler == SCHEDULE and back.global_batch_size == 8
@@ -245,3 +248,19 @@ def test_megatron_core_loads_the_optimizer_state_of_our_training_run(
         assert torch.equal(got, want), key
         checked += 1
     assert checked == 2 * len(refs)
+
+
+def test_verify_names_the_first_optimizer_tensor_that_differs(tmp_path: Path) -> None:
+    from pretrain.checkpoint.verify import verify_optimizer
+
+    legacy, known = _legacy_with_optimizer(tmp_path, dtype="float32", layout=ParallelConfig(tp=2, pp=1))
+    name = next(n for k, n in known.tensors if k == "exp_avg")
+    known.tensors[("exp_avg", name)] = known.tensors[("exp_avg", name)].clone().add_(1e-7)
+    other = tmp_path / "other"
+    other.mkdir()
+    layout = ParallelConfig(tp=1, pp=2)
+    src = _source()
+    write_layout(src, other / "ck", layout, options=WriteOptions(iteration=5, opt_param_scheduler=dict(SCHEDULE)),
+                 optimizer=optimizer_writer(known, src.spec, layout))  # fmt: skip
+    with pytest.raises(UserError, match=f"optimizer state exp_avg of {name} differs"):
+        verify_optimizer(legacy, other / "ck")

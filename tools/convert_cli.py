@@ -171,6 +171,10 @@ def _verify(args: argparse.Namespace) -> int:
     try:
         if args.command == "reshard":
             verify_checkpoints(args.load, args.save, tolerance=args.verify_tol)
+            if args.with_optimizer:
+                from pretrain.checkpoint.verify import verify_optimizer
+
+                verify_optimizer(args.load, args.save)
         elif args.command == "to-hf":
             verify_against_hf(args.load, args.save, tolerance=args.verify_tol)
         else:
@@ -290,19 +294,6 @@ def _carried_rng(reader: Any, target: ParallelConfig) -> Any:
     return rng
 
 
-def _open_optimizer(reader: Any) -> Any:
-    """The optimizer state of the source (ours per-rank files or ``torch_dist``) as canonical tensors."""
-    from pretrain.checkpoint.torch_dist import TorchDistReader
-
-    if isinstance(reader, TorchDistReader):
-        from pretrain.checkpoint.torch_dist_optimizer import open_optimizer
-
-        return open_optimizer(reader)
-    from pretrain.checkpoint.optimizer_reshard import open_legacy_optimizer
-
-    return open_legacy_optimizer(reader)
-
-
 def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, with_optimizer: bool,
                 ckpt_format: str = "torch", module_names: str | None = None) -> int:  # fmt: skip
     from pretrain.checkpoint.fingerprint import weights_fingerprint
@@ -312,7 +303,11 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
     check_output_dir(save, sources=(source.load,))
     reader = source.open()
     tok = source.tokenizer(reader, required=False)
-    opt = _open_optimizer(reader) if with_optimizer else None
+    opt = None
+    if with_optimizer:
+        from pretrain.checkpoint.optimizer_reshard import open_optimizer_source
+
+        opt = open_optimizer_source(reader)
     optimizer = None
     if opt is not None and ckpt_format == "torch":
         from pretrain.checkpoint.optimizer_reshard import optimizer_writer

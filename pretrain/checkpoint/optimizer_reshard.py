@@ -182,3 +182,14 @@ def optimizer_writer(
         return {"params": params, **common}
 
     return build
+
+
+def open_optimizer_source(reader: Any) -> OptimizerSource:
+    """The optimizer state of an opened checkpoint (our per-rank files or ``torch_dist``)."""
+    from pretrain.checkpoint.torch_dist import TorchDistReader
+
+    if isinstance(reader, TorchDistReader):
+        from pretrain.checkpoint.torch_dist_optimizer import open_optimizer
+
+        return open_optimizer(reader)
+    return open_legacy_optimizer(reader)

@@ -45,6 +45,14 @@ class OptimizerCommon:
     param_groups: tuple[dict[str, Any], ...]
     grad_scaler: dict[str, Any] | None = None
 
+    def essentials(self) -> tuple[Any, ...]:
+        """What a resume restores (step, per-group lr/betas/eps/weight decay, loss scale): equal
+        for two records of the same state in any format."""
+        groups = tuple(tuple((k, tuple(g[k]) if k == "betas" else g[k]) for k in _HYPER if k in g)
+                       for g in self.param_groups)  # fmt: skip
+        scale = None if self.grad_scaler is None else float(self.grad_scaler.get("scale", 0.0))
+        return self.step, groups, scale
+
     def as_ours(self) -> dict[str, Any]:
         """The ``step`` / ``param_groups`` / ``grad_scaler`` entries of our optimizer state dict."""
         return {"step": self.step, "param_groups": [dict(g) for g in self.param_groups],

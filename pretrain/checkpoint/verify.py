@@ -98,3 +98,26 @@ def verify_against_hf(ckpt: Path, hf_dir: Path, *, tolerance: float = DEFAULT_TO
     ids = probe_ids(spec)
     ours = ours_probe(full, spec, ids)
     return compare(ours, hf_probe(hf_dir, spec, ids), tolerance=tolerance, what=what_of(spec))
+
+
+def verify_optimizer(source: Path, target: Path) -> int:
+    """Every optimizer state tensor of ``target`` equals the source's, bit for bit (resharding only
+    moves them), as do the step, the group hyperparameters and the LR schedule; returns the count."""
+    from pretrain.checkpoint.opener import open_checkpoint
+    from pretrain.checkpoint.optimizer_reshard import open_optimizer_source
+    from pretrain.checkpoint.optimizer_state import OPTIM_STATES
+
+    src_reader, dst_reader = open_checkpoint(source), open_checkpoint(target)
+    src, dst = open_optimizer_source(src_reader), open_optimizer_source(dst_reader)
+    if src.common.essentials() != dst.common.essentials() or src.scheduler != dst.scheduler:
+        raise UserError(
+            "--verify: optimizer step, group hyperparameters or LR schedule differ from the source's"
+        )
+    count = 0
+    for name in src_reader.names():
+        for kind in OPTIM_STATES:
+            if not torch.equal(src.state(kind, name), dst.state(kind, name)):
+                raise UserError(f"--verify: optimizer state {kind} of {name} differs from the source's")
+            count += 1
+    print(f"verify: optimizer state identical ({count} tensors, step {dst.common.step})")
+    return count
