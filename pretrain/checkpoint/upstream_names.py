@@ -9,6 +9,9 @@ Every era of upstream checkpoints is read through two pure functions:
   ``encoder``, ``attention`` for ``self_attention``, top-level ``word_embeddings``), the newer
   ``*_norm`` spellings, and megatron-core names (``decoder.layers.{i}.self_attention.linear_qkv``,
   Transformer-Engine fused ``layer_norm_weight``, ``output_layer``, ...).
+* :func:`to_mcore_key` is the way back for ``torch_dist`` output, over the same tables: our
+  canonical tensor of a GPT or BERT model -> megatron-core's sharded-state-dict key
+  (``decoder.layers.*`` for ``GPTModel``, ``encoder.layers.*`` and the BERT heads for ``BertModel``).
 * :func:`qkv_to_canonical` reorders the fused QKV rows of one TP shard from the order of the
   file's ``checkpoint_version`` to ours, ``[heads][3][head_dim]``.
 """
@@ -66,7 +69,9 @@ _NORM = re.compile(r"(^|\.)(input|post_attention|post_mlp|final)_norm\.")
 _SKIPPED = ("_extra_state", ".inv_freq", "rotary_pos_emb")
 
 
-def _replace_prefix(name: str, table: list[tuple[str, str]] | list[tuple[str, str, tuple[str, ...]]]) -> str | None:
+def _replace_prefix(
+    name: str, table: list[tuple[str, str]] | list[tuple[str, str, tuple[str, ...]]]
+) -> str | None:
     for old, new, *_ in table:
         if name.startswith(old):
             return new + name[len(old) :]
