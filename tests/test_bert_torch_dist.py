@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -42,7 +43,6 @@ from tools.convert_cli import main as convert
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
-_PORT = [29840]
 
 
 def _cfg(**kw: object) -> ModelConfig:
@@ -238,7 +238,9 @@ def _peer(*argv: str, tp: int) -> None:
     pytest.importorskip(
         "megatron.core", reason="megatron-core is a test-only extra: pip install -e '.[megatron]'"
     )
-    _PORT[0] += 7
+    with socket.socket() as sock:  # a free port: other sessions run peers too
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [
         sys.executable,
@@ -248,7 +250,7 @@ def _peer(*argv: str, tp: int) -> None:
         "--tp",
         str(tp),
         "--port",
-        str(_PORT[0]),
+        str(port),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
