@@ -207,3 +207,18 @@ def untie_head_names(local_to_key: dict[str, str]) -> dict[str, str]:
     if _HEAD in out and OUTPUT_LAYER not in out:
         out[OUTPUT_LAYER] = out.pop(_HEAD)
     return out
+
+
+def check_bert_gelu(args: Mapping[str, Any], arch: Architecture, source: str) -> None:
+    """Refuse a BERT whose MLM head runs another GeLU than its layers (we run one GeLU).
+
+    The head's GeLU ignores the fused bias-GeLU kernel: megatron-core's ``BertLMHead`` always runs
+    exact ``F.gelu``; the legacy head runs tanh only for ``openai_gelu``. So ``bias_gelu_fusion``
+    without ``openai_gelu`` (tanh layers, exact head) has no mlm-toolkit counterpart.
+    """
+    head = "tanh" if not is_mcore(args) and args.get("openai_gelu") else "erf"
+    if head != arch.gelu:
+        raise UserError(
+            f"{source}: args.bias_gelu_fusion={args.get('bias_gelu_fusion')!r} on a BERT: its layers run "
+            f"{arch.gelu} GeLU but its MLM head {head} GeLU; mlm-toolkit BERT runs one GeLU throughout"
+        )

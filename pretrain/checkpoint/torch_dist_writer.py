@@ -1,6 +1,7 @@
 """Write canonical full tensors as a megatron-core ``torch_dist`` checkpoint, streaming.
 
-The output is what ``megatron.core.dist_checkpointing.save`` writes for a ``GPTModel``, so
+The output is what ``megatron.core.dist_checkpointing.save`` writes for a ``GPTModel`` or a
+``BertModel`` (local spec; layers under ``decoder`` / ``encoder``), so
 megatron-core's ``dist_checkpointing.load`` (and Megatron-LM ``--ckpt-format torch_dist``) accept
 it at any TP/PP: ``ROOT/latest_checkpointed_iteration.txt`` and ``ROOT/iter_N/`` with
 
@@ -8,7 +9,7 @@ it at any TP/PP: ``ROOT/latest_checkpointed_iteration.txt`` and ``ROOT/iter_N/``
   sharded-state-dict keys (:func:`~pretrain.checkpoint.upstream_names.to_mcore_key`): global
   shapes, layers stacked along a leading axis ``[num_layers, ...]`` and stored one chunk per layer
   (the chunks megatron-core itself writes along that axis); the word embeddings (and an untied
-  ``output_layer``) padded for the target TP; the ``_extra_state`` byte entries of every linear
+  ``output_layer``, and BERT's MLM output bias ``output_layer.bias``) padded for the target TP; the ``_extra_state`` byte entries of every linear
   layer (``<key>/shard_<layer>_<num_layers>``, holding ``[None]`` as the local spec saves them);
 * ``common.pt``: ``args`` (Megatron-LM's Namespace with our record, see
   :mod:`pretrain.checkpoint.metadata`), ``iteration``, ``checkpoint_version``;
@@ -40,11 +41,11 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 from pretrain.checkpoint.layout import CHECKPOINT_VERSION, iteration_dir, write_tracker
 from pretrain.checkpoint.metadata import to_args
 from pretrain.checkpoint.optimizer_state import MCORE_STATE_PREFIX, OptimizerSource
-from pretrain.checkpoint.plan import chunk_slots
+from pretrain.checkpoint.plan import ModelSpec, chunk_slots
 from pretrain.checkpoint.reshard import WriteOptions, _target_metadata, carried_padding
 from pretrain.checkpoint.torch_dist_optimizer import optimizer_common, optimizer_entry_kinds
 from pretrain.checkpoint.types import CanonicalSource
-from pretrain.checkpoint.upstream_names import to_mcore_key
+from pretrain.checkpoint.upstream_names import MCORE_BLOCK, to_mcore_key
 from pretrain.config import ParallelConfig
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.atomic import atomic_directory, atomic_open
@@ -71,16 +72,32 @@ class _Entry:
     state_kind: str | None = None  # an optimizer state ("exp_avg", ...) of the weight; None: the weight
 
 
+def _check_representable(spec: ModelSpec) -> None:
+    """Refuse what megatron-core's ``BertModel`` cannot compute (one line naming the cause)."""
+    if spec.kind != "bert":
+        return
+    if spec.cfg.post_layernorm:  # megatron-core's TransformerLayer is pre-LN only
+        raise UserError(
+            "torch_dist: tensor language_model.embedding.layernorm.weight (a post-LN BERT, "
+            "--apply-residual-connection-post-layernorm) has no megatron-core counterpart; "
+            "use --ckpt-format torch"
+        )
+    if spec.cfg.gelu != "erf":  # megatron-core's BertLMHead runs exact F.gelu whatever the args
+        raise UserError(
+            "torch_dist: a BERT with tanh GeLU (model config gelu='tanh') has no megatron-core "
+            "counterpart (its BertLMHead runs exact GeLU); use --ckpt-format torch"
+        )
+
+
 def _entries(source: CanonicalSource, tp: int) -> list[_Entry]:
     spec = source.spec
     cfg = spec.cfg
-    if spec.kind != "gpt":
-        raise UserError(f"torch_dist output is written for GPT models only (this is a {spec.kind} model)")
+    _check_representable(spec)
     padded = padded_vocab_size(cfg.vocab_size, tp=tp, divisible_by=cfg.make_vocab_size_divisible_by)
     slots = chunk_slots(spec, tp=1, pre_process=True, post_process=True, layer_numbers=range(cfg.num_layers))
     grouped: dict[str, list[tuple[str, int | None, tuple[int, ...], bool]]] = {}
     for slot in slots:
-        key, layer = to_mcore_key(slot.canonical)
+        key, layer = to_mcore_key(slot.canonical, spec.kind)
         shape = (padded, *slot.shape[1:]) if slot.vocab else slot.shape
         grouped.setdefault(key, []).append((slot.canonical, layer, shape, slot.vocab))
     dtype = getattr(torch, cfg.params_dtype)
@@ -91,6 +108,21 @@ def _entries(source: CanonicalSource, tp: int) -> list[_Entry]:
         parts = tuple((name, layer) for name, layer, _, _ in items)
         out.append(_Entry(key, shape, dtype, parts, padded if items[0][3] else None))
     return out
+
+
+def _extra_state_keys(entries: list[_Entry], num_layers: int) -> list[str]:
+    """The ``_extra_state`` byte entries megatron-core saves: each linear layer of every layer
+    (``<block>.layers.<module>.<linear>._extra_state/shard_<layer>_<num_layers>``, the block read
+    off the stacked keys), plus ``output_layer._extra_state/shard_0_1`` for BERT (its
+    ``BertModel`` keeps the output layer's extra state; ``GPTModel`` drops it)."""
+    block = next((e.key.split(".")[0] for e in entries if e.parts[0][1] is not None), "decoder")
+    keys = [
+        f"{block}.layers.{'mlp' if 'fc' in stem else 'self_attention'}.{stem}._extra_state"
+        f"/shard_{layer}_{num_layers}"
+        for stem in _EXTRA_STATE
+        for layer in range(num_layers)
+    ]
+    return keys + (["output_layer._extra_state/shard_0_1"] if block == MCORE_BLOCK["bert"] else [])
 
 
 class _StreamingPlanner(DefaultSavePlanner):
@@ -115,11 +147,8 @@ class _StreamingPlanner(DefaultSavePlanner):
                 items.append(WriteItem(index=index, type=WriteItemType.SHARD,
                                        tensor_data=TensorWriteData(chunk=chunk, properties=props,
                                                                    size=torch.Size(e.shape))))  # fmt: skip
-        for stem in _EXTRA_STATE:
-            for layer in range(self.num_layers):
-                key = f"decoder.layers.{'mlp' if 'fc' in stem else 'self_attention'}.{stem}._extra_state"
-                items.append(WriteItem(index=MetadataIndex(f"{key}/shard_{layer}_{self.num_layers}"),
-                                       type=WriteItemType.BYTE_IO))  # fmt: skip
+        for key in _extra_state_keys(self.entries, self.num_layers):
+            items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
         self.plan = SavePlan(items, planner_data={})
         return self.plan
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.args_semantics import architecture_from_args, need
+from pretrain.checkpoint.args_semantics import architecture_from_args, check_bert_gelu, need
 from pretrain.config import ModelConfig
 from pretrain.utils.errors import UserError
 
@@ -127,6 +127,8 @@ def upstream_model_config(
     ``shapes`` maps our local names of the first layer / embeddings (TP rank 0) to tensors.
     """
     arch = architecture_from_args(args, source=source)
+    if kind == "bert":
+        check_bert_gelu(args, arch, source)
     lm = "language_model."
     pos = shapes.get(lm + "embedding.position_embeddings.weight")
     hidden = int(need(args, "hidden_size", source))

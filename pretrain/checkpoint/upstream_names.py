@@ -9,6 +9,9 @@ Every era of upstream checkpoints is read through two pure functions:
   ``encoder``, ``attention`` for ``self_attention``, top-level ``word_embeddings``), the newer
   ``*_norm`` spellings, and megatron-core names (``decoder.layers.{i}.self_attention.linear_qkv``,
   Transformer-Engine fused ``layer_norm_weight``, ``output_layer``, ...).
+* :func:`to_mcore_key` is the way back for ``torch_dist`` output, over the same tables: our
+  canonical tensor of a GPT or BERT model -> megatron-core's sharded-state-dict key
+  (``decoder.layers.*`` for ``GPTModel``, ``encoder.layers.*`` and the BERT heads for ``BertModel``).
 * :func:`qkv_to_canonical` reorders the fused QKV rows of one TP shard from the order of the
   file's ``checkpoint_version`` to ours, ``[heads][3][head_dim]``.
 """
@@ -34,16 +37,25 @@ _MCORE_LAYER = [
     ("mlp.linear_fc1.", "mlp.dense_h_to_4h."),
     ("mlp.linear_fc2.", "mlp.dense_4h_to_h."),
 ]
-_MCORE_TOP = [
-    ("embedding.", LM + "embedding."),
-    ("decoder.final_layernorm.", ENC + "final_layernorm."),
-    ("decoder.final_norm.", ENC + "final_layernorm."),
-    ("encoder.final_layernorm.", ENC + "final_layernorm."),
-    ("output_layer.weight", "word_embeddings_for_head.weight"),
-    ("output_layer.bias", "lm_head.bias"),  # megatron-core BERT: the MLM output bias
-    ("lm_head.layer_norm.", "lm_head.layernorm."),
-    ("pooler.", LM + "pooler."),
+# megatron-core top-level names <-> ours: (megatron-core prefix, our prefix, kinds written so).
+# Reading takes the first row whose megatron-core prefix starts the key; writing
+# (:func:`to_mcore_key`) the first row whose our prefix starts the tensor and whose kinds hold the
+# model's kind (no kinds: an older spelling, read only).
+_MCORE_TOP: list[tuple[str, str, tuple[str, ...]]] = [
+    ("embedding.", LM + "embedding.", ("gpt", "bert")),
+    ("decoder.final_layernorm.", ENC + "final_layernorm.", ("gpt",)),
+    ("decoder.final_norm.", ENC + "final_layernorm.", ()),
+    ("encoder.final_layernorm.", ENC + "final_layernorm.", ("bert",)),  # megatron-core BertModel
+    ("output_layer.weight", "word_embeddings_for_head.weight", ()),  # tied or not: the reader decides
+    ("output_layer.weight", LM + "output_layer.weight", ("gpt", "bert")),  # untied (written only)
+    ("output_layer.bias", "lm_head.bias", ("bert",)),  # megatron-core BERT: the MLM output bias
+    ("lm_head.layer_norm.", "lm_head.layernorm.", ("bert",)),
+    ("lm_head.dense.", "lm_head.dense.", ("bert",)),
+    ("binary_head.", "binary_head.", ("bert",)),
+    ("pooler.", LM + "pooler.", ("bert",)),
 ]
+# the block holding the layers: megatron-core's GPTModel has a decoder, its BertModel an encoder
+MCORE_BLOCK = {"gpt": "decoder", "bert": "encoder"}
 _MCORE_LAYERS = re.compile(r"^(?:decoder|encoder)\.layers\.(\d+)\.(.*)$")
 # legacy spellings
 _OLD_TOP = [
@@ -57,8 +69,10 @@ _NORM = re.compile(r"(^|\.)(input|post_attention|post_mlp|final)_norm\.")
 _SKIPPED = ("_extra_state", ".inv_freq", "rotary_pos_emb")
 
 
-def _replace_prefix(name: str, table: list[tuple[str, str]]) -> str | None:
-    for old, new in table:
+def _replace_prefix(
+    name: str, table: list[tuple[str, str]] | list[tuple[str, str, tuple[str, ...]]]
+) -> str | None:
+    for old, new, *_ in table:
         if name.startswith(old):
             return new + name[len(old) :]
     return None
@@ -125,29 +139,25 @@ def qkv_from_canonical(shard: torch.Tensor, *, version: float, heads: int, head_
 
 
 _LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.*)$")
-_DIST_TOP = [
-    (LM + "embedding.", "embedding."),
-    (ENC + "final_layernorm.", "decoder.final_layernorm."),
-    (LM + "output_layer.weight", "output_layer.weight"),
-]
 
 
-def to_mcore_key(canonical: str) -> tuple[str, int | None]:
-    """megatron-core ``torch_dist`` key of our canonical tensor, and its layer (stacked keys).
+def to_mcore_key(canonical: str, kind: str = "gpt") -> tuple[str, int | None]:
+    """megatron-core ``torch_dist`` key of our canonical tensor of a ``kind`` model, and its layer.
 
-    The inverse of :func:`to_local_name` for GPT models, with the names ``torch_dist`` files use
-    whatever the spec (the TransformerEngine spelling: norms folded into ``linear_qkv`` /
-    ``linear_fc1`` as ``layer_norm_weight``/``layer_norm_bias``). Layers become one stacked key
-    ``decoder.layers.<rest>`` of shape ``[num_layers, ...]``.
+    The inverse of :func:`to_local_name` over the same tables, with the names ``torch_dist``
+    files use whatever the spec (the TransformerEngine spelling: norms folded into ``linear_qkv``
+    / ``linear_fc1`` as ``layer_norm_weight``/``layer_norm_bias``). Layers become one stacked key
+    ``decoder.layers.<rest>`` (GPT) or ``encoder.layers.<rest>`` (BERT) of shape ``[num_layers, ...]``.
     """
     m = _LAYER.match(canonical)
     if m is not None:
         layer, rest = int(m.group(1)), m.group(2)
+        block = MCORE_BLOCK[kind] + ".layers."
         for mcore, ours in _MCORE_LAYER:  # exact TE names come first in the table
             if rest == ours or (ours.endswith(".") and rest.startswith(ours)):
-                return "decoder.layers." + mcore + rest[len(ours) :], layer
-        return "decoder.layers." + rest, layer
-    for ours, mcore in _DIST_TOP:
-        if canonical.startswith(ours):
+                return block + mcore + rest[len(ours) :], layer
+        return block + rest, layer
+    for mcore, ours, kinds in _MCORE_TOP:
+        if kind in kinds and canonical.startswith(ours):
             return mcore + canonical[len(ours) :], None
     raise ValueError(f"no megatron-core name for tensor {canonical!r}")
