@@ -32,6 +32,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.ports import free_port
+
 PROBE = torch.tensor([[2, 5, 9, 33, 70, 3, 64, 99, 17, 3], [2, 8, 15, 16, 3, 42, 0, 98, 0, 0]])
 TOKENTYPES = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1, 1, 0, 0]])
 MASK = torch.tensor([[1] * 10, [1] * 8 + [0] * 2])
@@ -150,8 +152,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("cmd", choices=("save", "load"))
     p.add_argument("paths", nargs="+", help="save: OUT; load: CKPT_ITER_DIR OUT")
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--port", type=int, default=29811)
+    p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     a = p.parse_args(argv)
+    a.port = a.port or free_port()
     import torch.multiprocessing as mp
 
     mp.spawn(_worker, args=(a.tp, a.port, a.cmd, a.paths), nprocs=a.tp)

@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from tests.megatron_core_peer import CASES, _cpu_shims, build_model, megatron_args
+from tests.ports import free_port
 
 LR, WD, BATCH, SEQ = 1e-2, 0.1, 4, 16
 GATED = [False]  # set from the case: SwiGLU linear_fc1 shards are [gate; up]
@@ -239,8 +240,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--save-at", type=int, default=2)
     p.add_argument("--bf16", action="store_true")
-    p.add_argument("--port", type=int, default=29631)
+    p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     a = p.parse_args(argv)
+    a.port = a.port or free_port()
     import torch.multiprocessing as mp
 
     mp.spawn(_worker, args=(a,), nprocs=a.tp)

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tests.ports import free_port
+
 ARGS_JSON = Path(__file__).with_name("megatron_lm_args.json")
 PROBE = torch.tensor([[1, 5, 9, 33, 70, 2, 64, 99, 17, 3], [4, 8, 15, 16, 23, 42, 0, 98, 50, 7]])
 
@@ -241,8 +243,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("paths", nargs="+", help="save: OUT; load: CKPT_ITER_DIR OUT")
     p.add_argument("--case", default="llama", choices=sorted(CASES))
     p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--port", type=int, default=29611)
+    p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     a = p.parse_args(argv)
+    a.port = a.port or free_port()
     import torch.multiprocessing as mp
 
     mp.spawn(_worker, args=(a.tp, a.port, a.cmd, a.paths, a.case), nprocs=a.tp)

@@ -17,13 +17,15 @@ import warnings
 import torch
 import torch.distributed as dist
 
+from tests.ports import free_port
+
 
 def main(path: str, out: str) -> None:
     warnings.filterwarnings("ignore")
     from tests import megatron_core_peer as peer
 
     peer._cpu_shims()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29641"))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel

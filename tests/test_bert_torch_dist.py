@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +38,7 @@ from pretrain.parallel.state import ParallelState
 from pretrain.utils.errors import UserError
 from tests.convert_fixtures import rewrite_upstream, upstream_args, write_ours
 from tests.megatron_core_bert_peer import MASK, PROBE, TOKENTYPES, VOCAB
+from tests.ports import free_port
 from tools.convert_cli import main as convert
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -238,9 +238,7 @@ def _peer(*argv: str, tp: int) -> None:
     pytest.importorskip(
         "megatron.core", reason="megatron-core is a test-only extra: pip install -e '.[megatron]'"
     )
-    with socket.socket() as sock:  # a free port: other sessions run peers too
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()  # other sessions run peers too
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     cmd = [
         sys.executable,

@@ -28,13 +28,11 @@ from tests.megatron_core_peer import PROBE  # noqa: E402
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
-_PORT = [29700]
 
 
 def _run(*argv: str, tp: int) -> None:
-    _PORT[0] += 7
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "tests.megatron_core_peer", *argv, "--tp", str(tp), "--port", str(_PORT[0])]
+    cmd = [sys.executable, "-m", "tests.megatron_core_peer", *argv, "--tp", str(tp)]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
