@@ -22,7 +22,7 @@ import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,7 @@ def run_distributed(
     world_size: int,
     *args: Any,
     backend: str = "gloo",
-    start_method: str = "fork",
+    start_method: Literal["fork", "spawn"] = "fork",
     timeout: float = 240.0,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return per-rank results.
@@ -73,7 +73,7 @@ def run_distributed(
     the multiprocessing start method (``"fork"``; ``"spawn"`` for CUDA, which needs ``fn`` and
     ``args`` picklable: module-level functions). ``timeout`` bounds each rank's join in seconds.
     """
-    ctx = mp.get_context(start_method)
+    ctx = mp.get_context("spawn") if start_method == "spawn" else mp.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:
         procs = [
             ctx.Process(target=_worker, args=(fn, r, world_size, tmp, backend, args))
