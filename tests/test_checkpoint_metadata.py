@@ -53,9 +53,9 @@ def test_args_is_a_megatron_namespace_with_our_record_inside() -> None:
     )
     assert (args.padded_vocab_size, args.vocab_size, args.make_vocab_size_divisible_by) == (1024, 1003, 128)
     assert (args.tensor_model_parallel_size, args.pipeline_model_parallel_size) == (2, 2)
-    assert (
-        args.openai_gelu and not args.bias_gelu_fusion and not args.apply_residual_connection_post_layernorm
-    )
+    assert args.openai_gelu and not args.apply_residual_connection_post_layernorm
+    # tanh GeLU: legacy models read openai_gelu; megatron-core runs tanh only as the fused bias-GeLU
+    assert args.bias_gelu_fusion == (meta.module_names == "mcore") and meta.module_names == "mcore"
     assert args.params_dtype == torch.float32 and not args.fp16 and not args.bf16
     assert (args.iteration, args.consumed_train_samples) == (10, 80)
     assert (args.tokenizer_type, args.vocab_file, args.merge_file) == (
