@@ -22,11 +22,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mlm_eval.scorer import DTYPE_FLAGS
 from pretrain.inference.generate import GenerationConfig
 from pretrain.inference.sampling import SamplingConfig
+from pretrain.tokenizer.factory import TokenizerConfig
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
+from pretrain.utils.flag_groups import (
+    DTypeFlags,
+    ParallelFlags,
+    TokenizerFlags,
+    add_flag_group,
+    flags_from_namespace,
+)
+
+# the shared flag groups' fields mlm-generate takes (the engine loads TP x PP stages, no VP)
+TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -48,15 +58,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-cache", action="store_true", help="recompute every position each step (reference)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--json", action="store_true", help="one JSON line per prompt instead of streaming text")
-    p.add_argument("--tp", "--tensor-model-parallel-size", dest="tp", type=int, default=1)
-    p.add_argument("--pp", "--pipeline-model-parallel-size", dest="pp", type=int, default=1)
-    p.add_argument("--dtype", choices=tuple(DTYPE_FLAGS), default="fp32")
-    p.add_argument("--device", default="cpu")
-    p.add_argument("--tokenizer-type", help="Megatron tokenizer type (default: the checkpoint's)")
-    p.add_argument("--vocab-file")
-    p.add_argument("--merge-file")
-    p.add_argument("--tokenizer-model", help="SentencePiece / HF tokenizer path for --tokenizer-type")
+    p.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
+    add_flag_group(p, DTypeFlags, title="dtype", include=("dtype",))
+    add_flag_group(p, ParallelFlags, title="parallel layout (torchrun)", include=("tp", "pp"))
+    tok = p.add_argument_group("tokenizer (default: the checkpoint's own)")
+    add_flag_group(p, TokenizerFlags, title="tokenizer", group=tok, include=TOKENIZER_FIELDS)
     return p
+
+
+def tokenizer_config(flags: TokenizerFlags) -> TokenizerConfig | None:
+    """The tokenizer the flags name, or ``None`` for the checkpoint's own."""
+    if flags.tokenizer_type is None:
+        given = [f"--{n.replace('_', '-')}" for n in TOKENIZER_FIELDS[1:] if getattr(flags, n) is not None]
+        if given:
+            raise UserError(
+                f"{given[0]} needs --tokenizer-type (without it the checkpoint's tokenizer is used)"
+            )
+        return None
+    return TokenizerConfig(tokenizer_type=flags.tokenizer_type, vocab_file=flags.vocab_file,
+                           merge_file=flags.merge_file, model_path=flags.tokenizer_model)  # fmt: skip
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -101,26 +121,36 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UserError("--max-new-tokens and --batch-size must be >= 1")
+    parallel = flags_from_namespace(ParallelFlags, args)
+    if min(parallel.tp, parallel.pp) < 1:
+        raise UserError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+    dtype = flags_from_namespace(DTypeFlags, args)
+    tok_cfg = tokenizer_config(flags_from_namespace(TokenizerFlags, args))
     prompts = read_prompts(args)
     sampling = sampling_config(args)
     if args.hf_model:
         from mlm_eval.generate_hf import run_hf
 
-        return run_hf(args, prompts, sampling)
-    return _run_ckpt(args, prompts, sampling)
+        if tok_cfg is not None:
+            raise UserError("--tokenizer-type is for --ckpt; --hf-model uses the directory's tokenizer")
+        return run_hf(args, prompts, sampling, parallel=parallel, dtype=dtype)
+    return _run_ckpt(args, prompts, sampling, parallel=parallel, dtype=dtype, tok_cfg=tok_cfg)
 
 
-def _run_ckpt(args: argparse.Namespace, prompts: list[str], sampling: SamplingConfig) -> int:
+def _run_ckpt(
+    args: argparse.Namespace,
+    prompts: list[str],
+    sampling: SamplingConfig,
+    *,
+    parallel: ParallelFlags,
+    dtype: DTypeFlags,
+    tok_cfg: TokenizerConfig | None,
+) -> int:
     from mlm_eval.harness.engine import EngineConfig, HarnessEngine
     from pretrain.inference.generate import generate
-    from pretrain.tokenizer.factory import TokenizerConfig
 
-    tok_cfg = None
-    if args.tokenizer_type:
-        tok_cfg = TokenizerConfig(tokenizer_type=args.tokenizer_type, vocab_file=args.vocab_file,
-                                  merge_file=args.merge_file, model_path=args.tokenizer_model)  # fmt: skip
-    engine = HarnessEngine.load(EngineConfig(ckpt=args.ckpt, tp=args.tp, pp=args.pp, device=args.device,
-                                             dtype=args.dtype, batch_size=args.batch_size, tokenizer=tok_cfg,
+    engine = HarnessEngine.load(EngineConfig(ckpt=args.ckpt, tp=parallel.tp, pp=parallel.pp, device=args.device,
+                                             dtype=dtype.dtype_name(), batch_size=args.batch_size, tokenizer=tok_cfg,
                                              progress=False))  # fmt: skip
     try:
         tok = engine.tokenizer

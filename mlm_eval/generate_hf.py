@@ -11,15 +11,23 @@ import torch
 
 from pretrain.inference.sampling import SamplingConfig
 from pretrain.utils.errors import UserError
+from pretrain.utils.flag_groups import DTypeFlags, ParallelFlags
 
 
-def run_hf(args: argparse.Namespace, prompts: list[str], sampling: SamplingConfig) -> int:
+def run_hf(
+    args: argparse.Namespace,
+    prompts: list[str],
+    sampling: SamplingConfig,
+    *,
+    parallel: ParallelFlags,
+    dtype: DTypeFlags,
+) -> int:
     """Generate for each prompt in one process; stream to stdout or print JSON lines."""
     from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
 
     from mlm_eval.generate_cli import cut_at_stop
 
-    if args.tp * args.pp > 1:
+    if parallel.tp * parallel.pp > 1:
         raise UserError("--hf-model runs in one process; TP/PP generation needs --ckpt DIR")
     path = Path(args.hf_model)
     if not path.is_dir():
@@ -29,9 +37,7 @@ def run_hf(args: argparse.Namespace, prompts: list[str], sampling: SamplingConfi
         model: Any = AutoModelForCausalLM.from_pretrained(path, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise UserError(f"--hf-model {path}: cannot load ({str(exc).splitlines()[0]})") from None
-    from mlm_eval.scorer import DTYPE_FLAGS
-
-    model = model.to(device=args.device, dtype=getattr(torch, DTYPE_FLAGS[args.dtype])).eval()
+    model = model.to(device=args.device, dtype=getattr(torch, dtype.dtype_name())).eval()
     kwargs: dict[str, Any] = {"max_new_tokens": args.max_new_tokens, "do_sample": not sampling.greedy,
                               "use_cache": not args.no_cache, "pad_token_id": tok.eos_token_id}  # fmt: skip
     if not sampling.greedy:

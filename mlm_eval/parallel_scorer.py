@@ -13,6 +13,10 @@ scores only the target positions, with vocab-parallel float64 NLL/argmax
 (:mod:`mlm_eval.vocab_scoring`); results go to the other stages (broadcast over the pipeline
 group) and to every replica (all-gather over the data-parallel group), so each row is counted
 exactly once. Rank 0 prints and writes the result.
+
+``batch_invariant=True`` (the lm-evaluation-harness backend, :mod:`mlm_eval.harness.engine`):
+microbatches padded to a width that is a multiple of ``ROW_MULTIPLE``, the last layer at every
+position and the output layer on zero-padded rows, so a row's scores do not depend on its batch.
 """
 
 from __future__ import annotations
@@ -31,8 +35,14 @@ from mlm_eval.megatron_scorer import (
     read_gpt_checkpoint,
     scored_width,
 )
-from mlm_eval.scorer import ScoredRow, ScoreOutput
-from mlm_eval.vocab_scoring import gpt_trunk, score_hidden, scored_hidden
+from mlm_eval.scorer import IGNORE, ScoredRow, ScoreOutput
+from mlm_eval.vocab_scoring import (
+    gpt_trunk,
+    invariant_width,
+    score_hidden,
+    score_hidden_invariant,
+    scored_hidden,
+)
 from pretrain.config import ParallelConfig
 from pretrain.models.base import ShardedModule
 from pretrain.models.gpt import GPTModel
@@ -92,10 +102,13 @@ class ParallelGPTScorer:
     :meth:`gather_rows`) an all-gather over the data-parallel group.
     """
 
-    def __init__(self, chunk: GPTModel, ps: ParallelState, *, batch_size: int) -> None:
+    def __init__(
+        self, chunk: GPTModel, ps: ParallelState, *, batch_size: int, batch_invariant: bool = False
+    ) -> None:
         self.chunk = chunk.eval()
         self.ps = ps
         self.batch_size = batch_size
+        self.batch_invariant = batch_invariant
         self.max_length = chunk.cfg.max_position_embeddings
         self.vocab_size = chunk.cfg.vocab_size
         self.is_main = ps.rank == 0
@@ -119,13 +132,10 @@ class ParallelGPTScorer:
         """Score the rows ``batch_size`` at a time as microbatches of one pipeline schedule."""
         if input_ids.shape != target_ids.shape or input_ids.ndim != 2:
             raise ValueError(f"input {tuple(input_ids.shape)} and target {tuple(target_ids.shape)} differ")
-        microbatches = []
-        for lo in range(0, input_ids.shape[0], self.batch_size):
-            tgt = target_ids[lo : lo + self.batch_size]
-            width = max(scored_width(tgt), 1)  # a row scoring nothing still needs one column
-            microbatches.append(
-                {"tokens": input_ids[lo : lo + self.batch_size, :width], "targets": tgt[:, :width]}
-            )
+        microbatches = [
+            self._microbatch(input_ids[lo : lo + self.batch_size], target_ids[lo : lo + self.batch_size])
+            for lo in range(0, input_ids.shape[0], self.batch_size)
+        ]
         outputs = None
         if self.ps.is_last_stage:
             outputs = self._run(microbatches)
@@ -138,6 +148,20 @@ class ParallelGPTScorer:
         assert outputs is not None
         return self._assemble(microbatches, outputs, target_ids.shape)
 
+    def _microbatch(self, input_ids: torch.Tensor, target_ids: torch.Tensor) -> Microbatch:
+        """Tokens and targets ``[b, w]``: ``w`` the scored width (at least one column), or under
+        ``batch_invariant`` that rounded up by :func:`invariant_width` (padding: token 0, no target)."""
+        width = max(scored_width(target_ids), 1)  # a row scoring nothing still needs one column
+        if not self.batch_invariant:
+            return {"tokens": input_ids[:, :width], "targets": target_ids[:, :width]}
+        padded = invariant_width(width, self.max_length)
+        b, s = target_ids.shape
+        tokens = torch.zeros((b, padded), dtype=input_ids.dtype)
+        targets = torch.full((b, padded), IGNORE, dtype=target_ids.dtype)
+        tokens[:, : min(s, padded)] = input_ids[:, :padded]
+        targets[:, : min(s, padded)] = target_ids[:, :padded]
+        return {"tokens": tokens, "targets": targets}
+
     def _run(self, microbatches: list[Microbatch]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         ps = self.ps
         placed = [{k: v.to(ps.device) for k, v in mb.items()} for mb in microbatches]
@@ -148,7 +172,7 @@ class ParallelGPTScorer:
             loss_fn=lambda out, mb: out[0].sum(),
             forward_only=True,
             collect_outputs=True,
-            forward_step=_forward_step,
+            forward_step=_invariant_forward_step if self.batch_invariant else _forward_step,
         )
         return [(nll.cpu(), hit.cpu()) for nll, hit in outputs]
 
@@ -161,7 +185,8 @@ class ParallelGPTScorer:
         row = 0
         for mb, (mb_nll, mb_hit) in zip(microbatches, outputs, strict=True):
             b, width = mb["targets"].shape
-            mask = mb["targets"] >= 0
+            width = min(width, shape[1])  # batch-invariant padding may run past the rows' length
+            mask = mb["targets"][:, :width] >= 0
             nll[row : row + b, :width][mask] = mb_nll
             hit[row : row + b, :width][mask] = mb_hit
             row += b
@@ -182,6 +207,22 @@ def _forward_step(
     return scored.nll, scored.is_argmax
 
 
+def _invariant_forward_step(
+    model: ShardedModule, mb: Microbatch, hidden: torch.Tensor | None, is_last: bool
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_forward_step` for ``batch_invariant``: the last layer runs at every position (its row
+    count ``b x w`` stays a multiple of ``ROW_MULTIPLE``; pruning to the scored positions would
+    make it depend on the batch), and the output layer on zero-padded rows."""
+    assert isinstance(model, GPTModel)
+    input_ids = mb["tokens"] if hidden is None else None
+    out = gpt_trunk(model, input_ids=input_ids, hidden=hidden)
+    if not is_last:
+        return out
+    mask = mb["targets"] >= 0
+    scored = score_hidden_invariant(model, out[mask], mb["targets"][mask])
+    return scored.nll, scored.is_argmax
+
+
 def load_parallel_gpt(
     ckpt: str,
     *,
@@ -189,6 +230,7 @@ def load_parallel_gpt(
     tokenizer_cfg: TokenizerChoice | TokenizerConfig | None,
     batch_size: int,
     dtype: str = "float32",
+    batch_invariant: bool = False,
 ) -> tuple[ParallelGPTScorer, PretrainTextEncoder, dict[str, Any], ParallelState]:
     """This rank's scorer, the text encoder, the model info and the parallel state.
 
@@ -206,5 +248,5 @@ def load_parallel_gpt(
     (chunk,) = build_model_chunks(cfg, ps)
     assert isinstance(chunk, GPTModel)
     load_full_state_dict(chunk, read.full)
-    scorer = ParallelGPTScorer(chunk, ps, batch_size=batch_size)
+    scorer = ParallelGPTScorer(chunk, ps, batch_size=batch_size, batch_invariant=batch_invariant)
     return scorer, PretrainTextEncoder(read.tokenizer), read.info, ps

@@ -6,6 +6,8 @@ Shared by the one-process :class:`~mlm_eval.megatron_scorer.MegatronGPTScorer` (
 * :func:`gpt_trunk`: a stage's embedding (first stage) and layers, without the output layer.
 * :func:`score_hidden`: the tied output layer applied only to the given rows of hidden states,
   trimmed to the true vocabulary rows this TP rank holds, then :func:`vocab_parallel_nll_and_argmax`.
+* :func:`invariant_width` and :func:`score_hidden_invariant`: the padding that makes a row's
+  scores independent of its batch (``ROW_MULTIPLE``), used by the lm-evaluation-harness backend.
 
 Log-probabilities are computed in float64 whatever the model's dtype (cast after the output
 GEMM), so TP=1 and TP>1 agree to float64 rounding and padded vocabulary rows never count.
@@ -23,6 +25,10 @@ from pretrain.parallel.state import ProcessGroup
 
 # Hidden rows per output-layer chunk: bounds the float64 logits temporary to ~rows x V/t x 8 bytes.
 SCORE_CHUNK_ROWS = 256
+# GEMMs with fewer rows than this may take another kernel path (gemv, small-M code) whose
+# rounding differs; batch-invariant scoring pads the trunk's width and the output layer's rows up
+# to a multiple of it so that a row's scores do not depend on the rows batched with it.
+ROW_MULTIPLE = 16
 _NO_INDEX = torch.iinfo(torch.long).max
 
 
@@ -125,6 +131,25 @@ def score_hidden(model: GPTModel, hidden: torch.Tensor, targets: torch.Tensor) -
         )
         nll[rows], hit[rows] = out.nll, out.is_argmax
     return ScoreOutput(nll=nll, is_argmax=hit)
+
+
+def invariant_width(width: int, max_length: int) -> int:
+    """The trunk's width for a batch whose scored columns end at ``width``: rounded up to a multiple
+    of ``ROW_MULTIPLE`` (at most ``max_length``). The extra right padding is invisible to earlier
+    positions under causal attention, and every GEMM then has ``b x multiple-of-16`` rows."""
+    return min(-(-max(width, 1) // ROW_MULTIPLE) * ROW_MULTIPLE, max_length)
+
+
+def score_hidden_invariant(model: GPTModel, hidden: torch.Tensor, targets: torch.Tensor) -> ScoreOutput:
+    """:func:`score_hidden` on ``hidden [n, h]`` padded with zero rows to a multiple of
+    ``ROW_MULTIPLE`` (so the output GEMM's row count never selects another kernel); results ``[n]``.
+    Collectives: those of :func:`score_hidden` (every TP rank pads the same ``n``)."""
+    n = hidden.shape[0]
+    extra = -n % ROW_MULTIPLE
+    rows = torch.cat([hidden, hidden.new_zeros((extra, hidden.shape[1]))])
+    padded_targets = torch.cat([targets, targets.new_zeros(extra)])
+    out = score_hidden(model, rows, padded_targets)
+    return ScoreOutput(nll=out.nll[:n], is_argmax=out.is_argmax[:n])
 
 
 def _all_reduce(x: torch.Tensor, group: ProcessGroup | None, op: dist.ReduceOp.RedOpType) -> torch.Tensor:

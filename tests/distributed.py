@@ -1,10 +1,12 @@
-"""Run a test function in N gloo processes started with ``fork`` (much faster than spawn).
+"""Run a test function in N processes: gloo + ``fork`` on the CPU, NCCL + ``spawn`` on GPUs.
 
 ``run_distributed(fn, world_size, *args)`` calls ``fn(rank, world_size, *args)`` in each process
-after ``torch.distributed`` is initialised with gloo over a file store in a fresh temporary
-directory (no ports to collide). Each rank's return value (tensors, numbers, lists, dicts) is
-saved with ``torch.save`` and loaded back with ``weights_only=True``; a failing rank's traceback
-is re-raised in the test.
+after ``torch.distributed`` is initialised over a file store in a fresh temporary directory (no
+ports to collide). The default is gloo with ``fork`` (much faster than spawn);
+``backend="nccl", start_method="spawn"`` (CUDA cannot fork) puts rank r on GPU r with TF32 off,
+so fp32 on the GPU is fp32. Each rank's return value (tensors, numbers, lists, dicts) is moved to
+the CPU, saved with ``torch.save`` and loaded back with ``weights_only=True``; a failing rank's
+traceback is re-raised in the test.
 
 ``torchrun(nproc, module, argv)`` launches a command-line module under ``torch.distributed.run``
 (``--standalone``: a free port each time, so parallel launches never collide).
@@ -20,19 +22,35 @@ import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
 
-def _worker(fn: Callable[..., Any], rank: int, world: int, tmp: str, args: tuple[Any, ...]) -> None:
+def to_device(obj: Any, device: str | torch.device) -> Any:
+    """Tensors inside dicts/lists/tuples moved to ``device`` (other values unchanged)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
+    if isinstance(obj, dict):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(to_device(v, device) for v in obj)
+    return obj
+
+
+def _worker(
+    fn: Callable[..., Any], rank: int, world: int, tmp: str, backend: str, args: tuple[Any, ...]
+) -> None:
     code = 0
     try:
         torch.set_num_threads(1)
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
-        result = fn(rank, world, *args)
-        torch.save(result, f"{tmp}/result{rank}.pt")
+        if backend == "nccl":  # one rank per GPU (NCCL cannot put two ranks on one device)
+            torch.cuda.set_device(rank)
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        dist.init_process_group(backend, init_method=f"file://{tmp}/store", rank=rank, world_size=world)
+        torch.save(to_device(fn(rank, world, *args), "cpu"), f"{tmp}/result{rank}.pt")
         dist.barrier()
         dist.destroy_process_group()
     except BaseException:
@@ -41,11 +59,26 @@ def _worker(fn: Callable[..., Any], rank: int, world: int, tmp: str, args: tuple
     os._exit(code)
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240.0) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks; return per-rank results."""
-    ctx = mp.get_context("fork")
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int,
+    *args: Any,
+    backend: str = "gloo",
+    start_method: Literal["fork", "spawn"] = "fork",
+    timeout: float = 240.0,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` ranks; return per-rank results.
+
+    ``backend`` is the ``torch.distributed`` backend (``"gloo"`` or ``"nccl"``), ``start_method``
+    the multiprocessing start method (``"fork"``; ``"spawn"`` for CUDA, which needs ``fn`` and
+    ``args`` picklable: module-level functions). ``timeout`` bounds each rank's join in seconds.
+    """
+    ctx = mp.get_context("spawn") if start_method == "spawn" else mp.get_context("fork")
     with tempfile.TemporaryDirectory() as tmp:
-        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, tmp, args)) for r in range(world_size)]
+        procs = [
+            ctx.Process(target=_worker, args=(fn, r, world_size, tmp, backend, args))
+            for r in range(world_size)
+        ]
         for p in procs:
             p.start()
         for p in procs:
@@ -53,10 +86,11 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         for p in procs:
             if p.is_alive():
                 p.kill()
+                p.join()
         errors = [Path(tmp, f"error{r}.txt") for r in range(world_size)]
         messages = [f"--- rank {r} ---\n{e.read_text()}" for r, e in enumerate(errors) if e.exists()]
         if messages:
-            raise AssertionError("distributed test failed:\n" + "\n".join(messages))
+            raise AssertionError(f"distributed test ({backend}) failed:\n" + "\n".join(messages))
         if any(p.exitcode != 0 for p in procs):
             raise AssertionError(
                 f"ranks exited with codes {[p.exitcode for p in procs]} (timeout {timeout}s?)"

@@ -1,4 +1,6 @@
-"""Flags with one meaning in every command: the virtual-pipeline size."""
+"""Flags with one meaning in every command: the virtual-pipeline size and the shared typed flag groups
+(tokenizer, dtype, parallel layout) of mlm-pretrain, mlm-eval, mlm-finetune, mlm-convert, mlm-generate
+and mlm-layout."""
 
 from __future__ import annotations
 
@@ -43,6 +45,10 @@ SHARED_HELP = {  # command -> (argv for --help, flags of the shared groups it sh
     "mlm-finetune": ([], ["--tensor-model-parallel-size N, --tp N", "--tokenizer-dir DIR", "--force-tokenizer",
                           "--bf16"]),
     "mlm-convert": (["from-hf"], ["--tensor-model-parallel-size N, --tp N", "--tokenizer-dir DIR", "--vp N"]),
+    "mlm-generate": ([], ["--tensor-model-parallel-size N, --tp N", "--tokenizer-type", "--vocab-file PATH",
+                          "--merge-file PATH", "--tokenizer-model", "--dtype {fp32,bf16,fp16}", "(default: fp32)"]),
+    "mlm-layout": ([], ["--tensor-model-parallel-size N, --tp N", "--vp N",
+                        "virtual pipeline chunks per stage (VP) (default: 1)"]),
 }  # fmt: skip
 
 
@@ -53,6 +59,10 @@ def _main(command: str):  # type: ignore[no-untyped-def]
         from mlm_eval.cli import main
     elif command == "mlm-finetune":
         from finetune.cli import main
+    elif command == "mlm-generate":
+        from mlm_eval.generate_cli import main
+    elif command == "mlm-layout":
+        from pretrain.parallel.layout_cli import main
     else:
         from tools.convert_cli import main
     return main
@@ -120,6 +130,11 @@ def test_flag_dataclasses_round_trip_through_argparse() -> None:
         ("mlm-convert", ["reshard", "--load", "x", "--save", "y", "--target-tp", "a", "--target-pp", "1"], "--target-tp"),
         ("mlm-pretrain", ["gpt", "--tokenizer-type", "Nope"], "--tokenizer-type"),
         ("mlm-finetune", ["sst2", "--hf-model", "x", "--data-dir", "d", "--tp", "x"], "--tensor-model-parallel-size/--tp"),
+        ("mlm-generate", ["--ckpt", "x", "--prompt", "p", "--pp", "two"], "--pipeline-model-parallel-size/--pp"),
+        ("mlm-generate", ["--ckpt", "x", "--prompt", "p", "--dtype", "fp8"], "--dtype"),
+        ("mlm-generate", ["--ckpt", "x", "--prompt", "p", "--tokenizer-type", "Nope"], "--tokenizer-type"),
+        ("mlm-layout", ["--world-size", "8", "--vp", "x"], "--vp"),
+        ("mlm-layout", ["--world-size", "8", "--tensor-model-parallel-size", "1.5"], "--tensor-model-parallel-size/--tp"),
     ],
 )  # fmt: skip
 def test_a_bad_flag_value_is_one_line_and_exit_2(
@@ -140,3 +155,40 @@ def test_dtype_flags_name_one_dtype() -> None:
     assert DTypeFlags(fp16=True).dtype_name() == "float16"
     with pytest.raises(UserError, match="--bf16 and --fp16 are mutually exclusive"):
         DTypeFlags(bf16=True, fp16=True).dtype_name()
+
+
+def test_mlm_layout_reads_the_megatron_spelling_of_the_shared_flags(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    import json
+
+    from pretrain.parallel.layout_cli import main
+
+    argv = ["--world-size", "8", "--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+            "--vp", "2", "--json"]  # fmt: skip
+    assert main(argv) == 0
+    groups = json.loads(capsys.readouterr().out)
+    assert groups["tp"][0] == [0, 1] and groups["pp"][0] == [0, 4]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--hf-model", "nowhere", "--prompt", "p", "--tp", "2"], "--hf-model runs in one process"),
+        (["--ckpt", "nowhere", "--prompt", "p", "--pp", "0"], "--pipeline-model-parallel-size must be >= 1"),
+        (["--ckpt", "nowhere", "--prompt", "p", "--vocab-file", "v.json"], "--vocab-file needs --tokenizer-type"),
+        (["--hf-model", "nowhere", "--prompt", "p", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json",
+          "--merge-file", "m.txt"],
+         "--tokenizer-type is for --ckpt"),
+    ],
+)  # fmt: skip
+def test_mlm_generate_acts_on_the_typed_flags_before_loading(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from mlm_eval.generate_cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err

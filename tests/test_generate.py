@@ -131,6 +131,40 @@ def test_greedy_equals_transformers_generate(tiny_gpt2_dir: Path) -> None:
             assert tokens == (ref_new[: ref_new.index(eos)] if eos in ref_new else ref_new)
 
 
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_mlm_generate_hf_model_equals_transformers_generate(
+    tiny_gpt2_dir: Path, dtype: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``mlm-generate --hf-model`` with the shared ``--dtype`` flag: the weights run in that dtype."""
+    import json
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
+
+    from mlm_eval.generate_cli import main
+
+    seen: list[torch.dtype] = []
+    original = GenerationMixin.generate
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        seen.append(self.dtype)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(GenerationMixin, "generate", spy)
+    prompt = "the quick brown fox"
+    assert main(["--hf-model", str(tiny_gpt2_dir), "--prompt", prompt, "--max-new-tokens", "8", "--json",
+                 "--dtype", dtype]) == 0  # fmt: skip
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    assert seen == [torch_dtype]
+    got = json.loads(capsys.readouterr().out)
+    hf: Any = AutoModelForCausalLM.from_pretrained(tiny_gpt2_dir).eval().to(torch_dtype)
+    tok = AutoTokenizer.from_pretrained(tiny_gpt2_dir)
+    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
+    with torch.no_grad():
+        ref = original(hf, ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
+    want = ref[0, ids.shape[1] :].tolist()
+    assert got["tokens"] == (want[: want.index(tok.eos_token_id)] if tok.eos_token_id in want else want)
+
+
 def test_untied_llama_greedy_equals_transformers_generate() -> None:
     """An untied output layer (Llama-3 style) is what the logits come from, not the embedding."""
     from pretrain.models import hf_llama

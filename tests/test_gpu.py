@@ -14,12 +14,7 @@ TF32 is switched off so fp32 on the GPU is fp32; tolerances allow for reordered 
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing as mp
-import os
-import tempfile
-import traceback
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -32,6 +27,7 @@ from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import gather_full_state_dict, load_full_state_dict
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.cross_entropy import masked_mean
+from tests.distributed import run_distributed, to_device
 from tests.dp_training import OPT, build, global_batches, masked_sum_loss, reference, train_pp1
 from tests.gpt_fixtures import batch, full_weights, single_process_reference, tiny_config
 
@@ -52,52 +48,9 @@ def _no_tf32() -> None:
         torch.backends.cudnn.allow_tf32 = False
 
 
-def to_device(obj: Any, device: str | torch.device) -> Any:
-    """Tensors inside dicts/lists/tuples moved to ``device``."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device)
-    if isinstance(obj, dict):
-        return {k: to_device(v, device) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return type(obj)(to_device(v, device) for v in obj)
-    return obj
-
-
-def _nccl_worker(fn: Callable[..., Any], rank: int, world: int, tmp: str, args: tuple[Any, ...]) -> None:
-    code = 0
-    try:
-        torch.cuda.set_device(rank)
-        torch.backends.cuda.matmul.allow_tf32 = False
-        dist.init_process_group("nccl", init_method=f"file://{tmp}/store", rank=rank, world_size=world)
-        torch.save(to_device(fn(rank, world, *args), "cpu"), f"{tmp}/result{rank}.pt")
-        dist.barrier()
-        dist.destroy_process_group()
-    except BaseException:
-        Path(f"{tmp}/error{rank}.txt").write_text(traceback.format_exc())
-        code = 1
-    os._exit(code)
-
-
-def run_nccl(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 300.0) -> list[Any]:
-    """``tests.distributed.run_distributed`` with NCCL, rank r on GPU r (spawned: CUDA cannot fork)."""
-    ctx = mp.get_context("spawn")
-    with tempfile.TemporaryDirectory() as tmp:
-        procs = [
-            ctx.Process(target=_nccl_worker, args=(fn, r, world_size, tmp, args)) for r in range(world_size)
-        ]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(timeout)
-            if p.is_alive():
-                p.kill()
-        messages = [Path(tmp, f"error{r}.txt") for r in range(world_size)]
-        errors = [f"--- rank {r} ---\n{m.read_text()}" for r, m in enumerate(messages) if m.exists()]
-        if errors or any(p.exitcode != 0 for p in procs):
-            raise AssertionError(
-                "NCCL test failed:\n" + "\n".join(errors or [str([p.exitcode for p in procs])])
-            )
-        return [torch.load(f"{tmp}/result{r}.pt", weights_only=True) for r in range(world_size)]
+def run_nccl(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+    """``run_distributed`` with NCCL, rank r on GPU r (spawned: CUDA cannot fork)."""
+    return run_distributed(fn, world_size, *args, backend="nccl", start_method="spawn", timeout=300.0)
 
 
 def _cuda_state(config: ParallelConfig) -> ParallelState:

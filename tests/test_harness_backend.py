@@ -115,3 +115,50 @@ def test_loglikelihood_equals_plain_forward(tiny_engine_parts: tuple[Any, Any]) 
     assert got == pytest.approx(want, rel=1e-6)  # fp32 logits (GEMM shapes differ)
     assert greedy == all(int(logits[len(all_ids) - 1 - n + j].argmax()) == all_ids[len(ctx_ids) + j]
                          for j in range(n))  # fmt: skip
+
+
+# --- batch invariance under torchrun layouts -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt(tiny_gpt2_dir: Any, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """The tiny Hugging Face GPT-2 converted to a checkpoint (2 layers, 2 heads: tp2 or pp2)."""
+    from tools.convert_cli import main as convert_main
+
+    ckpt = tmp_path_factory.mktemp("harness-ckpt") / "ckpt"
+    assert convert_main(["from-hf", "--load", str(tiny_gpt2_dir), "--save", str(ckpt)]) == 0
+    return str(ckpt)
+
+
+def _layout_scores(rank: int, world: int, ckpt: str, tp: int, pp: int, batch_size: int) -> Any:
+    """One rank of ``--model mlm`` loaded as under torchrun (``HarnessEngine.load``); every rank
+    returns every request's result."""
+    from mlm_eval.harness.backend import MLMHarnessLM
+
+    lm = MLMHarnessLM(ckpt, tp=tp, pp=pp, batch_size=batch_size)
+    pairs = _lambada_pairs(23)
+    ll = lm.loglikelihood([_Req(*p) for p in pairs], disable_tqdm=True)
+    rolling = lm.loglikelihood_rolling([_Req(a + b) for a, b in pairs[:6]], disable_tqdm=True)
+    return [ll, rolling]
+
+
+@pytest.mark.slow
+def test_scores_do_not_depend_on_batch_size_under_tp_pp_dp(tiny_ckpt: str) -> None:
+    """tp2, pp2 and dp2 give bitwise the same scores at batch size 1 and 7 (the padding of
+    ``ParallelGPTScorer(batch_invariant=True)``); pp2 and dp2 even equal one process bitwise,
+    tp2 (its row-parallel GEMMs sum two halves) to fp32 rounding."""
+    from tests.distributed import run_distributed
+
+    one = {bs: _layout_scores(0, 1, tiny_ckpt, 1, 1, bs) for bs in (1, 7)}
+    assert one[1] == one[7]
+    assert len({round(x, 3) for x, _ in one[1][0]}) > 10  # many different scores
+    for tp, pp in ((2, 1), (1, 2), (1, 1)):  # (1, 1) on two ranks: dp2
+        got = {bs: run_distributed(_layout_scores, 2, tiny_ckpt, tp, pp, bs) for bs in (1, 7)}
+        assert got[1][0] == got[1][1] == got[7][0]  # every rank has every result
+        assert got[7][0] == got[1][0], (tp, pp)  # bitwise: the batch changes nothing
+        if tp == 1:
+            assert got[1][0] == one[1], (tp, pp)  # bitwise: the same GEMMs as one process
+        else:
+            ll, ref = got[1][0][0], one[1][0]
+            assert [x for x, _ in ll] == pytest.approx([x for x, _ in ref], rel=1e-6)
+            assert [g for _, g in ll] == [g for _, g in ref]

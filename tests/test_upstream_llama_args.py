@@ -154,3 +154,44 @@ def test_both_readers_read_qk_layernorm_the_same(tmp_path: Path) -> None:
     assert legacy_spec.cfg.qk_layernorm and dist_spec.cfg.qk_layernorm and info.format == "torch_dist"
     assert any("q_layernorm" in n for n in dist)
     assert all(torch.equal(legacy[n], full[n]) and torch.equal(dist[n], full[n]) for n in full)
+
+
+GPT2 = dict(gelu="tanh")
+LLAMA3 = dict(
+    normalization="RMSNorm",
+    swiglu=True,
+    position_embedding_type="rope",
+    rotary_base=500000.0,
+    use_rope_scaling=True,
+    rope_scaling_factor=8.0,
+    num_query_groups=2,
+    untie_embeddings_and_output_weights=True,
+    add_bias_linear=False,
+    gelu="erf",
+)
+QWEN = dict(
+    LLAMA3,
+    use_rope_scaling=False,
+    rotary_base=1e6,
+    add_qkv_bias=True,
+    qk_layernorm=True,
+    kv_channels=32,
+    layernorm_epsilon=1e-6,
+)
+OTHERS = dict(squared_relu=True, position_embedding_type="rope", rotary_percent=0.5,
+              rotary_seq_len_interpolation_factor=4.0, gelu="erf", params_dtype="bfloat16")  # fmt: skip
+
+
+@pytest.mark.parametrize("names", ["legacy", "mcore"])
+@pytest.mark.parametrize("arch", [GPT2, LLAMA3, QWEN, OTHERS], ids=["gpt2", "llama3", "qwen", "others"])
+def test_the_megatron_args_we_write_read_back_as_the_same_model(arch: dict[str, Any], names: str) -> None:
+    """A checkpoint's Megatron-named args (``to_args``, what Megatron-LM reads) describe its model:
+    read as upstream args (without our own record) they give back the very ``ModelConfig``."""
+    from pretrain.checkpoint.args import build_metadata
+    from pretrain.checkpoint.metadata import OURS, to_args
+
+    cfg = ModelConfig(num_layers=2, hidden_size=64, num_attention_heads=4, vocab_size=100, max_position_embeddings=32,
+                      ffn_hidden_size=96, hidden_dropout=0.0, attention_dropout=0.0, **arch)  # fmt: skip
+    meta = build_metadata(cfg, ParallelConfig(), kind="gpt", module_names=names)
+    args = {k: v for k, v in vars(to_args(meta)).items() if k != OURS}
+    assert config_of(args) == cfg

@@ -7,8 +7,28 @@ TP shard of its pipeline stage, data parallel over ``world / (tp * pp)`` replica
 :meth:`HarnessEngine.score` and :meth:`HarnessEngine.generate` take *all* rows/prompts on
 every rank, sort them longest first, deal them round-robin to the data-parallel replicas (each
 row is computed by exactly one replica, its model-parallel ranks together), and return every
-result, in the caller's order, on every rank (all-gather over the data-parallel group). A row's
-result never depends on the rows it is batched with.
+result, in the caller's order, on every rank (all-gather over the data-parallel group).
+
+Batch invariance (a row's score is bitwise the same whatever rows share its batch and whatever
+``batch_size``): every forward pads the trunk's width and the output layer's rows to a multiple
+of ``ROW_MULTIPLE`` (:class:`BatchInvariantScorer` in one process,
+``ParallelGPTScorer(batch_invariant=True)`` under torchrun, the same padding), so every GEMM sees
+``multiple-of-16`` rows and a row's arithmetic does not depend on its neighbours.
+
+* One process, PP and DP: bitwise batch-invariant, and bitwise equal to one process (a pipeline
+  stage runs exactly the one-process GEMMs on its layers; p2p copies are exact; tested pp2, dp2).
+* TP = 2: bitwise batch-invariant (tested: ``tests/test_harness_backend.py``), equal to one
+  process to fp32 rounding only (the row-parallel GEMMs sum two half-length dot products).
+  Each TP all-reduce adds two operands, and ``a + b == b + a`` exactly in IEEE arithmetic.
+* TP > 2: equal across batch sizes only to fp32 rounding (~1e-7 relative). Not the padding: the
+  all-reduce. gloo's ring all-reduce splits the buffer into per-rank segments and accumulates
+  each segment starting at a different rank (NCCL's ring/tree also order sums per chunk; not
+  measured here, no GPUs), so an element's summation order
+  (``((x0 + x1) + x2) + x3`` or ``((x2 + x3) + x0) + x1``...) depends on where it falls in the
+  buffer, i.e. on ``b x w x h``: another batch size moves a row's activations to another
+  segment. Measured at tp4 on gloo: batch 1 vs 7 and 1 vs 3 differ; with the all-reduce replaced
+  by an all-gather summed in rank order they are bitwise equal. We do not ship that fixed-order
+  all-reduce: it moves ``tp x`` the data of every TP all-reduce, for invariance below fp32 noise.
 """
 
 from __future__ import annotations
@@ -63,18 +83,14 @@ class _ModelParallelOnly:
         return self.inner.score(input_ids, target_ids)
 
 
-# GEMMs with fewer rows than this may take another kernel path (gemv, small-M code) whose
-# rounding differs; the one-process scorer pads both the trunk and the output layer up to a
-# multiple of it so that a row's scores do not depend on the rows batched with it.
-ROW_MULTIPLE = 16
-
-
 class BatchInvariantScorer:
-    """One-process scorer whose per-row results do not depend on the batch (see ``ROW_MULTIPLE``).
+    """One-process scorer whose per-row results do not depend on the batch.
 
-    The trunk runs on ``[b, w]`` with ``w`` rounded up to a multiple of ``ROW_MULTIPLE`` (extra
-    right padding: invisible to earlier positions under causal attention), and the output layer
-    on the scored hidden rows padded with zero rows to a multiple of ``ROW_MULTIPLE``.
+    The trunk runs on ``[b, w]`` with ``w`` rounded up to a multiple of ``ROW_MULTIPLE``
+    (:func:`~mlm_eval.vocab_scoring.invariant_width`), and the output layer on the scored hidden
+    rows padded with zero rows to a multiple of ``ROW_MULTIPLE``
+    (:func:`~mlm_eval.vocab_scoring.score_hidden_invariant`). Under torchrun the same padding is
+    :class:`~mlm_eval.parallel_scorer.ParallelGPTScorer` with ``batch_invariant=True``.
     """
 
     def __init__(self, model: GPTModel) -> None:
@@ -85,7 +101,7 @@ class BatchInvariantScorer:
     @torch.inference_mode()
     def score(self, input_ids: torch.Tensor, target_ids: torch.Tensor) -> ScoreOutput:
         from mlm_eval.megatron_scorer import scored_width
-        from mlm_eval.vocab_scoring import gpt_trunk, score_hidden
+        from mlm_eval.vocab_scoring import gpt_trunk, invariant_width, score_hidden_invariant
 
         device = self.model.ps.device
         b, s = target_ids.shape
@@ -94,19 +110,16 @@ class BatchInvariantScorer:
         width = scored_width(target_ids)
         if width == 0:
             return ScoreOutput(nll=nll, is_argmax=hit)
-        padded = min(-(-width // ROW_MULTIPLE) * ROW_MULTIPLE, self.max_length)
+        padded = invariant_width(width, self.max_length)
         ids = torch.zeros((b, padded), dtype=torch.long)
         ids[:, : min(s, padded)] = input_ids[:, :padded]
         hidden = gpt_trunk(self.model, input_ids=ids.to(device))[:, :width]
         mask = target_ids[:, :width] >= 0
-        rows = hidden[mask.to(device)]
-        n = rows.shape[0]
-        extra = -n % ROW_MULTIPLE
-        rows = torch.cat([rows, rows.new_zeros((extra, rows.shape[1]))])
-        targets = torch.cat([target_ids[:, :width][mask], torch.zeros(extra, dtype=torch.long)])
-        out = score_hidden(self.model, rows, targets.to(device))
-        nll[:, :width][mask] = out.nll[:n].cpu()
-        hit[:, :width][mask] = out.is_argmax[:n].cpu()
+        out = score_hidden_invariant(
+            self.model, hidden[mask.to(device)], target_ids[:, :width][mask].to(device)
+        )
+        nll[:, :width][mask] = out.nll.cpu()
+        hit[:, :width][mask] = out.is_argmax.cpu()
         return ScoreOutput(nll=nll, is_argmax=hit)
 
 
@@ -151,6 +164,7 @@ class HarnessEngine:
                 tokenizer_cfg=cfg.tokenizer,
                 batch_size=cfg.batch_size,
                 dtype=dtype,
+                batch_invariant=True,
             )
             return cls(scorer.chunk, scorer, encoder.tokenizer, batch_size=cfg.batch_size,
                        rows_per_call=cfg.batch_size * scorer.microbatches_per_call, info={**info, "dtype": dtype},

@@ -9,6 +9,10 @@ of the tables below, and nowhere else:
   harmless default stops with one line naming the field.
 * :data:`NUMERICS_ONLY` -- fields that change precision or speed but not the function.
 
+:func:`architecture_from_args` reads the implemented fields; :func:`architecture_args` is its
+inverse (what our checkpoints write), so that a checkpoint's Megatron-named ``args`` describe the
+model it holds.
+
 The GeLU flavour differs between the two Megatron model families (see :func:`gelu_kind`):
 legacy models run tanh GeLU for ``openai_gelu`` and for the fused bias-GeLU kernel; megatron-core
 ignores ``openai_gelu`` and runs exact ``F.gelu`` unless the fused bias-GeLU kernel (tanh) is on.
@@ -20,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pretrain.config import ModelConfig
 from pretrain.utils.errors import UserError
 
 # field -> what it means (implemented by :func:`architecture_from_args`)
@@ -185,6 +190,46 @@ def architecture_from_args(args: Mapping[str, Any], *, source: str) -> Architect
         add_qkv_bias=bool(args.get("add_qkv_bias")) and not bias,
         qk_layernorm=bool(args.get("qk_layernorm")),
     )
+
+
+def architecture_args(cfg: ModelConfig, *, mcore: bool) -> dict[str, Any]:
+    """The inverse of :func:`architecture_from_args`: the Megatron ``args`` fields (both spellings
+    where Megatron has two) that make upstream Megatron-LM -- and our upstream reader -- build
+    ``cfg``'s architecture. ``mcore``: the file's module names are megatron-core's.
+
+    Megatron-core runs exact GeLU unless the fused bias-GeLU kernel (tanh) is on, so a tanh model
+    with biases is written with ``bias_gelu_fusion``; legacy models take ``openai_gelu``.
+    ``add_qkv_bias`` is whether the QKV projection has a bias (Megatron adds one for
+    ``add_bias_linear or add_qkv_bias``).
+    """
+    tanh = cfg.gelu == "tanh"
+    rope = cfg.position_embedding_type == "rope"
+    gqa = cfg.num_query_groups
+    return {
+        "normalization": cfg.normalization,
+        "layernorm_epsilon": cfg.layernorm_epsilon,
+        "norm_epsilon": cfg.layernorm_epsilon,
+        "apply_layernorm_1p": False,
+        "swiglu": cfg.swiglu,
+        "squared_relu": cfg.squared_relu,
+        "openai_gelu": tanh,
+        "bias_gelu_fusion": mcore and tanh and cfg.add_bias_linear,
+        "position_embedding_type": cfg.position_embedding_type,
+        "add_position_embedding": not rope,
+        "use_rotary_position_embeddings": False,
+        "rotary_base": cfg.rotary_base,
+        "rotary_percent": cfg.rotary_percent,
+        "rotary_seq_len_interpolation_factor": cfg.rotary_seq_len_interpolation_factor,
+        "use_rope_scaling": cfg.use_rope_scaling,
+        "rope_scaling_factor": cfg.rope_scaling_factor,
+        "kv_channels": cfg.head_dim,
+        "group_query_attention": bool(gqa) and gqa != cfg.num_attention_heads,
+        "num_query_groups": gqa or cfg.num_attention_heads,
+        "untie_embeddings_and_output_weights": cfg.untie_embeddings_and_output_weights,
+        "add_bias_linear": cfg.add_bias_linear,
+        "add_qkv_bias": cfg.qkv_bias,
+        "qk_layernorm": cfg.qk_layernorm,
+    }
 
 
 def layernorm_1p(args: Mapping[str, Any]) -> bool:

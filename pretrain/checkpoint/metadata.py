@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from pretrain.checkpoint.args_semantics import architecture_args
 from pretrain.checkpoint.types import (
     METADATA_SCHEMA,
     CheckpointMetadata,
@@ -49,7 +50,6 @@ def _megatron_fields(meta: CheckpointMetadata) -> dict[str, Any]:
     """Megatron-LM's names for everything our model, layout and tokenizer are."""
     cfg, par, tok = meta.model, meta.parallel, meta.tokenizer
     padded = padded_vocab_size(cfg.vocab_size, tp=par.tp, divisible_by=cfg.make_vocab_size_divisible_by)
-    gqa = getattr(cfg, "num_query_groups", None)
     files: dict[str, str | None] = {arg: None for arg in ("vocab_file", "merge_file", "tokenizer_model")}
     for name in tok.files if tok else ():
         arg = _TOKENIZER_FILE_ARGS.get(name, "tokenizer_model" if name.endswith(".model") else None)
@@ -60,9 +60,6 @@ def _megatron_fields(meta: CheckpointMetadata) -> dict[str, Any]:
         "hidden_size": cfg.hidden_size,
         "ffn_hidden_size": cfg.ffn_size,
         "num_attention_heads": cfg.num_attention_heads,
-        "kv_channels": cfg.head_dim,
-        "group_query_attention": bool(gqa) and gqa != cfg.num_attention_heads,
-        "num_query_groups": gqa or cfg.num_attention_heads,
         "seq_length": cfg.max_position_embeddings,
         "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
@@ -76,22 +73,8 @@ def _megatron_fields(meta: CheckpointMetadata) -> dict[str, Any]:
         "decoder_first_pipeline_num_layers": par.num_layers_in_first_stage,
         "decoder_last_pipeline_num_layers": par.num_layers_in_last_stage,
         "sequence_parallel": False,
-        "openai_gelu": cfg.gelu == "tanh",
-        "bias_gelu_fusion": False,  # HF's converter: gelu_new (tanh) / gelu (erf), as we compute
         "apply_residual_connection_post_layernorm": False,
-        "layernorm_epsilon": cfg.layernorm_epsilon,
-        "norm_epsilon": cfg.layernorm_epsilon,
-        "normalization": str(getattr(cfg, "normalization", "LayerNorm")),
-        "swiglu": bool(getattr(cfg, "swiglu", False)),
-        "position_embedding_type": str(getattr(cfg, "position_embedding_type", "learned_absolute")),
-        "add_position_embedding": str(getattr(cfg, "position_embedding_type", "learned_absolute"))
-        == "learned_absolute",
-        "use_rotary_position_embeddings": False,
-        "add_bias_linear": bool(getattr(cfg, "add_bias_linear", True)),
-        "add_qkv_bias": bool(getattr(cfg, "add_bias_linear", True)),
-        "untie_embeddings_and_output_weights": bool(
-            getattr(cfg, "untie_embeddings_and_output_weights", False)
-        ),
+        **architecture_args(cfg, mcore=meta.module_names == "mcore"),
         "hidden_dropout": cfg.hidden_dropout,
         "attention_dropout": cfg.attention_dropout,
         "init_method_std": cfg.init_method_std,

@@ -11,7 +11,8 @@ Per field: the flag is ``--field-name`` (or ``metadata["flags"]``, e.g. Megatron
 (``(default: 1)``), and a bad value is argparse's one-line error with exit 2.
 
 The shared groups: :class:`TokenizerFlags`, :class:`DTypeFlags`, :class:`ParallelFlags`
-(``mlm-pretrain``, ``mlm-eval``, ``mlm-finetune`` and ``mlm-convert`` use the fields they need:
+(``mlm-pretrain``, ``mlm-eval``, ``mlm-finetune``, ``mlm-convert``, ``mlm-generate`` and
+``mlm-layout`` use the fields they need:
 ``include`` picks them, ``dests`` keeps a command's existing attribute names).
 """
 
