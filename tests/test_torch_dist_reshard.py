@@ -15,6 +15,7 @@ from pretrain.checkpoint.reshard import write_layout
 from pretrain.checkpoint.torch_dist_writer import write_torch_dist
 from pretrain.checkpoint.types import DictSource
 from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.utils.errors import UserError
 from tools.convert_cli import main as convert
 
 
@@ -70,3 +71,13 @@ def test_torch_dist_layout_is_megatron_cores(tmp_path: Path) -> None:
     assert "decoder.layers.mlp.linear_fc1.layer_norm_weight" in md  # TE spelling, as megatron-core saves
     assert "decoder.layers.self_attention.q_layernorm.weight" in md
     assert "decoder.layers.mlp.linear_fc1._extra_state/shard_3_4" in md
+
+
+def test_tanh_gelu_without_biases_is_refused_for_megatron_core(tmp_path: Path) -> None:
+    """megatron-core computes tanh GeLU only in its fused bias-GeLU kernel: without biases the
+    file would claim a function megatron-core cannot compute."""
+    with pytest.raises(UserError, match="tanh GeLU without linear biases"):
+        write_torch_dist(_source(swiglu=False, gelu="tanh"), tmp_path / "d", ParallelConfig(tp=1, pp=1))
+    assert not (tmp_path / "d").exists()
+    write_torch_dist(_source(swiglu=False, gelu="erf"), tmp_path / "e", ParallelConfig(tp=1, pp=1))
+    assert (tmp_path / "e" / "release" / "common.pt").is_file()

@@ -73,7 +73,15 @@ class _Entry:
 
 
 def _check_representable(spec: ModelSpec) -> None:
-    """Refuse what megatron-core's ``BertModel`` cannot compute (one line naming the cause)."""
+    """Refuse what megatron-core's ``GPTModel`` / ``BertModel`` cannot compute (one line naming the cause)."""
+    cfg = spec.cfg
+    tanh_mlp = cfg.gelu == "tanh" and not cfg.swiglu and not cfg.squared_relu
+    if spec.kind == "gpt" and tanh_mlp and not cfg.add_bias_linear:
+        # megatron-core runs tanh GeLU only as its fused bias-GeLU kernel, which needs the fc1 bias
+        raise UserError(
+            "torch_dist: tanh GeLU without linear biases (gelu='tanh', --disable-bias-linear) has no "
+            "megatron-core counterpart (it would run exact GeLU); use --ckpt-format torch"
+        )
     if spec.kind != "bert":
         return
     if spec.cfg.post_layernorm:  # megatron-core's TransformerLayer is pre-LN only
