@@ -20,11 +20,12 @@ from tools.convert_cli import main as convert
 
 
 def _source(**kw: object) -> DictSource:
-    cfg = ModelConfig(
+    fields: dict[str, object] = dict(
         num_layers=4, hidden_size=64, num_attention_heads=8, num_query_groups=2, ffn_hidden_size=96,
         vocab_size=100, max_position_embeddings=32, normalization="RMSNorm", swiglu=True,
-        position_embedding_type="rope", untie_embeddings_and_output_weights=True, add_bias_linear=False, **kw,
+        position_embedding_type="rope", untie_embeddings_and_output_weights=True, add_bias_linear=False,
     )  # fmt: skip
+    cfg = ModelConfig(**{**fields, **kw})  # type: ignore[arg-type]
     spec = ModelSpec(kind="gpt", cfg=cfg)
     gen = torch.Generator().manual_seed(3)
     slots = chunk_slots(spec, tp=1, pre_process=True, post_process=True, layer_numbers=range(4))
