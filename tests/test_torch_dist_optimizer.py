@@ -57,13 +57,15 @@ class _KnownState:
         return self.tensors[(kind, canonical)][:0]  # a made-up state stores no padding rows
 
 
-def _legacy_with_optimizer(tmp: Path, *, dtype: str, layout: ParallelConfig) -> tuple[Path, _KnownState]:
+def _legacy_with_optimizer(
+    tmp: Path, *, dtype: str, layout: ParallelConfig, module_names: str | None = None
+) -> tuple[Path, _KnownState]:
     src = _source(params_dtype=dtype)
     if dtype != "float32":
         src.full = {k: v.to(getattr(torch, dtype)) for k, v in src.full.items()}
     known = _KnownState(src, mixed=dtype != "float32")
     options = WriteOptions(iteration=5, opt_param_scheduler=dict(SCHEDULE),
-                           provenance=Provenance(iteration=5, global_batch_size=8))  # fmt: skip
+                           provenance=Provenance(iteration=5, global_batch_size=8), module_names=module_names)  # fmt: skip
     write_layout(
         src, tmp / "legacy", layout, options=options, optimizer=optimizer_writer(known, src.spec, layout)
     )
@@ -264,3 +266,22 @@ def test_verify_names_the_first_optimizer_tensor_that_differs(tmp_path: Path) ->
                  optimizer=optimizer_writer(known, src.spec, layout))  # fmt: skip
     with pytest.raises(UserError, match=f"optimizer state exp_avg of {name} differs"):
         verify_optimizer(legacy, other / "ck")
+
+
+def test_optimizer_state_of_upstream_legacy_files_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torch's optimizer state in an upstream legacy file is keyed by parameter position, whose
+    order depends on the Megatron-LM version: refused, naming the format that carries it."""
+    from pretrain.checkpoint.metadata import OURS
+
+    legacy, _ = _legacy_with_optimizer(tmp_path, dtype="float32", layout=ParallelConfig(tp=1, pp=1))
+    path = legacy / "iter_0000005/mp_rank_00/model_optim_rng.pt"
+    state = torch.load(path, weights_only=False)
+    delattr(state["args"], OURS)  # Megatron-LM's own args only: an upstream megatron-core file
+    torch.save(state, path)
+    assert not open_checkpoint(legacy).info.ours
+    err = _refused(["reshard", "--load", str(legacy), "--save", str(tmp_path / "x"), "--target-tp", "1",
+                    "--target-pp", "1", "--with-optimizer"], capsys)  # fmt: skip
+    assert "upstream legacy torch files" in err and "--ckpt-format torch_dist" in err
+    assert not (tmp_path / "x").exists()

@@ -125,7 +125,11 @@ class LegacyOptimizerSource:
 def open_legacy_optimizer(reader: Any) -> LegacyOptimizerSource:
     """The optimizer state of our checkpoint ``reader`` (one line and exit 2 when it has none)."""
     if not isinstance(reader, LegacyReader) or not reader.info.ours:
-        raise UserError("--with-optimizer: only mlm-toolkit checkpoints carry a reshardable optimizer state")
+        raise UserError(
+            "--with-optimizer: the optimizer state of upstream legacy torch files (keyed by parameter "
+            "position, not name) is not read; save it from Megatron-LM with --ckpt-format torch_dist "
+            "(and --dist-ckpt-optim-fully-reshardable with the distributed optimizer)"
+        )
     full_states = _FullStates(reader.files, reader.states, capacity=2 * reader.info.tp)
     first = full_states.full(0)
     views = {
