@@ -21,11 +21,7 @@ positions (:data:`MASK`). CPU shims: those of :mod:`tests.megatron_core_peer`.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import copy
-import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -111,16 +107,9 @@ def _save(out: Path, rank: int, tp: int) -> None:
 
 
 def _load(ckpt: Path, out: Path, rank: int, tp: int) -> None:
-    from megatron.core import dist_checkpointing
+    from tests.megatron_core_peer import load_dist_model
 
-    common = torch.load(ckpt / "common.pt", weights_only=False)
-    args = copy.copy(common["args"])
-    args.tensor_model_parallel_size = tp
-    model = build_model(args)
-    loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
-    missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
-    assert not [k for k in missing if "_extra_state" not in k], missing
-    assert not unexpected, unexpected
+    model, args = load_dist_model(ckpt, tp, build_model)
     outputs = probe_outputs(model, args.vocab_size)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
@@ -128,23 +117,14 @@ def _load(ckpt: Path, out: Path, rank: int, tp: int) -> None:
 
 
 def _worker(rank: int, tp: int, port: int, cmd: str, paths: list[str]) -> None:
-    warnings.filterwarnings("ignore")
-    from tests.megatron_core_peer import _cpu_shims
+    from tests.megatron_core_peer import finish_peer, init_peer
 
-    _cpu_shims()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=tp)
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    init_peer(rank, tp, port)
     if cmd == "save":
         _save(Path(paths[0]), rank, tp)
     else:
         _load(Path(paths[0]), Path(paths[1]), rank, tp)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_peer()
 
 
 def main(argv: list[str] | None = None) -> None:

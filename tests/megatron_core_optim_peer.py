@@ -12,7 +12,8 @@ Checkpoints are what Megatron-LM's ``save_checkpoint`` puts in a ``torch_dist`` 
 through ``dist_checkpointing.save``.
 
 * ``train OUT --steps N --save-at K``: N steps on :func:`batch` ``0..N-1``; saves after step K
-  under ``OUT/ckpt`` and writes ``OUT/losses.pt`` and the final full parameters ``OUT/params.pt``.
+  under ``OUT/ckpt`` (``torch_dist``) and ``OUT/legacy`` (legacy ``torch``, the optimizer's own
+  position-keyed ``state_dict()``) and writes ``OUT/losses.pt`` and the final full parameters ``OUT/params.pt``.
 * ``resume CKPT OUT --steps N``: loads model, optimizer and scheduler from ``CKPT`` (an iteration
   directory) and continues to step N (batches ``iteration..N-1``); writes ``OUT/losses.pt``,
   ``OUT/params.pt`` and ``OUT/loaded_state.pt`` (the optimizer state right after loading, full
@@ -22,18 +23,15 @@ through ``dist_checkpointing.save``.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
-import os
 import sys
-import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from tests.megatron_core_peer import CASES, _cpu_shims, build_model, megatron_args
+from tests.megatron_core_peer import CASES, build_model, finish_peer, init_peer, megatron_args
 from tests.ports import free_port
 
 LR, WD, BATCH, SEQ = 1e-2, 0.1, 4, 16
@@ -127,6 +125,21 @@ def _state(model: Any, optimizer: Any, scheduler: Any, args: Any, iteration: int
     }
 
 
+def _save_legacy(root: Path, model: Any, optimizer: Any, scheduler: Any, args: Any, iteration: int) -> None:
+    """Megatron-LM's legacy ``--ckpt-format torch`` save: one ``model_optim_rng.pt`` per TP rank
+    with the model state dict and the optimizer's own (position-keyed) ``state_dict()``."""
+    rank = dist.get_rank()
+    d = root / f"iter_{iteration:07d}" / f"mp_rank_{rank:02d}"
+    d.mkdir(parents=True, exist_ok=True)
+    state = {
+        "args": args, "checkpoint_version": 3.0, "iteration": iteration,
+        "model": {k: v for k, v in model.state_dict().items() if "_extra_state" not in k},
+        "optimizer": optimizer.state_dict(), "opt_param_scheduler": scheduler.state_dict(),
+    }  # fmt: skip
+    torch.save(state, d / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
 def _loaded_optimizer_state(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
     """``{"<state>.<param name>": full tensor}`` of the optimizer's per-parameter state
     (``exp_avg``, ``exp_avg_sq``, ``step``; ``fp32_param`` for the mixed-precision optimizer)."""
@@ -172,6 +185,7 @@ def _train(out: Path, case: str, tp: int, steps: int, save_at: int, bf16: bool) 
                 (out / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(save_at))
             dist.barrier()
             dist_checkpointing.save(_state(model, optimizer, scheduler, args, save_at), str(it_dir))
+            _save_legacy(out / "legacy", model, optimizer, scheduler, args, save_at)
     _finish(out, model, losses)
 
 
@@ -214,21 +228,12 @@ def _finish(out: Path, model: Any, losses: list[float]) -> None:
 
 
 def _worker(rank: int, a: argparse.Namespace) -> None:
-    warnings.filterwarnings("ignore")
-    _cpu_shims()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(a.port))
-    dist.init_process_group("gloo", rank=rank, world_size=a.tp)
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
-    ps.initialize_model_parallel(tensor_model_parallel_size=a.tp)
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *x, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    init_peer(rank, a.tp, a.port)
     if a.cmd == "train":
         _train(Path(a.paths[0]), a.case, a.tp, a.steps, a.save_at, a.bf16)
     else:
         _resume(Path(a.paths[0]), Path(a.paths[1]), a.tp, a.steps)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_peer()
 
 
 def main(argv: list[str] | None = None) -> None:

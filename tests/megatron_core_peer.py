@@ -204,37 +204,56 @@ def _save(out: Path, case: str, rank: int, tp: int) -> None:
         torch.save(logits, out / "logits.pt")
 
 
-def _load(ckpt: Path, out: Path, rank: int, tp: int) -> None:
+def load_dist_model(ckpt: Path, tp: int, build: Any) -> tuple[Any, Any]:
+    """``(model, args)``: ``build(args)`` from the ``args`` in ``CKPT/common.pt`` at ``tp``, its
+    weights loaded by ``dist_checkpointing.load``; every non-``_extra_state`` key must load."""
     from megatron.core import dist_checkpointing
 
     common = torch.load(ckpt / "common.pt", weights_only=False)
     args = copy.copy(common["args"])
     args.tensor_model_parallel_size = tp
-    model = build_model(args)
+    model = build(args)
     loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
-    model.load_state_dict(loaded["model"], strict=False)
+    missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
+    assert not [k for k in missing if "_extra_state" not in k], missing
+    assert not unexpected, unexpected
+    return model, args
+
+
+def _load(ckpt: Path, out: Path, rank: int, tp: int) -> None:
+    model, args = load_dist_model(ckpt, tp, build_model)
     logits = probe_logits(model, args.vocab_size)
     if rank == 0:
         out.mkdir(parents=True, exist_ok=True)
         torch.save(logits, out / "logits.pt")
 
 
-def _worker(rank: int, tp: int, port: int, cmd: str, paths: list[str], case: str) -> None:
-    warnings.filterwarnings("ignore")
-    _cpu_shims()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=tp)
+def init_peer(rank: int, world: int, port: int) -> None:
+    """One gloo rank of a megatron-core peer: CPU shims, process group, model-parallel state
+    (tp = ``world``), and the CUDA RNG tracker's ``fork`` as a no-op (dropout is 0)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp)
+    warnings.filterwarnings("ignore")
+    _cpu_shims()
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    ps.initialize_model_parallel(tensor_model_parallel_size=world)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+
+
+def finish_peer() -> None:
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _worker(rank: int, tp: int, port: int, cmd: str, paths: list[str], case: str) -> None:
+    init_peer(rank, tp, port)
     if cmd == "save":
         _save(Path(paths[0]), case, rank, tp)
     else:
         _load(Path(paths[0]), Path(paths[1]), rank, tp)
-    dist.barrier()
-    dist.destroy_process_group()
+    finish_peer()
 
 
 def main(argv: list[str] | None = None) -> None:

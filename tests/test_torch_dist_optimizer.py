@@ -149,27 +149,31 @@ def _peer(*argv: str, tp: int) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("case", "ours", "resume_tp", "bf16"),
+    ("case", "ours", "resume_tp", "bf16", "source"),
     [
-        ("llama_v256", ParallelConfig(tp=1, pp=2), 1, False),
-        ("llama_v256", ParallelConfig(tp=1, pp=2), 1, True),
+        ("llama_v256", ParallelConfig(tp=1, pp=2), 1, False, "ckpt"),
+        ("llama_v256", ParallelConfig(tp=1, pp=2), 1, True, "ckpt"),
         # vocabulary 100 padded to 256 at tp2: megatron-core trains the padding rows; they are carried
-        ("llama", ParallelConfig(tp=2, pp=2), 2, False),
+        ("llama", ParallelConfig(tp=2, pp=2), 2, False, "ckpt"),
+        # Megatron-LM's legacy torch save: the optimizer's own state_dict(), keyed by position
+        ("llama", ParallelConfig(tp=2, pp=2), 2, False, "legacy"),
+        ("llama_v256", ParallelConfig(tp=1, pp=2), 1, True, "legacy"),
     ],
-    ids=["fp32", "bf16", "padded-vocab"],
+    ids=["fp32", "bf16", "padded-vocab", "legacy-torch", "legacy-torch-bf16"],
 )
 def test_megatron_core_resumes_from_our_conversion_as_from_its_own_checkpoint(
-    tmp_path: Path, case: str, ours: ParallelConfig, resume_tp: int, bf16: bool
+    tmp_path: Path, case: str, ours: ParallelConfig, resume_tp: int, bf16: bool, source: str
 ) -> None:
-    """megatron-core trains 4 steps at tp2 saving after step 2; we take that checkpoint through our
-    layout (with optimizer) back to torch_dist (tp2); megatron-core resuming from ours and from its
-    own checkpoint loads the same optimizer state and trains to the same weights, bit for bit; and
-    its resumed losses equal the uninterrupted run's."""
+    """megatron-core trains 4 steps at tp2 saving after step 2 (torch_dist, and legacy torch);
+    we take that checkpoint through our layout (with optimizer) to torch_dist (tp2); megatron-core
+    resuming from ours and from its own torch_dist checkpoint loads the same optimizer state and
+    trains to the same weights, bit for bit; and its resumed losses equal the uninterrupted run's."""
     _peer("train", str(tmp_path / "run"), "--case", case, "--steps", "4", "--save-at", "2",
           *(["--bf16"] if bf16 else []), tp=2)  # fmt: skip
     ckpt = tmp_path / "run/ckpt"
-    assert convert(["reshard", "--load", str(ckpt), "--save", str(tmp_path / "ours"), "--target-tp", str(ours.tp),
-                    "--target-pp", str(ours.pp), "--with-optimizer"]) == 0  # fmt: skip
+    assert convert(["reshard", "--load", str(tmp_path / "run" / source), "--save", str(tmp_path / "ours"),
+                    "--target-tp", str(ours.tp), "--target-pp", str(ours.pp), "--with-optimizer",
+                    "--verify"]) == 0  # fmt: skip
     assert convert(["reshard", "--load", str(tmp_path / "ours"), "--save", str(tmp_path / "dist"), "--target-tp",
                     "2", "--target-pp", "1", "--with-optimizer", "--ckpt-format", "torch_dist"]) == 0  # fmt: skip
     _peer("resume", str(ckpt / "iter_0000002"), str(tmp_path / "from_own"), "--steps", "4", tp=resume_tp)
@@ -268,20 +272,51 @@ def test_verify_names_the_first_optimizer_tensor_that_differs(tmp_path: Path) ->
         verify_optimizer(legacy, other / "ck")
 
 
-def test_optimizer_state_of_upstream_legacy_files_is_refused(
+def test_optimizer_state_of_legacy_model_files_is_refused(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """torch's optimizer state in an upstream legacy file is keyed by parameter position, whose
-    order depends on the Megatron-LM version: refused, naming the format that carries it."""
+    """torch's optimizer state in a legacy-model Megatron-LM file is keyed by parameter position in
+    that version's own order: refused, naming the format that carries it by name."""
     from pretrain.checkpoint.metadata import OURS
 
     legacy, _ = _legacy_with_optimizer(tmp_path, dtype="float32", layout=ParallelConfig(tp=1, pp=1))
     path = legacy / "iter_0000005/mp_rank_00/model_optim_rng.pt"
     state = torch.load(path, weights_only=False)
-    delattr(state["args"], OURS)  # Megatron-LM's own args only: an upstream megatron-core file
+    delattr(state["args"], OURS)  # Megatron-LM's own args only: an upstream file
+    state["args"].use_legacy_models, state["args"].use_mcore_models = True, False
     torch.save(state, path)
     assert not open_checkpoint(legacy).info.ours
     err = _refused(["reshard", "--load", str(legacy), "--save", str(tmp_path / "x"), "--target-tp", "1",
                     "--target-pp", "1", "--with-optimizer"], capsys)  # fmt: skip
-    assert "upstream legacy torch files" in err and "--ckpt-format torch_dist" in err
+    assert "legacy-model Megatron-LM files" in err and "--ckpt-format torch_dist" in err
     assert not (tmp_path / "x").exists()
+
+
+def test_position_keyed_torch_state_is_named_in_megatron_cores_group_order() -> None:
+    """torch's AdamW ``state_dict()`` over megatron-core's groups ([decay params], [biases and
+    1-D params], each in model order) is named back by the model order alone; a file whose
+    groups do not line up with that order is refused rather than misnamed."""
+    from pretrain.checkpoint.upstream_optimizer import UpstreamParam, upstream_full_state
+
+    gen = torch.Generator().manual_seed(0)
+    named = [("a.weight", torch.randn(4, 3, generator=gen)), ("a.bias", torch.randn(4, generator=gen)),
+             ("norm.weight", torch.randn(3, generator=gen)), ("b.weight", torch.randn(2, 4, generator=gen))]  # fmt: skip
+    params = {n: torch.nn.Parameter(t.clone()) for n, t in named}
+    decay, no_decay = ["a.weight", "b.weight"], ["a.bias", "norm.weight"]
+    adam = torch.optim.AdamW([{"params": [params[n] for n in decay], "weight_decay": 0.1},
+                              {"params": [params[n] for n in no_decay], "weight_decay": 0.0}], lr=1e-2)  # fmt: skip
+    for p in params.values():
+        p.grad = torch.randn(p.shape, generator=gen)
+    adam.step()
+    ups = [UpstreamParam(f"model0.{n}", n, params[n].detach()) for n, _ in named]
+    full = upstream_full_state(adam.state_dict(), ups, source="f")
+    assert full["step"] == 1 and [g["weight_decay"] for g in full["param_groups"]] == [0.1, 0.0]
+    for n, p in params.items():
+        assert torch.equal(full["params"][f"model0.{n}"]["exp_avg"], adam.state[p]["exp_avg"])
+        assert torch.equal(full["params"][f"model0.{n}"]["param"], p.detach())
+    swapped = adam.state_dict()
+    swapped["param_groups"] = swapped["param_groups"][::-1]
+    swapped["param_groups"][0]["params"] = [0, 1, 2]  # three in the first group: another era's order
+    swapped["param_groups"][1]["params"] = [3]
+    with pytest.raises(UserError, match=r"optimizer groups hold \[3, 1\] parameters"):
+        upstream_full_state(swapped, ups, source="f")

@@ -22,14 +22,20 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.args_semantics import untie_head_names
+from pretrain.checkpoint.args_semantics import is_mcore, untie_head_names
 from pretrain.checkpoint.layout import DISTRIB_OPTIM_FILE
-from pretrain.checkpoint.optimizer_state import OPTIM_STATES, OptimizerCommon, OptimizerSource
+from pretrain.checkpoint.optimizer_state import (
+    OPTIM_STATES,
+    OptimizerCommon,
+    OptimizerSource,
+    from_mcore_scheduler,
+)
 from pretrain.checkpoint.plan import ModelSpec, Slot
 from pretrain.checkpoint.reader import LegacyReader
 from pretrain.checkpoint.reshard import _shard, carried_padding
 from pretrain.checkpoint.safe_unpickle import load_untrusted
 from pretrain.checkpoint.upstream_names import to_local_name
+from pretrain.checkpoint.upstream_optimizer import UpstreamParam, upstream_full_state
 from pretrain.config import ParallelConfig
 from pretrain.optim.distrib_optimizer import reassemble_full_state
 from pretrain.tensor_parallel.vocab import padded_vocab_size
@@ -40,26 +46,63 @@ def _chunk_index(chunk_key: str) -> int:
     return 0 if chunk_key == "model" else int(chunk_key[5:])
 
 
+def _optim_key(spec: ModelSpec, chunk: str, file_key: str) -> str:
+    """Our optimizer-state key (``model{c}.{local name}``) of model tensor ``file_key``."""
+    local = to_local_name(file_key) or file_key  # the model file may use megatron-core names
+    if spec.cfg.untie_embeddings_and_output_weights:  # mcore output_layer: our untied head
+        local = next(iter(untie_head_names({local: file_key})))
+    return f"model{_chunk_index(chunk)}.{local}"
+
+
+def _upstream_params(reader: LegacyReader, i: int) -> list[UpstreamParam]:
+    """File ``i``'s parameters in ``named_parameters`` order (its model dicts' order)."""
+    chunks = sorted(reader.flats[i], key=_chunk_index)
+    return [
+        UpstreamParam(_optim_key(reader.spec, chunk, key), key, t)
+        for chunk in chunks
+        for key, t in reader.flats[i][chunk].items()
+        if not key.endswith("_extra_state")
+    ]
+
+
 class _FullStates:
     """The full-form optimizer ``params`` of each source rank file, reassembled on demand from
-    ``distrib_optim.pt`` and kept for the ``capacity`` most recently used files only."""
+    ``distrib_optim.pt`` (ours) or named from an upstream megatron-core file's torch state, and
+    kept for the ``capacity`` most recently used files only."""
 
-    def __init__(self, files: list[Path], states: list[dict[str, Any]], capacity: int) -> None:
-        self.files, self.states, self.capacity = files, states, max(capacity, 1)
+    def __init__(self, reader: LegacyReader, capacity: int) -> None:
+        self.reader, self.files, self.states = reader, reader.files, reader.states
+        self.capacity = max(capacity, 1)
         self.cache: OrderedDict[int, dict[str, Any]] = OrderedDict()
 
     def distributed(self, i: int) -> bool:
         return (self.files[i].parent / DISTRIB_OPTIM_FILE).exists()
 
+    def _convert(self, i: int) -> dict[str, Any]:
+        if self.distributed(i):
+            if not self.reader.info.ours:
+                raise UserError(
+                    f"{self.files[i].parent / DISTRIB_OPTIM_FILE}: distributed-optimizer buffers bound to "
+                    "the saving layout are not read; save with --ckpt-format torch_dist and "
+                    "--dist-ckpt-optim-fully-reshardable"
+                )
+            return self._reassemble(self.files[i].parent / DISTRIB_OPTIM_FILE)
+        state = self.states[i].get("optimizer")
+        if not state:
+            raise UserError(f"--with-optimizer: {self.files[i]} holds no optimizer state")
+        if self.reader.info.ours:
+            return state
+        return upstream_full_state(state, _upstream_params(self.reader, i), source=str(self.files[i]))
+
     def full(self, i: int) -> dict[str, Any]:
         """File ``i``'s optimizer state in the full form (raises a one-line error if none)."""
-        if not self.distributed(i):
+        if self.reader.info.ours and not self.distributed(i):
             state = self.states[i].get("optimizer")
             if not isinstance(state, dict) or "params" not in state:
                 raise UserError(f"--with-optimizer: {self.files[i]} holds no optimizer state")
             return state
         if i not in self.cache:
-            self.cache[i] = self._reassemble(self.files[i].parent / DISTRIB_OPTIM_FILE)
+            self.cache[i] = self._convert(i)
             while len(self.cache) > self.capacity:
                 self.cache.popitem(last=False)
         self.cache.move_to_end(i)
@@ -85,10 +128,7 @@ class _OptimizerView(LegacyReader):
 
     def _part(self, ref: tuple[int, str, str]) -> torch.Tensor:
         i, chunk, file_key = ref
-        local = to_local_name(file_key) or file_key  # the model file may use megatron-core names
-        if self.spec.cfg.untie_embeddings_and_output_weights:  # mcore output_layer: our untied head
-            local = next(iter(untie_head_names({local: file_key})))
-        key = f"model{_chunk_index(chunk)}.{local}"
+        key = _optim_key(self.spec, chunk, file_key)
         assert self.full_states is not None
         params = self.full_states.full(i)["params"]
         where = (
@@ -124,13 +164,14 @@ class LegacyOptimizerSource:
 
 def open_legacy_optimizer(reader: Any) -> LegacyOptimizerSource:
     """The optimizer state of our checkpoint ``reader`` (one line and exit 2 when it has none)."""
-    if not isinstance(reader, LegacyReader) or not reader.info.ours:
+    if not isinstance(reader, LegacyReader):
+        raise UserError("--with-optimizer: this checkpoint format carries no optimizer state we read")
+    if not reader.info.ours and not is_mcore(reader.args):
         raise UserError(
-            "--with-optimizer: the optimizer state of upstream legacy torch files (keyed by parameter "
-            "position, not name) is not read; save it from Megatron-LM with --ckpt-format torch_dist "
-            "(and --dist-ckpt-optim-fully-reshardable with the distributed optimizer)"
+            "--with-optimizer: the optimizer state of legacy-model Megatron-LM files (keyed by parameter "
+            "position in that version's order) is not read; save with --ckpt-format torch_dist"
         )
-    full_states = _FullStates(reader.files, reader.states, capacity=2 * reader.info.tp)
+    full_states = _FullStates(reader, capacity=2 * reader.info.tp)
     first = full_states.full(0)
     views = {
         kind: _OptimizerView(
@@ -149,7 +190,11 @@ def open_legacy_optimizer(reader: Any) -> LegacyOptimizerSource:
     )
     scheduler = reader.states[0].get("opt_param_scheduler")
     meta = reader.metadata
-    gbs = meta.provenance.global_batch_size if meta is not None else None
+    if meta is not None:
+        gbs = meta.provenance.global_batch_size
+    else:  # Megatron-LM's OptimizerParamScheduler state, counting samples
+        gbs = reader.args.get("global_batch_size")
+        scheduler = from_mcore_scheduler(scheduler, global_batch_size=gbs)
     return LegacyOptimizerSource(views, common, scheduler if isinstance(scheduler, dict) else None, gbs)
 
 
