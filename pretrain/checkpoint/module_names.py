@@ -21,40 +21,23 @@ from typing import Any
 import torch
 
 from pretrain.checkpoint.layout import flatten, nest_megatron
+from pretrain.checkpoint.upstream_names import to_mcore_state_name
 from pretrain.utils.errors import UserError
 
 MODULE_NAMES = ("mcore", "legacy")
 _LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.*)$")
-_LAYER_RENAMES = [  # our names -> megatron-core local spec, inside decoder.layers.N.
-    ("self_attention.query_key_value.", "self_attention.linear_qkv."),
-    ("self_attention.dense.", "self_attention.linear_proj."),
-    ("post_attention_layernorm.", "pre_mlp_layernorm."),
-    ("mlp.dense_h_to_4h.", "mlp.linear_fc1."),
-    ("mlp.dense_4h_to_h.", "mlp.linear_fc2."),
-]
-_TOP_RENAMES = [
-    ("language_model.embedding.", "embedding."),
-    ("language_model.encoder.final_layernorm.", "decoder.final_layernorm."),
-    ("language_model.output_layer.", "output_layer."),
-    ("word_embeddings_for_head.", "output_layer."),
-]
 _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
 
 
 def mcore_name(local: str) -> str:
-    """megatron-core's flat name of one of our GPT chunk's local parameter names."""
-    m = _LAYER.match(local)
-    if m is not None:
-        layer, rest = m.groups()
-        for ours, theirs in _LAYER_RENAMES:
-            if rest.startswith(ours):
-                rest = theirs + rest[len(ours) :]
-                break
-        return f"decoder.layers.{layer}.{rest}"
-    for ours, theirs in _TOP_RENAMES:
-        if local.startswith(ours):
-            return theirs + local[len(ours) :]
-    raise UserError(f"tensor {local}: no megatron-core name (write it with --module-names legacy)")
+    """megatron-core's flat name of one of our GPT chunk's local parameter names (the one name
+    table, :func:`pretrain.checkpoint.upstream_names.to_mcore_state_name`)."""
+    try:
+        return to_mcore_state_name(local, "gpt")
+    except ValueError:
+        raise UserError(
+            f"tensor {local}: no megatron-core name (write it with --module-names legacy)"
+        ) from None
 
 
 def _mcore_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:

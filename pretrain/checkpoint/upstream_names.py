@@ -161,3 +161,26 @@ def to_mcore_key(canonical: str, kind: str = "gpt") -> tuple[str, int | None]:
         if kind in kinds and canonical.startswith(ours):
             return mcore + canonical[len(ours) :], None
     raise ValueError(f"no megatron-core name for tensor {canonical!r}")
+
+
+def to_mcore_state_name(local: str, kind: str = "gpt") -> str:
+    """megatron-core's flat ``state_dict`` name (local spec) of one of our chunk's local names.
+
+    The same tables as :func:`to_mcore_key`, but per layer (``decoder.layers.N.``, N local to
+    the chunk) and with the local spec's own norm modules (``input_layernorm``,
+    ``pre_mlp_layernorm``) rather than the TransformerEngine fold ``torch_dist`` uses; the last
+    stage's copy of tied embeddings is megatron-core's ``output_layer.weight``."""
+    m = _LAYER.match(local)
+    if m is not None:
+        layer, rest = m.groups()
+        for mcore, ours in _MCORE_LAYER:
+            if ours.endswith(".") and rest.startswith(ours):  # module renames, not the TE folds
+                rest = mcore + rest[len(ours) :]
+                break
+        return f"{MCORE_BLOCK[kind]}.layers.{layer}.{rest}"
+    if local.startswith("word_embeddings_for_head."):
+        return "output_layer." + local[len("word_embeddings_for_head.") :]
+    for mcore, ours, kinds in _MCORE_TOP:
+        if kind in kinds and local.startswith(ours):
+            return mcore + local[len(ours) :]
+    raise ValueError(f"no megatron-core name for tensor {local!r}")
