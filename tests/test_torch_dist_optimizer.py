@@ -8,10 +8,12 @@ as from its own checkpoint, and we read what it writes.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest.mock import ANY
 
 import pytest
 import torch
@@ -82,6 +84,14 @@ def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
     return err
 
 
+def _inspect_optimizer(path: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, object]:
+    """The ``optimizer`` record of ``mlm-convert inspect --json``."""
+    capsys.readouterr()
+    assert convert(["inspect", str(path), "--json"]) == 0
+    opt: dict[str, object] = json.loads(capsys.readouterr().out)["optimizer"]
+    return opt
+
+
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_optimizer_state_round_trips_through_torch_dist_exactly(
     tmp_path: Path, dtype: str, capsys: pytest.CaptureFixture[str]
@@ -90,6 +100,8 @@ def test_optimizer_state_round_trips_through_torch_dist_exactly(
     assert convert(["reshard", "--load", str(legacy), "--save", str(tmp_path / "dist"), "--target-tp", "1",
                     "--target-pp", "1", "--ckpt-format", "torch_dist", "--with-optimizer", "--verify"]) == 0  # fmt: skip
     assert "verify: optimizer state identical" in capsys.readouterr().out
+    assert _inspect_optimizer(tmp_path / "dist", capsys) == {"present": True, "reshardable": True, "step": 5,
+                                                              "why": None}  # fmt: skip
     dist_reader = open_checkpoint(tmp_path / "dist")
     assert isinstance(dist_reader, TorchDistReader)
     stored = {k for k in dist_reader.meta if k.startswith("optimizer.state.")}
@@ -121,6 +133,8 @@ def test_layout_bound_distributed_optimizer_state_is_refused(
                     "1", "--target-pp", "1", "--with-optimizer"], capsys)  # fmt: skip
     assert "'dp_reshardable'" in err and "--dist-ckpt-optim-fully-reshardable" in err
     assert not (tmp_path / "x").exists()
+    opt = _inspect_optimizer(tmp_path / "dist", capsys)
+    assert opt["present"] and not opt["reshardable"] and "dp_reshardable" in opt["why"]
 
 
 def test_checkpoint_without_optimizer_state_is_refused(
@@ -131,6 +145,8 @@ def test_checkpoint_without_optimizer_state_is_refused(
     err = _refused(["reshard", "--load", str(tmp_path / "legacy"), "--save", str(tmp_path / "d"), "--target-tp",
                     "1", "--target-pp", "1", "--ckpt-format", "torch_dist", "--with-optimizer"], capsys)  # fmt: skip
     assert "holds no optimizer state" in err and not (tmp_path / "d").exists()
+    assert _inspect_optimizer(tmp_path / "legacy", capsys) == {"present": False, "reshardable": False,
+                                                                "step": None, "why": ANY}  # fmt: skip
     assert convert(["reshard", "--load", str(tmp_path / "legacy"), "--save", str(tmp_path / "d"), "--target-tp",
                     "1", "--target-pp", "1", "--ckpt-format", "torch_dist"]) == 0  # fmt: skip
     err = _refused(["reshard", "--load", str(tmp_path / "d"), "--save", str(tmp_path / "e"), "--target-tp", "1",

@@ -210,6 +210,8 @@ def verify(reader: Any) -> list[str]:
 
 
 def run_inspect(source: SourceOptions, *, as_json: bool) -> int:
+    from pretrain.checkpoint.optimizer_reshard import describe_optimizer
+
     reader = source.open()
     problems = verify(reader)
     tokenizer = None
@@ -232,6 +234,7 @@ def run_inspect(source: SourceOptions, *, as_json: bool) -> int:
         "model_config": dataclasses.asdict(reader.spec.cfg),
         "tokenizer": tokenizer,
         "provenance": None if meta is None else dataclasses.asdict(meta.provenance),
+        "optimizer": describe_optimizer(reader),
     }
     if as_json:
         print(json.dumps(record, default=str))
@@ -259,6 +262,9 @@ def _print_inspect(record: dict[str, Any]) -> None:
         table.add_row("weights_fingerprint", short_fingerprint(str(prov["weights_fingerprint"])))
     if prov.get("data_hash"):
         table.add_row("data_hash", str(prov["data_hash"]))
+    opt = record["optimizer"]
+    table.add_row("optimizer", f"step {opt['step']}, reshardable (--with-optimizer)" if opt["reshardable"]
+                  else f"not carried: {opt['why']}" if opt["present"] else "none")  # fmt: skip
     console = Console()
     console.print(table)
     for p in record["problems"]:

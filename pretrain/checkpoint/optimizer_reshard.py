@@ -242,3 +242,19 @@ def open_optimizer_source(reader: Any) -> OptimizerSource:
 
         return open_optimizer(reader)
     return open_legacy_optimizer(reader)
+
+
+def describe_optimizer(reader: Any) -> dict[str, Any]:
+    """What ``mlm-convert inspect`` says of a checkpoint's optimizer state: ``{"present",
+    "reshardable", "step", "why"}`` (``why``: the one-line reason it cannot be carried)."""
+    try:
+        opt = open_optimizer_source(reader)
+    except UserError as exc:
+        why = str(exc).removeprefix("--with-optimizer: ")
+        return {
+            "present": "holds no optimizer state" not in why,
+            "reshardable": False,
+            "step": None,
+            "why": why,
+        }
+    return {"present": True, "reshardable": True, "step": opt.common.step, "why": None}
