@@ -36,6 +36,9 @@ from tests.ports import free_port
 
 LR, WD, BATCH, SEQ = 1e-2, 0.1, 4, 16
 GATED = [False]  # set from the case: SwiGLU linear_fc1 shards are [gate; up]
+# what Megatron-LM's --dist-ckpt-optim-fully-reshardable asks of the distributed optimizer
+# (the non-distributed optimizers ignore it)
+FULLY_RESHARDABLE = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
 def batch(step: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +48,38 @@ def batch(step: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     return seq[:, :-1].contiguous(), seq[:, 1:].contiguous()
 
 
-def _optimizer(model: Any, bf16: bool) -> tuple[Any, Any]:
+def _cpu_factories() -> None:
+    """The distributed optimizer allocates with ``device="cuda"`` and calls ``.cuda()`` while it
+    steps and saves: CPU here (this process is only a peer)."""
+    for name in ("zeros", "empty", "ones", "full", "arange", "tensor"):
+        setattr(torch, name, _on_cpu(getattr(torch, name)))
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]
+
+
+def _on_cpu(factory: Any) -> Any:
+    def f(*a: Any, **k: Any) -> Any:
+        if str(k.get("device", "")).startswith("cuda"):
+            k["device"] = "cpu"
+        return factory(*a, **k)
+
+    return f
+
+
+def _distributed_optimizer(model: Any, config: Any) -> tuple[Any, Any]:
+    """megatron-core's DDP wrapper and ``get_megatron_optimizer`` (a ``DistributedOptimizer``)."""
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    ddp = DistributedDataParallel(
+        model.config,
+        DistributedDataParallelConfig(use_distributed_optimizer=True, grad_reduce_in_fp32=True),
+        model,
+    )
+    return get_megatron_optimizer(config, [ddp]), ddp
+
+
+def _optimizer(model: Any, bf16: bool, distopt: bool = False) -> tuple[Any, Any, Any]:
+    """``(optimizer, scheduler, ddp)`` (``ddp`` None without the distributed optimizer)."""
     from megatron.core.optimizer import (
         OptimizerConfig,
         _get_megatron_optimizer_based_on_param_groups,
@@ -56,8 +90,10 @@ def _optimizer(model: Any, bf16: bool) -> tuple[Any, Any]:
     config = OptimizerConfig(
         optimizer="adam", lr=LR, min_lr=LR, weight_decay=WD, adam_beta1=0.9, adam_beta2=0.95,
         adam_eps=1e-8, clip_grad=0.0, bf16=bf16, params_dtype=torch.bfloat16 if bf16 else torch.float32,
+        use_distributed_optimizer=distopt,
     )  # fmt: skip
     groups = _get_param_groups([model], config, None)
+    ddp = None
     real_tensor, real_type = torch.tensor, torch.Tensor.type
     # CPU shims while the optimizer is built: it allocates small buffers with device="cuda", and
     # Float16OptimizerWithFloat16Params accepts only parameters whose type() is a CUDA type.
@@ -66,23 +102,30 @@ def _optimizer(model: Any, bf16: bool) -> tuple[Any, Any]:
         real_type(self, *a, **k) if a or k else real_type(self).replace("torch.", "torch.cuda.", 1)
     )
     try:
-        optimizer = _get_megatron_optimizer_based_on_param_groups(config, [model], groups)
+        if distopt:
+            optimizer, ddp = _distributed_optimizer(model, config)
+        else:
+            optimizer = _get_megatron_optimizer_based_on_param_groups(config, [model], groups)
     finally:
         torch.tensor, torch.Tensor.type = real_tensor, real_type  # type: ignore[assignment,method-assign]
     scheduler = OptimizerParamScheduler(
         optimizer, init_lr=LR, max_lr=LR, min_lr=LR, lr_warmup_steps=0, lr_decay_steps=100 * BATCH,
         lr_decay_style="constant", start_wd=WD, end_wd=WD, wd_incr_steps=100 * BATCH, wd_incr_style="constant",
     )  # fmt: skip
-    return optimizer, scheduler
+    return optimizer, scheduler, ddp
 
 
-def _train_step(model: Any, optimizer: Any, scheduler: Any, step: int, vocab: int) -> float:
+def _train_step(model: Any, optimizer: Any, scheduler: Any, step: int, vocab: int, ddp: Any = None) -> float:
     tokens, labels = batch(step, vocab)
     pos = torch.arange(SEQ).unsqueeze(0).expand(BATCH, SEQ)
     mask = torch.triu(torch.ones(1, 1, SEQ, SEQ, dtype=torch.bool), diagonal=1)
     optimizer.zero_grad()
-    loss = model(tokens, pos, mask, labels=labels).float().mean()
+    if ddp is not None:
+        ddp.zero_grad_buffer()
+    loss = (ddp or model)(tokens, pos, mask, labels=labels).float().mean()
     loss.backward()
+    if ddp is not None:
+        ddp.finish_grad_sync()
     optimizer.step()
     scheduler.step(increment=BATCH)
     return float(loss)
@@ -113,11 +156,15 @@ def _gather(name: str, param: Any, local: torch.Tensor) -> torch.Tensor:
     return torch.cat(full, dim=0)
 
 
-def _state(model: Any, optimizer: Any, scheduler: Any, args: Any, iteration: int) -> dict[str, Any]:
+def _state(
+    model: Any, optimizer: Any, scheduler: Any, args: Any, iteration: int, *, is_loading: bool = False
+) -> dict[str, Any]:
     model_sd = model.sharded_state_dict()
     return {
         "model": model_sd,
-        "optimizer": optimizer.sharded_state_dict(model_sd),
+        "optimizer": optimizer.sharded_state_dict(
+            model_sd, is_loading=is_loading, metadata=FULLY_RESHARDABLE
+        ),
         "opt_param_scheduler": scheduler.state_dict(),
         "iteration": iteration,
         "args": args,
@@ -138,6 +185,20 @@ def _save_legacy(root: Path, model: Any, optimizer: Any, scheduler: Any, args: A
     }  # fmt: skip
     torch.save(state, d / "model_optim_rng.pt")
     (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+
+
+def _dump_distributed_state(path: Path, model: Any, optimizer: Any) -> None:
+    """The distributed optimizer's per-parameter state (``param``, ``exp_avg``, ``exp_avg_sq``) as
+    full tensors by parameter name, from its own accessor (data-parallel size 1: one rank holds
+    each parameter's whole TP shard)."""
+    (dist_opt,) = optimizer.chained_optimizers
+    out = {}
+    for name, p in model.named_parameters():
+        for kind, t in dist_opt._get_main_param_and_optimizer_states(p).items():
+            if kind != "step":
+                out[f"{kind}.{name}"] = _gather(name, p, t.detach().float().view_as(p))
+    if dist.get_rank() == 0:
+        torch.save(out, path)
 
 
 def _loaded_optimizer_state(model: Any, optimizer: Any) -> dict[str, torch.Tensor]:
@@ -162,7 +223,7 @@ def _loaded_optimizer_state(model: Any, optimizer: Any) -> dict[str, torch.Tenso
     return out
 
 
-def _train(out: Path, case: str, tp: int, steps: int, save_at: int, bf16: bool) -> None:
+def _train(out: Path, case: str, tp: int, steps: int, save_at: int, bf16: bool, distopt: bool) -> None:
     from megatron.core import dist_checkpointing
 
     args = megatron_args(case, tp)
@@ -174,10 +235,10 @@ def _train(out: Path, case: str, tp: int, steps: int, save_at: int, bf16: bool) 
     model = build_model(args).train()
     if bf16:
         model = model.to(torch.bfloat16)
-    optimizer, scheduler = _optimizer(model, bf16)
+    optimizer, scheduler, ddp = _optimizer(model, bf16, distopt)
     losses = []
     for step in range(steps):
-        losses.append(_train_step(model, optimizer, scheduler, step, args.vocab_size))
+        losses.append(_train_step(model, optimizer, scheduler, step, args.vocab_size, ddp))
         if step + 1 == save_at:
             it_dir = out / "ckpt" / f"iter_{save_at:07d}"
             if dist.get_rank() == 0:
@@ -185,7 +246,10 @@ def _train(out: Path, case: str, tp: int, steps: int, save_at: int, bf16: bool) 
                 (out / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(save_at))
             dist.barrier()
             dist_checkpointing.save(_state(model, optimizer, scheduler, args, save_at), str(it_dir))
-            _save_legacy(out / "legacy", model, optimizer, scheduler, args, save_at)
+            if ddp is None:  # the legacy format keeps a distributed optimizer's state in distrib_optim.pt
+                _save_legacy(out / "legacy", model, optimizer, scheduler, args, save_at)
+            else:
+                _dump_distributed_state(out / "saved_state.pt", model, optimizer)
     _finish(out, model, losses)
 
 
@@ -200,9 +264,10 @@ def _resume(ckpt: Path, out: Path, tp: int, steps: int) -> None:
     model = build_model(args).train()
     if bf16:
         model = model.to(torch.bfloat16)
-    optimizer, scheduler = _optimizer(model, bf16)
-    template = _state(model, optimizer, scheduler, args, 0)
-    template["optimizer"] = optimizer.sharded_state_dict(template["model"], is_loading=True)
+    # (a distributed optimizer is not resumed here: megatron-core 0.16 restores its
+    # fully_reshardable state only with apex/TE optimizers, whose state has no per-param "step")
+    optimizer, scheduler, ddp = _optimizer(model, bf16)
+    template = _state(model, optimizer, scheduler, args, 0, is_loading=True)
     loaded = dist_checkpointing.load(template, str(ckpt))
     model.load_state_dict(loaded["model"], strict=False)
     optimizer.load_state_dict(loaded["optimizer"])
@@ -210,7 +275,7 @@ def _resume(ckpt: Path, out: Path, tp: int, steps: int) -> None:
     loaded_state = _loaded_optimizer_state(model, optimizer)
     loaded_steps = scheduler.num_steps
     losses = [
-        _train_step(model, optimizer, scheduler, step, args.vocab_size)
+        _train_step(model, optimizer, scheduler, step, args.vocab_size, ddp)
         for step in range(int(loaded["iteration"]), steps)
     ]
     if dist.get_rank() == 0:
@@ -230,7 +295,9 @@ def _finish(out: Path, model: Any, losses: list[float]) -> None:
 def _worker(rank: int, a: argparse.Namespace) -> None:
     init_peer(rank, a.tp, a.port)
     if a.cmd == "train":
-        _train(Path(a.paths[0]), a.case, a.tp, a.steps, a.save_at, a.bf16)
+        if a.distopt:
+            _cpu_factories()
+        _train(Path(a.paths[0]), a.case, a.tp, a.steps, a.save_at, a.bf16, a.distopt)
     else:
         _resume(Path(a.paths[0]), Path(a.paths[1]), a.tp, a.steps)
     finish_peer()
@@ -245,6 +312,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--save-at", type=int, default=2)
     p.add_argument("--bf16", action="store_true")
+    p.add_argument(
+        "--distopt", action="store_true", help="the distributed optimizer (saved fully_reshardable)"
+    )
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     a = p.parse_args(argv)
     a.port = a.port or free_port()

@@ -124,6 +124,8 @@ def from_mcore_common(entry: Any, *, source: str) -> OptimizerCommon:
         raise UserError(f"{source}: common.pt 'optimizer' has no param_groups (unknown optimizer format)")
     groups = sorted(inner["param_groups"], key=lambda g: -float(g.get("wd_mult", 1.0)))
     step = (inner.get("state") or {}).get("common_step")
+    if step is None:  # the distributed optimizer keeps the step in its groups
+        step = next((g["step"] for g in groups if g.get("step") is not None), None)
     if step is None:
         raise UserError(
             f"{source}: common.pt 'optimizer' has no state.common_step (optimizer never stepped?)"
