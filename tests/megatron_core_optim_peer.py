@@ -284,6 +284,31 @@ def _resume(ckpt: Path, out: Path, tp: int, steps: int) -> None:
     _finish(out, model, losses)
 
 
+def _load_distributed(ckpt: Path, out: Path, tp: int) -> None:
+    """What megatron-core's ``dist_checkpointing.load`` gives a ``DistributedOptimizer`` asking for
+    the ``fully_reshardable`` format: every rank's loaded ``param_state`` tensors, the group
+    hyperparameters and the scheduler state (``OUT/rank{r}.pt``). (Not ``load_state_dict``:
+    megatron-core 0.16 restores that format only with apex/TE optimizers.)"""
+    from megatron.core import dist_checkpointing
+
+    common = torch.load(ckpt / "common.pt", weights_only=False)
+    args = copy.copy(common["args"])
+    args.tensor_model_parallel_size = tp
+    GATED[0] = bool(args.swiglu)
+    model = build_model(args).train()
+    optimizer, scheduler, _ = _optimizer(model, False, distopt=True)
+    for inner in optimizer.chained_optimizers:  # torch's Adam creates its state lazily
+        inner._init_optimizer_states_with_dummy_values()
+    loaded = dist_checkpointing.load(_state(model, optimizer, scheduler, args, 0, is_loading=True), str(ckpt))
+    opt = loaded["optimizer"]
+    groups = [
+        {k: g[k] for k in ("lr", "weight_decay", "wd_mult", "step")} for g in opt["optimizer"]["param_groups"]
+    ]
+    out.mkdir(parents=True, exist_ok=True)
+    torch.save({"param_state": opt["param_state"], "param_groups": groups, "sharding": opt["param_state_sharding_type"],
+                "scheduler": loaded["opt_param_scheduler"]}, out / f"rank{dist.get_rank()}.pt")  # fmt: skip
+
+
 def _finish(out: Path, model: Any, losses: list[float]) -> None:
     params = _full_params(model)
     if dist.get_rank() == 0:
@@ -298,6 +323,9 @@ def _worker(rank: int, a: argparse.Namespace) -> None:
         if a.distopt:
             _cpu_factories()
         _train(Path(a.paths[0]), a.case, a.tp, a.steps, a.save_at, a.bf16, a.distopt)
+    elif a.cmd == "load_distributed":
+        _cpu_factories()
+        _load_distributed(Path(a.paths[0]), Path(a.paths[1]), a.tp)
     else:
         _resume(Path(a.paths[0]), Path(a.paths[1]), a.tp, a.steps)
     finish_peer()
@@ -305,8 +333,8 @@ def _worker(rank: int, a: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("cmd", choices=("train", "resume"))
-    p.add_argument("paths", nargs="+", help="train: OUT; resume: CKPT_ITER_DIR OUT")
+    p.add_argument("cmd", choices=("train", "resume", "load_distributed"))
+    p.add_argument("paths", nargs="+", help="train: OUT; resume, load_distributed: CKPT_ITER_DIR OUT")
     p.add_argument("--case", default="llama", choices=sorted(CASES))
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--steps", type=int, default=4)

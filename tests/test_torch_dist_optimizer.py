@@ -339,10 +339,12 @@ def test_position_keyed_torch_state_is_named_in_megatron_cores_group_order() -> 
 
 
 @pytest.mark.slow
-def test_we_read_the_distributed_optimizers_fully_reshardable_state(tmp_path: Path) -> None:
+def test_distributed_optimizer_fully_reshardable_state_read_and_written(tmp_path: Path) -> None:
     """megatron-core's DistributedOptimizer (DDP-wrapped, tp2) trains 2 steps and saves with
-    Megatron-LM's --dist-ckpt-optim-fully-reshardable; what we read (through our layout) equals,
-    tensor for tensor, the state its own accessor reports after those steps."""
+    Megatron-LM's --dist-ckpt-optim-fully-reshardable. What we read (through our layout) equals,
+    tensor for tensor, the state its own accessor reports after those steps; and what we write
+    with --dist-optimizer (through our tp2 pp2 layout) is loaded by its ``dist_checkpointing.load``
+    for that optimizer exactly as its own file: every rank's param_state, groups and schedule."""
     _peer(
         "train", str(tmp_path / "run"), "--case", "llama", "--steps", "2", "--save-at", "2", "--distopt", tp=2
     )
@@ -362,3 +364,35 @@ def test_we_read_the_distributed_optimizers_fully_reshardable_state(tmp_path: Pa
         got = ours.state(kind, by_ref[_mcore_name_to_ref(pname)])
         assert torch.equal(got, want[: got.shape[0]]), key  # (true vocabulary rows)
     assert len(saved) == 3 * len(refs)
+    # written: through tp2 pp2 (the padded vocabulary of tp2 is kept) to the distributed form
+    assert convert(["reshard", "--load", str(ckpt), "--save", str(tmp_path / "ours2"), "--target-tp", "2",
+                    "--target-pp", "2", "--with-optimizer"]) == 0  # fmt: skip
+    assert convert(["reshard", "--load", str(tmp_path / "ours2"), "--save", str(tmp_path / "dist"), "--target-tp",
+                    "2", "--target-pp", "1", "--with-optimizer", "--ckpt-format", "torch_dist",
+                    "--dist-optimizer"]) == 0  # fmt: skip
+    _peer("load_distributed", str(ckpt / "iter_0000002"), str(tmp_path / "own"), tp=2)
+    _peer("load_distributed", str(tmp_path / "dist/iter_0000002"), str(tmp_path / "theirs"), tp=2)
+    for rank in (0, 1):
+        own, theirs = (torch.load(tmp_path / d / f"rank{rank}.pt") for d in ("own", "theirs"))
+        assert theirs["sharding"] == "fully_reshardable"
+        assert own["param_groups"] == theirs["param_groups"] and own["scheduler"] == theirs["scheduler"]
+        assert sorted(own["param_state"]) == sorted(theirs["param_state"])
+        for i, state in own["param_state"].items():
+            for kind, t in state.items():
+                assert torch.equal(theirs["param_state"][i][kind], t), (rank, i, kind)
+
+
+def test_dist_optimizer_flag_needs_torch_dist_with_optimizer(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    legacy, _ = _legacy_with_optimizer(tmp_path, dtype="float32", layout=ParallelConfig(tp=1, pp=1))
+    err = _refused(["reshard", "--load", str(legacy), "--save", str(tmp_path / "x"), "--target-tp", "1",
+                    "--target-pp", "1", "--dist-optimizer", "--with-optimizer"], capsys)  # fmt: skip
+    assert "--dist-optimizer needs --with-optimizer and --ckpt-format torch_dist" in err
+    assert convert(["reshard", "--load", str(legacy), "--save", str(tmp_path / "d"), "--target-tp", "1",
+                    "--target-pp", "1", "--with-optimizer", "--ckpt-format", "torch_dist", "--dist-optimizer",
+                    "--verify"]) == 0  # fmt: skip
+    common = torch.load(tmp_path / "d/iter_0000005/common.pt", weights_only=False)
+    assert common["optimizer"]["param_state_sharding_type"] == "fully_reshardable"
+    assert common["content_metadata"] == {"distrib_optim_sharding_type": "fully_reshardable"}
+    assert [g["step"] for g in common["optimizer"]["optimizer"]["param_groups"]] == [5.0, 5.0]

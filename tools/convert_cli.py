@@ -109,6 +109,9 @@ def build_parser() -> argparse.ArgumentParser:
         p, ParallelFlags, title="target layout", flags=TARGET_FLAGS, dests=TARGET_DESTS, required=("tp", "pp")
     )
     p.add_argument("--with-optimizer", action="store_true", help="reshard the optimizer state too")
+    p.add_argument("--dist-optimizer", action="store_true",
+                   help="with --ckpt-format torch_dist --with-optimizer: write the state as megatron-core's "
+                        "distributed optimizer saves it (fully_reshardable), for runs with --use-distributed-optimizer")  # fmt: skip
     _add_module_names(p)
     _add_format(p)
     _add_verify(p)
@@ -144,13 +147,14 @@ def _write(fmt: str, source: Any, save: Path, target: ParallelConfig, **kw: Any)
     from pretrain.checkpoint.reshard import write_layout
 
     optimizer_state = kw.pop("optimizer_state", None)
+    distributed_optimizer = kw.pop("distributed_optimizer", False)
     if fmt == "torch":
         write_layout(source, save, target, **kw)
         return
     from pretrain.checkpoint.torch_dist_writer import write_torch_dist
 
     write_torch_dist(source, save, target, options=kw["options"], extra_files=kw.get("extra_files"),
-                     optimizer=optimizer_state)  # fmt: skip
+                     optimizer=optimizer_state, distributed_optimizer=distributed_optimizer)  # fmt: skip
 
 
 def _add_module_names(p: argparse.ArgumentParser) -> None:
@@ -301,7 +305,8 @@ def _carried_rng(reader: Any, target: ParallelConfig) -> Any:
 
 
 def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, with_optimizer: bool,
-                ckpt_format: str = "torch", module_names: str | None = None) -> int:  # fmt: skip
+                ckpt_format: str = "torch", module_names: str | None = None,
+                dist_optimizer: bool = False) -> int:  # fmt: skip
     from pretrain.checkpoint.fingerprint import weights_fingerprint
     from pretrain.checkpoint.reshard import WriteOptions, check_output_dir
     from pretrain.checkpoint.types import Provenance
@@ -340,6 +345,7 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
     bar = _progress(target.tp * target.pp, "reshard")
     with bar:
         _write(ckpt_format, reader, save, target, options=options, optimizer=optimizer, optimizer_state=opt,
+               distributed_optimizer=dist_optimizer,
                progress=lambda _name: bar.update(1), extra_files=_save_tokenizer_files(tok))  # fmt: skip
     print(f"wrote {save} (tp={target.tp}, pp={target.pp}, vp={target.vp}, iteration {options.iteration})")
     return 0
@@ -462,6 +468,10 @@ def main(argv: list[str] | None = None) -> int:
 
 def _check_outputs_and_flags(args: argparse.Namespace) -> None:
     """Before any work: --save writable, --verify-tol sane, --tokenizer-dir a directory."""
+    if getattr(args, "dist_optimizer", False) and not (
+        args.with_optimizer and args.ckpt_format == "torch_dist"
+    ):
+        raise UserError("--dist-optimizer needs --with-optimizer and --ckpt-format torch_dist")
     if not args.verify_tol >= 0:  # (also NaN)
         raise UserError(f"--verify-tol must be >= 0, got {args.verify_tol}")
     tok = getattr(args, "tokenizer_dir", None)
@@ -478,7 +488,8 @@ def _convert(args: argparse.Namespace) -> int:
     if args.command == "reshard":
         target = _layout(flags_from_namespace(ParallelFlags, args, dests=TARGET_DESTS))
         rc = run_reshard(_source(args), args.save, target, with_optimizer=args.with_optimizer,
-                         ckpt_format=args.ckpt_format, module_names=args.module_names)  # fmt: skip
+                         ckpt_format=args.ckpt_format, module_names=args.module_names,
+                         dist_optimizer=args.dist_optimizer)  # fmt: skip
     elif args.command == "to-hf":
         rc = run_to_hf(
             _source(args), args.save, weights_only=args.weights_only, max_shard_size=args.max_shard_size

@@ -108,6 +108,24 @@ def to_mcore_common(common: OptimizerCommon, *, mixed_precision: bool, min_lr: f
     return out
 
 
+def to_mcore_distributed_common(common: OptimizerCommon, *, min_lr: float) -> dict[str, Any]:
+    """``common.pt["optimizer"]`` as megatron-core's ``DistributedOptimizer`` saves it in the
+    ``fully_reshardable`` format (Megatron-LM's ``--dist-ckpt-optim-fully-reshardable``): the
+    groups without params, each with the step (torch's optimizers keep it per group there)."""
+    inner = to_mcore_common(common, mixed_precision=False, min_lr=min_lr)
+    groups = [{**g, "step": float(common.step)} for g in inner["param_groups"]]
+    out: dict[str, Any] = {
+        "optimizer": {"param_groups": groups},
+        "param_state_sharding_type": "fully_reshardable",
+    }
+    if common.grad_scaler is not None:
+        out["grad_scaler"] = {
+            **common.grad_scaler,
+            "scale": torch.tensor([float(common.grad_scaler["scale"])]),
+        }
+    return out
+
+
 def from_mcore_common(entry: Any, *, source: str) -> OptimizerCommon:
     """:class:`OptimizerCommon` of a megatron-core ``common.pt["optimizer"]`` (any optimizer)."""
     if not isinstance(entry, dict):

@@ -31,6 +31,7 @@ from pretrain.checkpoint.optimizer_state import (
     from_mcore_scheduler,
     mcore_state_keys,
     to_mcore_common,
+    to_mcore_distributed_common,
     to_mcore_scheduler,
 )
 from pretrain.checkpoint.safe_unpickle import load_untrusted
@@ -102,21 +103,31 @@ def open_optimizer(reader: TorchDistReader) -> TorchDistOptimizerSource:
     )
 
 
-def optimizer_entry_kinds(params_dtype: str) -> tuple[tuple[str, str], ...]:
-    """``(our kind, megatron-core name)`` of the state tensors written for weights of that dtype."""
+def optimizer_entry_kinds(params_dtype: str, *, distributed: bool = False) -> tuple[tuple[str, str], ...]:
+    """``(our kind, megatron-core name)`` of the state tensors written for weights of that dtype
+    (the distributed optimizer always keeps fp32 main params, named ``param``)."""
     kinds = (("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq"))
+    if distributed:
+        return (("param", "param"), *kinds)
     return kinds if params_dtype == "float32" else (*kinds, ("param", "fp32_param"))
 
 
-def optimizer_common(opt: OptimizerSource, *, params_dtype: str) -> dict[str, Any]:
-    """The ``optimizer`` and ``opt_param_scheduler`` entries of ``common.pt``."""
+def optimizer_common(opt: OptimizerSource, *, params_dtype: str, distributed: bool = False) -> dict[str, Any]:
+    """The ``optimizer`` and ``opt_param_scheduler`` entries of ``common.pt`` (and, for the
+    distributed optimizer's form, the ``content_metadata`` Megatron-LM builds its load from)."""
     sched = opt.scheduler or {}
     groups = opt.common.param_groups
     wd = max((float(g.get("weight_decay", 0.0)) for g in groups), default=0.0)
+    min_lr = float(sched.get("min_lr", 0.0))
+    extra: dict[str, Any] = {}
+    if distributed:
+        entry = to_mcore_distributed_common(opt.common, min_lr=min_lr)
+        extra["content_metadata"] = {"distrib_optim_sharding_type": "fully_reshardable"}
+    else:
+        entry = to_mcore_common(opt.common, mixed_precision=params_dtype != "float32", min_lr=min_lr)
     return {
-        "optimizer": to_mcore_common(
-            opt.common, mixed_precision=params_dtype != "float32", min_lr=float(sched.get("min_lr", 0.0))
-        ),
+        **extra,
+        "optimizer": entry,
         "opt_param_scheduler": to_mcore_scheduler(
             opt.scheduler, global_batch_size=opt.global_batch_size, weight_decay=wd
         ),  # fmt: skip

@@ -172,14 +172,14 @@ class _StreamingPlanner(DefaultSavePlanner):
         return t if entry.parts[0][1] is None else t.unsqueeze(0)
 
 
-def _optimizer_entries(entries: list[_Entry], params_dtype: str) -> list[_Entry]:
+def _optimizer_entries(entries: list[_Entry], params_dtype: str, *, distributed: bool) -> list[_Entry]:
     """Per weight entry, its fp32 optimizer-state entries (``optimizer.state.<name>.<key>``)."""
     return [
         dataclasses.replace(
             e, key=f"{MCORE_STATE_PREFIX}.{name}.{e.key}", dtype=torch.float32, state_kind=kind
         )
         for e in entries
-        for kind, name in optimizer_entry_kinds(params_dtype)
+        for kind, name in optimizer_entry_kinds(params_dtype, distributed=distributed)
     ]
 
 
@@ -213,13 +213,15 @@ def write_torch_dist(
     options: WriteOptions | None = None,
     extra_files: Callable[[Path], object] | None = None,
     optimizer: OptimizerSource | None = None,
+    distributed_optimizer: bool = False,
 ) -> Path:
     """Write ``source`` as a ``torch_dist`` checkpoint for layout ``target`` into the new ``save``.
 
     ``target`` sets the vocabulary padding and the layout recorded in ``args``; the stored
     tensors are global, so megatron-core may load them at any TP/PP. ``optimizer``: its state
-    is written as megatron-core's non-distributed optimizer saves it (see
-    :mod:`pretrain.checkpoint.torch_dist_optimizer`), with the LR schedule.
+    is written as megatron-core's non-distributed optimizer saves it, or with
+    ``distributed_optimizer`` as its ``DistributedOptimizer`` saves the ``fully_reshardable``
+    format (see :mod:`pretrain.checkpoint.torch_dist_optimizer`), with the LR schedule.
     """
     source.spec.cfg.check_tensor_parallel(target.tp)
     entries = _entries(source, target.tp)
@@ -227,8 +229,8 @@ def write_torch_dist(
     common: dict[str, Any] = {}
     if optimizer is not None:
         dtype = source.spec.cfg.params_dtype
-        entries += _optimizer_entries(entries, dtype)
-        common = optimizer_common(optimizer, params_dtype=dtype)
+        entries += _optimizer_entries(entries, dtype, distributed=distributed_optimizer)
+        common = optimizer_common(optimizer, params_dtype=dtype, distributed=distributed_optimizer)
     meta = dataclasses.replace(_target_metadata(source, target, options), module_names="mcore")
     args: Any = to_args(meta, iteration=options.iteration)
     args.ckpt_format = "torch_dist"
