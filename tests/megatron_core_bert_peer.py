@@ -28,8 +28,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.ports import free_port
-
 PROBE = torch.tensor([[2, 5, 9, 33, 70, 3, 64, 99, 17, 3], [2, 8, 15, 16, 3, 42, 0, 98, 0, 0]])
 TOKENTYPES = torch.tensor([[0, 0, 0, 0, 0, 0, 1, 1, 1, 1], [0, 0, 0, 0, 0, 1, 1, 1, 0, 0]])
 MASK = torch.tensor([[1] * 10, [1] * 8 + [0] * 2])
@@ -83,7 +81,7 @@ def probe_outputs(model: Any, vocab: int) -> dict[str, torch.Tensor]:
 
 
 def _save(out: Path, rank: int, tp: int) -> None:
-    from megatron.core import dist_checkpointing
+    from tests.megatron_core_peer import save_dist
 
     args = bert_args(tp)
     torch.manual_seed(1234)
@@ -95,13 +93,7 @@ def _save(out: Path, rank: int, tp: int) -> None:
             elif name.endswith("bias"):
                 p.copy_(0.1 * torch.randn_like(p))
     outputs = probe_outputs(model, args.vocab_size)
-    dist_dir = out / "dist" / "iter_0000001"
-    if rank == 0:
-        dist_dir.mkdir(parents=True, exist_ok=True)
-        (out / "dist" / "latest_checkpointed_iteration.txt").write_text("1")
-    dist.barrier()
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": 1, "model": model.sharded_state_dict()}
-    dist_checkpointing.save(state, str(dist_dir))
+    save_dist(out / "dist", {"args": args, "checkpoint_version": 3.0, "model": model.sharded_state_dict()}, 1)
     if rank == 0:
         torch.save(outputs, out / "logits.pt")
 
@@ -128,16 +120,9 @@ def _worker(rank: int, tp: int, port: int, cmd: str, paths: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("cmd", choices=("save", "load"))
-    p.add_argument("paths", nargs="+", help="save: OUT; load: CKPT_ITER_DIR OUT")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
-    a = p.parse_args(argv)
-    a.port = a.port or free_port()
-    import torch.multiprocessing as mp
+    from tests.megatron_core_peer import save_load_main
 
-    mp.spawn(_worker, args=(a.tp, a.port, a.cmd, a.paths), nprocs=a.tp)
+    save_load_main(_worker, argv)
 
 
 if __name__ == "__main__":

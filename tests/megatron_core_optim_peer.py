@@ -31,7 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.megatron_core_peer import CASES, build_model, finish_peer, init_peer, megatron_args
+from tests.megatron_core_peer import CASES, build_model, finish_peer, init_peer, megatron_args, save_dist
 from tests.ports import free_port
 
 LR, WD, BATCH, SEQ = 1e-2, 0.1, 4, 16
@@ -224,7 +224,6 @@ def _loaded_optimizer_state(model: Any, optimizer: Any) -> dict[str, torch.Tenso
 
 
 def _train(out: Path, case: str, tp: int, steps: int, save_at: int, bf16: bool, distopt: bool) -> None:
-    from megatron.core import dist_checkpointing
 
     args = megatron_args(case, tp)
     args.bf16, args.lr, args.weight_decay = bf16, LR, WD
@@ -240,12 +239,7 @@ def _train(out: Path, case: str, tp: int, steps: int, save_at: int, bf16: bool, 
     for step in range(steps):
         losses.append(_train_step(model, optimizer, scheduler, step, args.vocab_size, ddp))
         if step + 1 == save_at:
-            it_dir = out / "ckpt" / f"iter_{save_at:07d}"
-            if dist.get_rank() == 0:
-                it_dir.mkdir(parents=True, exist_ok=True)
-                (out / "ckpt" / "latest_checkpointed_iteration.txt").write_text(str(save_at))
-            dist.barrier()
-            dist_checkpointing.save(_state(model, optimizer, scheduler, args, save_at), str(it_dir))
+            save_dist(out / "ckpt", _state(model, optimizer, scheduler, args, save_at), save_at)
             if ddp is None:  # the legacy format keeps a distributed optimizer's state in distrib_optim.pt
                 _save_legacy(out / "legacy", model, optimizer, scheduler, args, save_at)
             else:

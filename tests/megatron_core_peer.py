@@ -180,9 +180,20 @@ def _save_legacy(root: Path, args: Any, model: Any, rank: int, *, te: bool) -> N
     (root / "latest_checkpointed_iteration.txt").write_text("1")
 
 
-def _save(out: Path, case: str, rank: int, tp: int) -> None:
+def save_dist(root: Path, state: dict[str, Any], iteration: int) -> None:
+    """``dist_checkpointing.save`` of ``state`` as Megatron-LM lays it out: ``ROOT/iter_N`` and the
+    tracker file (written by rank 0 before every rank saves)."""
     from megatron.core import dist_checkpointing
 
+    it_dir = root / f"iter_{iteration:07d}"
+    if dist.get_rank() == 0:
+        it_dir.mkdir(parents=True, exist_ok=True)
+        (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    dist.barrier()
+    dist_checkpointing.save({**state, "iteration": iteration}, str(it_dir))
+
+
+def _save(out: Path, case: str, rank: int, tp: int) -> None:
     args = megatron_args(case, tp)
     torch.manual_seed(1234)
     model = build_model(args)
@@ -191,13 +202,7 @@ def _save(out: Path, case: str, rank: int, tp: int) -> None:
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
     logits = probe_logits(model, args.vocab_size)
-    dist_dir = out / "dist" / "iter_0000001"
-    if rank == 0:
-        dist_dir.mkdir(parents=True, exist_ok=True)
-        (out / "dist" / "latest_checkpointed_iteration.txt").write_text("1")
-    dist.barrier()
-    state = {"args": args, "checkpoint_version": 3.0, "iteration": 1, "model": model.sharded_state_dict()}
-    dist_checkpointing.save(state, str(dist_dir))
+    save_dist(out / "dist", {"args": args, "checkpoint_version": 3.0, "model": model.sharded_state_dict()}, 1)
     _save_legacy(out / "legacy", args, model, rank, te=False)
     _save_legacy(out / "legacy_te", args, model, rank, te=True)
     if rank == 0:
@@ -256,18 +261,25 @@ def _worker(rank: int, tp: int, port: int, cmd: str, paths: list[str], case: str
     finish_peer()
 
 
-def main(argv: list[str] | None = None) -> None:
+def save_load_main(worker: Any, argv: list[str] | None, cases: list[str] | None = None) -> None:
+    """The ``save OUT`` / ``load CKPT_ITER_DIR OUT`` command line of a peer: spawn ``--tp``
+    ranks of ``worker(rank, tp, port, cmd, paths[, case])``."""
     p = argparse.ArgumentParser()
     p.add_argument("cmd", choices=("save", "load"))
     p.add_argument("paths", nargs="+", help="save: OUT; load: CKPT_ITER_DIR OUT")
-    p.add_argument("--case", default="llama", choices=sorted(CASES))
+    if cases:
+        p.add_argument("--case", default=cases[0], choices=sorted(cases))
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     a = p.parse_args(argv)
-    a.port = a.port or free_port()
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(a.tp, a.port, a.cmd, a.paths, a.case), nprocs=a.tp)
+    extra = (a.case,) if cases else ()
+    mp.spawn(worker, args=(a.tp, a.port or free_port(), a.cmd, a.paths, *extra), nprocs=a.tp)
+
+
+def main(argv: list[str] | None = None) -> None:
+    save_load_main(_worker, argv, cases=["llama", *sorted(set(CASES) - {"llama"})])
 
 
 if __name__ == "__main__":
