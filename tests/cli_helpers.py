@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import pytest
 
@@ -31,3 +33,12 @@ def help_output_and_heavy_imports(module: str, heavy: Sequence[str]) -> tuple[st
     assert proc.returncode == 0, proc.stderr
     out, _, loaded = proc.stdout.rpartition("HEAVY ")
     return out, eval(loaded)  # a printed list of module names
+
+
+def truncated_weights_copy(hf_dir: Path, dst: Path) -> tuple[Path, Path]:
+    """A copy of Hugging Face directory ``hf_dir`` at ``dst`` whose ``model.safetensors`` is cut in
+    half; returns ``(dst, the truncated file)``."""
+    shutil.copytree(hf_dir, dst)
+    weights = dst / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    return dst, weights

@@ -11,11 +11,8 @@ logits of a probe batch in ``OUT/logits.pt``. Nothing here is mlm-toolkit code.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import signal
 import sys
-import warnings
 from pathlib import Path
 
 import torch
@@ -25,17 +22,9 @@ from tests.ports import free_port
 
 
 def main(out: str, vocab_file: str, merge_file: str, vocab_size: int) -> None:
-    warnings.filterwarnings("ignore")
     from tests import megatron_core_peer as peer
 
-    peer._cpu_shims()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
-    ps.initialize_model_parallel(tensor_model_parallel_size=1)
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    peer.init_peer(0, 1, free_port())  # one gloo rank, CPU shims
     args = peer.megatron_args("gpt2", 1)
     args.vocab_size = vocab_size
     divisible = args.make_vocab_size_divisible_by

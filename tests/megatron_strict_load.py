@@ -9,10 +9,7 @@ logits of a probe batch to ``OUT`` as ``{"tokens", "logits"}``. Nothing here is 
 
 from __future__ import annotations
 
-import contextlib
-import os
 import sys
-import warnings
 
 import torch
 import torch.distributed as dist
@@ -21,17 +18,9 @@ from tests.ports import free_port
 
 
 def main(path: str, out: str) -> None:
-    warnings.filterwarnings("ignore")
     from tests import megatron_core_peer as peer
 
-    peer._cpu_shims()
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT") or str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1)
-    from megatron.core import parallel_state as ps
-    from megatron.core import tensor_parallel
-
-    ps.initialize_model_parallel(tensor_model_parallel_size=1)
-    tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
+    peer.init_peer(0, 1, free_port())  # one gloo rank, CPU shims
     state = torch.load(path, map_location="cpu", weights_only=False)
     args = state["args"]
     model = peer.build_model(args)

@@ -11,7 +11,7 @@ import pytest
 
 import pretrain.checkpoint.verify as verify_module
 from pretrain.utils.errors import UserError
-from tests.cli_helpers import help_output_and_heavy_imports
+from tests.cli_helpers import help_output_and_heavy_imports, one_line_error, truncated_weights_copy
 from tests.convert_fixtures import write_ours
 from tests.gpt_fixtures import full_weights, tiny_config
 from tools.convert_cli import main as convert_main
@@ -24,12 +24,7 @@ def ckpt(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _fails(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    with pytest.raises(SystemExit) as exc:
-        convert_main(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err.strip()
-    assert len(err.splitlines()) == 1 and err.startswith("error: "), err
-    return err
+    return one_line_error(convert_main, argv, capsys)
 
 
 def test_unwritable_save_and_bad_flags_are_refused_first(
@@ -103,12 +98,7 @@ def test_resharded_checkpoint_follows_the_umask(ckpt: Path, tmp_path: Path, mask
 def test_truncated_safetensors_in_from_hf_is_one_line(
     tiny_gpt2_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import shutil
-
-    broken = tmp_path / "broken"
-    shutil.copytree(tiny_gpt2_dir, broken)
-    weights = broken / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    broken, weights = truncated_weights_copy(tiny_gpt2_dir, tmp_path / "broken")
     err = _fails(["from-hf", "--load", str(broken), "--save", str(tmp_path / "ck")], capsys)
     assert f"--load {broken}: cannot read {weights}" in err and not (tmp_path / "ck").exists()
 

@@ -12,7 +12,7 @@ import pytest
 
 from mlm_eval.cli import main
 from pretrain.utils.results import make_result, normalized
-from tests.cli_helpers import help_output_and_heavy_imports, one_line_error
+from tests.cli_helpers import help_output_and_heavy_imports, one_line_error, truncated_weights_copy
 from tests.finetune_fixtures import make_tiny_hf_bert
 
 WIKI = ["wikitext103", "--data", "builtin:wikitext_sample.tokens", "--seq-length", "32", "--no-progress"]
@@ -97,12 +97,7 @@ def test_bert_is_refused_as_a_causal_model(tmp_path: Path, capsys: pytest.Captur
 def test_truncated_safetensors_is_one_line(
     tiny_gpt2_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import shutil
-
-    broken = tmp_path / "broken"
-    shutil.copytree(tiny_gpt2_dir, broken)
-    weights = broken / "model.safetensors"
-    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    broken, _ = truncated_weights_copy(tiny_gpt2_dir, tmp_path / "broken")
     err = _fails([*WIKI, "--hf-model", str(broken), "--out", str(tmp_path / "r.json")], capsys)
     assert f"--hf-model {broken}" in err
 
