@@ -26,6 +26,7 @@ from pretrain.checkpoint.torch_dist import TorchDistReader
 from pretrain.checkpoint.types import DictSource, Provenance
 from pretrain.config import ParallelConfig
 from pretrain.utils.errors import UserError
+from tests.cli_helpers import one_line_error
 from tests.test_torch_dist_reshard import _source
 from tools.convert_cli import main as convert
 
@@ -55,8 +56,8 @@ class _KnownState:
     def state(self, kind: str, canonical: str) -> torch.Tensor:
         return self.tensors[(kind, canonical)]
 
-    def state_vocab_padding(self, kind: str, canonical: str) -> torch.Tensor:
-        return self.tensors[(kind, canonical)][:0]  # a made-up state stores no padding rows
+    def state_stored_rows(self, kind: str, canonical: str) -> torch.Tensor:
+        return self.tensors[(kind, canonical)]  # a made-up state stores no padding rows
 
 
 def _legacy_with_optimizer(
@@ -75,13 +76,7 @@ def _legacy_with_optimizer(
 
 
 def _refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
-    """The one error line of a refused ``mlm-convert`` call (exit status 2)."""
-    with pytest.raises(SystemExit) as exc:
-        convert(argv)
-    assert exc.value.code == 2
-    err = capsys.readouterr().err
-    assert len(err.strip().splitlines()) == 1, err
-    return err
+    return one_line_error(convert, argv, capsys)
 
 
 def _inspect_optimizer(path: Path, capsys: pytest.CaptureFixture[str]) -> dict[str, object]:

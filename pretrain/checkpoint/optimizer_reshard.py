@@ -32,7 +32,7 @@ from pretrain.checkpoint.optimizer_state import (
 )
 from pretrain.checkpoint.plan import ModelSpec, Slot
 from pretrain.checkpoint.reader import LegacyReader
-from pretrain.checkpoint.reshard import _shard, carried_padding
+from pretrain.checkpoint.reshard import _shard
 from pretrain.checkpoint.safe_unpickle import load_untrusted
 from pretrain.checkpoint.upstream_names import to_local_name
 from pretrain.checkpoint.upstream_optimizer import UpstreamParam, upstream_full_state
@@ -158,8 +158,8 @@ class LegacyOptimizerSource:
     def state(self, kind: str, canonical: str) -> torch.Tensor:
         return self.views[kind].tensor(canonical).float()
 
-    def state_vocab_padding(self, kind: str, canonical: str) -> torch.Tensor:
-        return self.views[kind].vocab_padding(canonical).float()
+    def state_stored_rows(self, kind: str, canonical: str) -> torch.Tensor:
+        return self.views[kind].stored_rows(canonical).float()
 
 
 def open_legacy_optimizer(reader: Any) -> LegacyOptimizerSource:
@@ -199,9 +199,12 @@ def open_legacy_optimizer(reader: Any) -> LegacyOptimizerSource:
 
 
 def _state_rows(opt: OptimizerSource, kind: str, slot: Slot, padded: int) -> torch.Tensor:
-    full = opt.state(kind, slot.canonical)
+    """State ``kind`` of ``slot``'s tensor; a vocabulary tensor's with its stored padding rows
+    (as many as fit in ``padded``, as :func:`pretrain.checkpoint.reshard.vocab_rows`)."""
     return (
-        carried_padding(full, opt.state_vocab_padding(kind, slot.canonical), padded) if slot.vocab else full
+        opt.state_stored_rows(kind, slot.canonical)[:padded]
+        if slot.vocab
+        else opt.state(kind, slot.canonical)
     )
 
 

@@ -68,8 +68,8 @@ class OptimizerSource(Protocol):
 
     def state(self, kind: str, canonical: str) -> torch.Tensor: ...
 
-    def state_vocab_padding(self, kind: str, canonical: str) -> torch.Tensor:
-        """The stored padding rows (beyond the true vocabulary) of a vocabulary tensor's state."""
+    def state_stored_rows(self, kind: str, canonical: str) -> torch.Tensor:
+        """:meth:`state` with every stored row (a vocabulary tensor's padding rows included)."""
         ...
 
 

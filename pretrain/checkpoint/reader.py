@@ -102,30 +102,29 @@ class LegacyReader:
             full = full + 1
         return full
 
-    def vocab_padding(self, name: str) -> torch.Tensor:
-        """The stored rows of vocabulary tensor ``name`` beyond the true vocabulary (``[p - v, h]``).
-
-        megatron-core's softmax spans the padded vocabulary, so upstream runs train these rows;
-        writers carry them (see :func:`pretrain.checkpoint.reshard.carried_padding`)."""
-        if name not in self.entries:
-            raise UserError(f"{self.info.path}: no tensor {name!r}")
-        return self._assemble(name, self.entries[name])[self.spec.cfg.vocab_size :]
-
-    def tensor(self, name: str) -> torch.Tensor:
-        """The canonical full tensor ``name`` (vocab rows trimmed), checked across shards."""
+    def stored_rows(self, name: str) -> torch.Tensor:
+        """The full tensor ``name`` with every stored row: a vocabulary tensor keeps its padding
+        rows after the true vocabulary (``[p, h]``). megatron-core's softmax spans the padded
+        vocabulary, so upstream runs train those rows; writers carry them
+        (:func:`pretrain.checkpoint.reshard.vocab_rows`)."""
         if name not in self.entries:
             raise UserError(f"{self.info.path}: no tensor {name!r}")
         vocab = self.spec.cfg.vocab_size if self.entries[name].slot.vocab else None
-        full = self._assemble(name, self.entries[name])[:vocab]
-        if name in self.head_copies:
-            head = self._assemble(name, self.head_copies[name])[:vocab]
-            if not torch.equal(head, full):
+        full = self._assemble(name, self.entries[name])
+        if name in self.head_copies:  # the copies agree on the rows the model uses
+            head = self._assemble(name, self.head_copies[name])
+            if not torch.equal(head[:vocab], full[:vocab]):
                 where = self.files[self.head_copies[name].parts[0][0]]
                 raise UserError(
                     f"{where}: the output layer (word_embeddings_for_head) differs from {name}; "
                     "untied output layers are not supported"
                 )
         return full
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """The canonical full tensor ``name`` (vocab rows trimmed), checked across shards."""
+        full = self.stored_rows(name)
+        return full[: self.spec.cfg.vocab_size] if self.entries[name].slot.vocab else full
 
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.entries:

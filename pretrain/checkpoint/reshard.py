@@ -44,7 +44,7 @@ from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.atomic import atomic_directory, atomic_open
 from pretrain.utils.errors import UserError
 
-__all__ = ["DictSource", "WriteOptions", "carried_padding", "check_output_dir", "with_vocab", "write_layout"]
+__all__ = ["DictSource", "WriteOptions", "check_output_dir", "vocab_rows", "with_vocab", "write_layout"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,22 +87,16 @@ def _shard(full: torch.Tensor, slot: Slot, *, tp_rank: int, tp: int, padded: int
     return out.contiguous()
 
 
-def carried_padding(full: torch.Tensor, stored: torch.Tensor | None, padded: int) -> torch.Tensor:
-    """``full`` (the true vocabulary rows) followed by the source's stored padding rows, as many
-    as fit in ``padded`` rows; the shard writer zero-fills the rest.
-
-    megatron-core's softmax spans the padded vocabulary, so its runs train the padding rows of the
-    output layer (and, tied, of the embedding); carrying them keeps a resumed Megatron run exact
-    whenever the padded size is kept. Our models never read them (padded logits are excluded)."""
-    if stored is None or stored.shape[0] == 0 or full.shape[0] >= padded:
-        return full
-    return torch.cat([full, stored[: padded - full.shape[0]].to(full.dtype)])
-
-
-def source_vocab_row(source: CanonicalSource, name: str, padded: int) -> torch.Tensor:
-    """Vocabulary tensor ``name`` of ``source`` with the padding rows it stores (if it stores any)."""
-    stored = source.vocab_padding(name) if hasattr(source, "vocab_padding") else None
-    return carried_padding(source.tensor(name), stored, padded)
+def vocab_rows(source: CanonicalSource, name: str, padded: int) -> torch.Tensor:
+    """Vocabulary tensor ``name`` for a target padded to ``padded`` rows: the true vocabulary,
+    then as many of the padding rows the source stores as fit (the shard writer zero-fills the
+    rest). megatron-core's softmax spans the padded vocabulary, so its runs train the padding
+    rows of the output layer (and, tied, of the embedding); carrying them keeps a resumed Megatron
+    run exact whenever the padded size is kept. Our models never read them (padded logits are
+    excluded); sources without stored rows (Hugging Face) give the true vocabulary only."""
+    if hasattr(source, "stored_rows"):
+        return source.stored_rows(name)[:padded]
+    return source.tensor(name)
 
 
 def _chunk_state(
@@ -110,9 +104,7 @@ def _chunk_state(
 ) -> dict[str, torch.Tensor]:
     flat = {}
     for slot in slots:
-        full = (
-            source_vocab_row(source, slot.canonical, padded) if slot.vocab else source.tensor(slot.canonical)
-        )
+        full = vocab_rows(source, slot.canonical, padded) if slot.vocab else source.tensor(slot.canonical)
         flat[slot.local] = _shard(full, slot, tp_rank=tp_rank, tp=tp, padded=padded)
     return flat
 

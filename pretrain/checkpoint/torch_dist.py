@@ -131,18 +131,18 @@ class TorchDistReader:
         t = read_region(self.path, self.meta[ref.key], ref.key, ref.layer)
         return t[: self.spec.cfg.vocab_size] if vocab else t
 
-    def vocab_padding(self, name: str) -> torch.Tensor:
-        """The stored rows of vocabulary tensor ``name`` beyond the true vocabulary (trained by
-        megatron-core, whose softmax spans them; writers carry them)."""
+    def stored_rows(self, name: str) -> torch.Tensor:
+        """The full tensor ``name`` with every stored row (a vocabulary tensor keeps its padding
+        rows, trained by megatron-core, whose softmax spans them; writers carry them)."""
         if name not in self.refs:
             raise UserError(f"{self.path}: no tensor {name!r}")
-        return self._read(self.refs[name], False)[self.spec.cfg.vocab_size :]
-
-    def tensor(self, name: str) -> torch.Tensor:
-        if name not in self.refs:
-            raise UserError(f"{self.path}: no tensor {name!r}")
-        full = self._read(self.refs[name], is_vocab_tensor(name))
-        if name == _EMB and self.head is not None and not torch.equal(self._read(self.head, True), full):
+        full = self._read(self.refs[name], False)
+        vocab = self.spec.cfg.vocab_size
+        if (
+            name == _EMB
+            and self.head is not None
+            and not torch.equal(self._read(self.head, True), full[:vocab])
+        ):
             raise UserError(
                 f"{self.path}: output_layer.weight differs from {name} but args do not say "
                 "untie_embeddings_and_output_weights"
@@ -150,6 +150,10 @@ class TorchDistReader:
         if self.norm_1p and is_zero_centred_norm(name):
             full = full + 1
         return full
+
+    def tensor(self, name: str) -> torch.Tensor:
+        full = self.stored_rows(name)
+        return full[: self.spec.cfg.vocab_size] if is_vocab_tensor(name) else full
 
 
 def _read_metadata(it_dir: Path) -> dict[str, TensorStorageMetadata]:

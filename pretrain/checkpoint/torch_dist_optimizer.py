@@ -56,8 +56,8 @@ class TorchDistOptimizerSource:
         full = self._full_state(kind, canonical)
         return full[: self.reader.spec.cfg.vocab_size] if is_vocab_tensor(canonical) else full
 
-    def state_vocab_padding(self, kind: str, canonical: str) -> torch.Tensor:
-        return self._full_state(kind, canonical)[self.reader.spec.cfg.vocab_size :]
+    def state_stored_rows(self, kind: str, canonical: str) -> torch.Tensor:
+        return self._full_state(kind, canonical)
 
     def _full_state(self, kind: str, canonical: str) -> torch.Tensor:
         """State ``kind`` of ``canonical`` with every stored row (vocabulary padding included)."""
@@ -68,11 +68,7 @@ class TorchDistOptimizerSource:
         key = self._key(kind, ref.key)
         if key is None:
             if kind == "param" and r.meta[ref.key].properties.dtype == torch.float32:
-                # fp32 weights are the main parameters
-                weight = r.tensor(canonical)
-                if is_vocab_tensor(canonical):
-                    weight = torch.cat([weight, r.vocab_padding(canonical)])
-                return weight.float()
+                return r.stored_rows(canonical).float()  # fp32 weights are the main parameters
             raise UserError(f"{r.path}: optimizer state has no {mcore_state_keys(kind, ref.key)[0]}")
         if tuple(r.meta[key].size) != tuple(r.meta[ref.key].size):
             raise UserError(

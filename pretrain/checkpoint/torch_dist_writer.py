@@ -42,7 +42,7 @@ from pretrain.checkpoint.layout import CHECKPOINT_VERSION, iteration_dir, write_
 from pretrain.checkpoint.metadata import to_args
 from pretrain.checkpoint.optimizer_state import MCORE_STATE_PREFIX, OptimizerSource
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
-from pretrain.checkpoint.reshard import WriteOptions, _target_metadata, carried_padding
+from pretrain.checkpoint.reshard import WriteOptions, _target_metadata, vocab_rows
 from pretrain.checkpoint.torch_dist_optimizer import optimizer_common, optimizer_entry_kinds
 from pretrain.checkpoint.types import CanonicalSource
 from pretrain.checkpoint.upstream_names import MCORE_BLOCK, to_mcore_key
@@ -187,14 +187,12 @@ def _fetcher(source: CanonicalSource, opt: OptimizerSource | None) -> Callable[[
     def fetch(entry: _Entry, name: str) -> torch.Tensor:
         pad_rows = entry.pad_rows
         if entry.state_kind is None:
-            full = source.tensor(name)
-            stored = source.vocab_padding(name) if pad_rows and hasattr(source, "vocab_padding") else None
+            full = source.tensor(name) if pad_rows is None else vocab_rows(source, name, pad_rows)
         else:
             assert opt is not None
-            full = opt.state(entry.state_kind, name)
-            stored = opt.state_vocab_padding(entry.state_kind, name) if pad_rows else None
-        if pad_rows is not None:
-            full = carried_padding(full, stored, pad_rows)
+            kind = entry.state_kind
+            full = opt.state(kind, name) if pad_rows is None else opt.state_stored_rows(kind, name)[:pad_rows]
+        if pad_rows is not None:  # zero rows where the source stores none
             if full.shape[0] > pad_rows:
                 raise UserError(
                     f"tensor {name}: {full.shape[0]} rows exceed the padded vocabulary {pad_rows}"
