@@ -23,7 +23,6 @@ Training corpora (``--train``, any number, format chosen per path):
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from pretrain.utils.errors import UserError
+from pretrain.utils.jsonl import iter_json_objects, string_field
 
 if TYPE_CHECKING:
     from pretrain.tokenizer.factory import TokenizerConfig
@@ -74,21 +74,11 @@ def read_wikitext_articles(path: Path) -> list[EvalExample]:
 
 def read_jsonl_examples(path: Path, *, text_key: str, id_key: str | None) -> list[EvalExample]:
     """One example per JSON line."""
-    _require_file(path, "--data")
     examples = []
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{number}: not valid JSON ({exc})") from None
-            text = record.get(text_key) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise UserError(f"{path}:{number}: field {text_key!r} missing or not a string")
-            name = record.get(id_key) if id_key else None
-            examples.append(EvalExample(name=str(name) if name is not None else f"line {number}", text=text))
+    for number, record in iter_json_objects(path, flag="--data"):
+        text = string_field(record, text_key, source=path, line=number)
+        name = record.get(id_key) if id_key else None
+        examples.append(EvalExample(name=str(name) if name is not None else f"line {number}", text=text))
     return examples
 
 
@@ -124,20 +114,8 @@ def _indexed_prefix(path: Path) -> Path | None:
 
 
 def _iter_jsonl(path: Path, text_key: str) -> Iterator[tuple[str, bool]]:
-    with open(path, encoding="utf-8") as fh:
-        for number, line in enumerate(fh, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise UserError(f"{path}:{number}: not valid JSON ({exc})") from None
-            text = record.get(text_key) if isinstance(record, dict) else None
-            if not isinstance(text, str):
-                raise UserError(
-                    f"{path}:{number}: field {text_key!r} missing or not a string (see --train-text-key)"
-                )
-            yield text, True
+    for number, record in iter_json_objects(path, flag="--train"):
+        yield string_field(record, text_key, source=path, line=number, hint="see --train-text-key"), True
 
 
 def _iter_raw(path: Path) -> Iterator[tuple[str, bool]]:

@@ -34,6 +34,7 @@ from pretrain.utils.flag_groups import (
     add_flag_group,
     flags_from_namespace,
 )
+from pretrain.utils.jsonl import iter_json_objects
 
 # the shared flag groups' fields mlm-generate takes (the engine loads TP x PP stages, no VP)
 TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
@@ -86,14 +87,8 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if not path.is_file():
         raise UserError(f"--prompts {path}: no such file")
     out = []
-    for n, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UserError(f"{path}:{n}: not JSON ({exc.msg})") from None
-        value = row.get("prompt", row.get("text")) if isinstance(row, dict) else None
+    for n, row in iter_json_objects(path, flag="--prompts"):
+        value = row.get("prompt", row.get("text"))
         if not isinstance(value, str):
             raise UserError(f'{path}:{n}: needs a string "prompt" (or "text") field')
         out.append(value)

@@ -13,7 +13,6 @@ tokens / number of target tokens).
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from typing import Any
 
 from mlm_eval.scorer import IGNORE, LMScorer, TextEncoder, as_text_encoder, document_prefix, score_rows
 from pretrain.utils.errors import UserError
+from pretrain.utils.jsonl import iter_json_objects, string_field
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -36,31 +36,14 @@ class LambadaScore:
 def read_lambada_jsonl(path: str | os.PathLike[str]) -> list[str]:
     """Read ``{"text": ...}`` lines (blank lines skipped); errors name the file and line."""
     texts: list[str] = []
-    try:
-        with open(path, encoding="utf-8") as fh:
-            for lineno, line in enumerate(fh, start=1):
-                if line.strip():
-                    texts.append(_parse_line(path, lineno, line))
-    except OSError as exc:
-        raise UserError(f"{path}: cannot read LAMBADA data ({exc.strerror or exc})") from None
-    except UnicodeDecodeError as exc:
-        raise UserError(f"{path}: not valid UTF-8 ({exc.reason})") from None
+    for lineno, record in iter_json_objects(path):
+        text = string_field(record, "text", source=path, line=lineno)
+        if len(text.split()) < 2:
+            raise UserError(f"{path}:{lineno}: text needs a context and a last word, got {text!r}")
+        texts.append(text)
     if not texts:
         raise UserError(f"{path}: no LAMBADA examples")
     return texts
-
-
-def _parse_line(path: str | os.PathLike[str], lineno: int, line: str) -> str:
-    try:
-        record = json.loads(line)
-    except json.JSONDecodeError as exc:
-        raise UserError(f"{path}:{lineno}: invalid JSON ({exc.msg})") from None
-    text = record.get("text") if isinstance(record, dict) else None
-    if not isinstance(text, str):
-        raise UserError(f'{path}:{lineno}: expected an object with a string field "text"')
-    if len(text.split()) < 2:
-        raise UserError(f"{path}:{lineno}: text needs a context and a last word, got {text!r}")
-    return text
 
 
 def split_example(encoder: TextEncoder, text: str, *, strict: bool) -> tuple[list[int], list[int]]:

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,16 +30,12 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from rich.console import Console
-from rich.table import Table
-from tqdm import tqdm
 
-from pretrain.utils.atomic import atomic_open
 from pretrain.utils.errors import UserError, cli_entry
-from pretrain.utils.outputs import check_writable_output
-from tools.hygiene.jsonl import iter_raw_lines, write_summary
+from tools.hygiene.jsonl import iter_raw_lines
 from tools.hygiene.lsh_index import KeptIndex
 from tools.hygiene.parallel import batched, ordered_map
+from tools.hygiene.runner import run_hygiene_command, write_split
 from tools.hygiene.shingles import ShingleConfig, signature_chunk
 
 
@@ -117,33 +112,30 @@ def run_dedup(config: DedupConfig) -> DedupStats:
         seed=config.seed,
         weights=(1.0 - config.false_negative_weight, config.false_negative_weight),
     )
-    documents = removed = 0
-    bar = tqdm(
-        total=config.input.stat().st_size if config.input.is_file() else None,
-        unit="B",
-        unit_scale=True,
-        desc="dedup",
-        disable=None if config.progress else True,  # a bar only on a terminal
-    )
-    with atomic_open(config.output, "wb") as out, atomic_open(config.report, "w", encoding="utf-8") as rep:
+    counts = {"documents": 0, "removed": 0}
+
+    def decisions() -> Iterator[tuple[bytes, dict[str, object] | None]]:
         for line, raw, sig, doc_id in _signed_documents(config):
-            documents += 1
-            bar.update(len(raw))
+            counts["documents"] += 1
             match = index.match(sig)
             if match is None:
                 index.add(sig, line=line, doc_id=doc_id)
-                out.write(raw if raw.endswith(b"\n") else raw + b"\n")
+                yield raw, None
                 continue
-            removed += 1
-            record = {
-                "line": line,
-                "id": doc_id,
-                "duplicate_of_line": match.line,
-                "duplicate_of_id": match.doc_id,
-                "jaccard_estimate": round(match.jaccard, 6),
-            }
-            rep.write(json.dumps(record, ensure_ascii=False) + "\n")
-    bar.close()
+            counts["removed"] += 1
+            yield (
+                raw,
+                {
+                    "line": line,
+                    "id": doc_id,
+                    "duplicate_of_line": match.line,
+                    "duplicate_of_id": match.doc_id,
+                    "jaccard_estimate": round(match.jaccard, 6),
+                },
+            )
+
+    write_split(config, decisions(), desc="dedup")
+    documents, removed = counts["documents"], counts["removed"]
     bands, rows = index.bands
     return DedupStats(
         documents=documents, kept=documents - removed, removed=removed, lsh_bands=bands, lsh_rows=rows
@@ -195,28 +187,23 @@ def config_from_args(args: argparse.Namespace) -> DedupConfig:
     )
 
 
-def _print_table(stats: DedupStats, config: DedupConfig) -> None:
-    table = Table(title=f"mlm-dedup {config.input} (threshold {config.threshold})")
-    for column in ("documents", "kept", "removed", "removed %"):
-        table.add_column(column, justify="right")
-    share = 100.0 * stats.removed / stats.documents if stats.documents else 0.0
-    table.add_row(str(stats.documents), str(stats.kept), str(stats.removed), f"{share:.2f}")
-    Console(stderr=True).print(table)
-
-
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
-    check_writable_output(config.output, kind="file", flag="--output")
-    check_writable_output(config.report, kind="file", flag="--report")
-    if args.summary:
-        check_writable_output(args.summary, kind="file", flag="--summary")
-    stats = run_dedup(config)
-    if args.summary:
-        write_summary(args.summary, stats, config.report)
-    if not args.quiet:
-        _print_table(stats, config)
+    run_hygiene_command(
+        config,
+        run_dedup,
+        summary=args.summary,
+        quiet=args.quiet,
+        title=f"mlm-dedup {config.input} (threshold {config.threshold})",
+        columns={
+            "documents": lambda s: s.documents,
+            "kept": lambda s: s.kept,
+            "removed": lambda s: s.removed,
+            "removed %": lambda s: f"{100.0 * s.removed / s.documents if s.documents else 0.0:.2f}",
+        },
+    )
     return 0
 
 

@@ -23,20 +23,15 @@ Example::
 from __future__ import annotations
 
 import argparse
-import json
 import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.console import Console
-from rich.table import Table
-from tqdm import tqdm
-
-from pretrain.utils.atomic import atomic_open
 from pretrain.utils.errors import UserError, cli_entry
-from pretrain.utils.outputs import check_writable_output
-from tools.hygiene.jsonl import iter_raw_lines, parse_document, write_summary
+from tools.hygiene.jsonl import Document, iter_raw_lines, parse_document
 from tools.hygiene.parallel import batched
+from tools.hygiene.runner import run_hygiene_command, write_split
 from tools.hygiene.titles import document_title, load_exclusions, title_key
 from tools.hygiene.token_count import TokenCounter, tokenizer_counter, whitespace_counts
 
@@ -83,46 +78,40 @@ def _counter(config: FilterConfig) -> TokenCounter | None:
     return whitespace_counts if config.tokenizer_dir is None else tokenizer_counter(config.tokenizer_dir)
 
 
+def _drop_reason(
+    doc: Document, tokens: int, config: FilterConfig, exclusions: frozenset[str]
+) -> dict[str, object] | None:
+    """The report record of a dropped document (title filter first), or None to keep it."""
+    if exclusions:
+        title = document_title(doc.text, doc.title, first_line=config.first_line_title)
+        if title is not None and title_key(title) in exclusions:
+            return {"line": doc.line, "id": doc.doc_id, "reason": "excluded", "title": title}
+    if tokens < config.min_tokens:
+        return {"line": doc.line, "id": doc.doc_id, "reason": "short", "tokens": tokens}
+    return None
+
+
 def run_filter(config: FilterConfig) -> FilterStats:
     """Write kept documents to ``config.output`` and dropped ones to ``config.report`` (atomically)."""
     exclusions = load_exclusions(config.exclude_titles) if config.exclude_titles else frozenset()
     counter = _counter(config)
-    documents = excluded = short = 0
-    bar = tqdm(total=config.input.stat().st_size if config.input.is_file() else None, unit="B",
-               unit_scale=True, desc="filter", disable=None if config.progress else True)  # fmt: skip
-    with atomic_open(config.output, "wb") as out, atomic_open(config.report, "w", encoding="utf-8") as rep:
+    counts = {"documents": 0, "excluded": 0, "short": 0}
+
+    def decisions() -> Iterator[tuple[bytes, dict[str, object] | None]]:
         for batch in batched(iter_raw_lines(config.input), config.batch_size):
-            docs = [
-                parse_document(
-                    raw,
-                    line=line,
-                    source=str(config.input),
-                    text_key=config.text_key,
-                    id_key=config.id_key,
-                    title_key=config.title_key,
-                )  # fmt: skip
-                for line, raw in batch
-            ]
-            counts = counter([d.text for d in docs]) if counter else [0] * len(docs)
-            for (_, raw), doc, tokens in zip(batch, docs, counts, strict=True):
-                documents += 1
-                bar.update(len(raw))
-                title = (
-                    document_title(doc.text, doc.title, first_line=config.first_line_title)
-                    if exclusions
-                    else None
-                )
-                if title is not None and title_key(title) in exclusions:
-                    excluded += 1
-                    record = {"line": doc.line, "id": doc.doc_id, "reason": "excluded", "title": title}
-                elif tokens < config.min_tokens:
-                    short += 1
-                    record = {"line": doc.line, "id": doc.doc_id, "reason": "short", "tokens": tokens}
-                else:
-                    out.write(raw if raw.endswith(b"\n") else raw + b"\n")
-                    continue
-                rep.write(json.dumps(record, ensure_ascii=False) + "\n")
-    bar.close()
+            docs = [parse_document(raw, line=line, source=str(config.input), text_key=config.text_key,
+                                   id_key=config.id_key, title_key=config.title_key)
+                    for line, raw in batch]  # fmt: skip
+            tokens = counter([d.text for d in docs]) if counter else [0] * len(docs)
+            for (_, raw), doc, n_tokens in zip(batch, docs, tokens, strict=True):
+                counts["documents"] += 1
+                reason = _drop_reason(doc, n_tokens, config, exclusions)
+                if reason is not None:
+                    counts[str(reason["reason"])] += 1
+                yield raw, reason
+
+    write_split(config, decisions(), desc="filter")
+    documents, excluded, short = counts["documents"], counts["excluded"], counts["short"]
     return FilterStats(
         documents=documents, kept=documents - excluded - short, removed_excluded=excluded, removed_short=short
     )
@@ -173,29 +162,23 @@ def config_from_args(args: argparse.Namespace) -> FilterConfig:
     )
 
 
-def _print_table(stats: FilterStats, config: FilterConfig) -> None:
-    table = Table(title=f"mlm-filter {config.input}")
-    for column in ("documents", "kept", "excluded titles", f"< {config.min_tokens} tokens"):
-        table.add_column(column, justify="right")
-    table.add_row(
-        str(stats.documents), str(stats.kept), str(stats.removed_excluded), str(stats.removed_short)
-    )
-    Console(stderr=True).print(table)
-
-
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
-    check_writable_output(config.output, kind="file", flag="--output")
-    check_writable_output(config.report, kind="file", flag="--report")
-    if args.summary:
-        check_writable_output(args.summary, kind="file", flag="--summary")
-    stats = run_filter(config)
-    if args.summary:
-        write_summary(args.summary, stats, config.report)
-    if not args.quiet:
-        _print_table(stats, config)
+    run_hygiene_command(
+        config,
+        run_filter,
+        summary=args.summary,
+        quiet=args.quiet,
+        title=f"mlm-filter {config.input}",
+        columns={
+            "documents": lambda s: s.documents,
+            "kept": lambda s: s.kept,
+            "excluded titles": lambda s: s.removed_excluded,
+            f"< {config.min_tokens} tokens": lambda s: s.removed_short,
+        },
+    )
     return 0
 
 

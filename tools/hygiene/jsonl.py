@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.utils.errors import UserError
+from pretrain.utils.jsonl import parse_json_object, string_field
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -42,15 +43,8 @@ def parse_document(
     title_key: str | None = None,
 ) -> Document:
     """Parse one JSON line; raise :class:`UserError` naming ``source:line`` and the field when it is bad."""
-    try:
-        record = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise UserError(f"{source}:{line}: not valid JSON ({exc})") from None
-    if not isinstance(record, dict):
-        raise UserError(f"{source}:{line}: expected a JSON object, got {type(record).__name__}")
-    text = record.get(text_key)
-    if not isinstance(text, str):
-        raise UserError(f"{source}:{line}: field {text_key!r} missing or not a string (see --text-key)")
+    record = parse_json_object(raw, source=source, line=line)
+    text = string_field(record, text_key, source=source, line=line, hint="see --text-key")
     title = record.get(title_key) if title_key else None
     return Document(
         line=line,
