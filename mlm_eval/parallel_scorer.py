@@ -37,7 +37,6 @@ from mlm_eval.megatron_scorer import (
 )
 from mlm_eval.scorer import IGNORE, ScoredRow, ScoreOutput
 from mlm_eval.vocab_scoring import (
-    gpt_trunk,
     invariant_width,
     score_hidden,
     score_hidden_invariant,
@@ -200,7 +199,7 @@ def _forward_step(
     assert isinstance(model, GPTModel)
     input_ids = mb["tokens"] if hidden is None else None
     if not is_last:
-        return gpt_trunk(model, input_ids=input_ids, hidden=hidden)
+        return model.trunk(input_ids, hidden_states=hidden)
     mask = mb["targets"] >= 0
     out = scored_hidden(model, mask, input_ids=input_ids, hidden=hidden)
     scored = score_hidden(model, out, mb["targets"][mask])
@@ -215,7 +214,7 @@ def _invariant_forward_step(
     make it depend on the batch), and the output layer on zero-padded rows."""
     assert isinstance(model, GPTModel)
     input_ids = mb["tokens"] if hidden is None else None
-    out = gpt_trunk(model, input_ids=input_ids, hidden=hidden)
+    out = model.trunk(input_ids, hidden_states=hidden)
     if not is_last:
         return out
     mask = mb["targets"] >= 0

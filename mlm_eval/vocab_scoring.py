@@ -3,7 +3,6 @@
 Shared by the one-process :class:`~mlm_eval.megatron_scorer.MegatronGPTScorer` (TP group
 ``None``) and the ``torchrun`` :class:`~mlm_eval.parallel_scorer.ParallelGPTScorer`:
 
-* :func:`gpt_trunk`: a stage's embedding (first stage) and layers, without the output layer.
 * :func:`score_hidden`: the tied output layer applied only to the given rows of hidden states,
   trimmed to the true vocabulary rows this TP rank holds, then :func:`vocab_parallel_nll_and_argmax`.
 * :func:`invariant_width` and :func:`score_hidden_invariant`: the padding that makes a row's
@@ -20,6 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from mlm_eval.scorer import ScoreOutput
+from pretrain.models.forward_context import ForwardContext
 from pretrain.models.gpt import GPTModel
 from pretrain.parallel.state import ProcessGroup
 
@@ -30,28 +30,6 @@ SCORE_CHUNK_ROWS = 256
 # to a multiple of it so that a row's scores do not depend on the rows batched with it.
 ROW_MULTIPLE = 16
 _NO_INDEX = torch.iinfo(torch.long).max
-
-
-def gpt_trunk(
-    model: GPTModel,
-    *,
-    input_ids: torch.Tensor | None = None,
-    hidden: torch.Tensor | None = None,
-    query_index: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Hidden states ``[b, s, h]`` after this stage's layers (and final LayerNorm on the last stage).
-
-    The first stage embeds ``input_ids [b, s]``; later stages take ``hidden [b, s, h]``.
-    ``query_index [b, n]`` (last stage only): hidden states at those positions only, ``[b, n, h]``,
-    the last layer's queries, attention, projection and MLP computed only there.
-    Collectives: the TP all-reduces of the embedding and of each layer (over ``model.ps.tp_group``).
-    """
-    lm = model.language_model
-    if model.pre_process:
-        assert input_ids is not None, "the first stage needs input_ids"
-        hidden = lm.embedding(input_ids)
-    assert hidden is not None, "a later stage needs hidden states"
-    return lm.encoder(hidden, query_index=query_index)  # type: ignore[no-any-return]
 
 
 def scored_query_index(mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -81,7 +59,8 @@ def scored_hidden(
     """Final hidden states ``[m, h]`` at the ``m`` True positions of ``mask [b, s]`` (row-major) on
     the last stage. Rows scoring at most half their columns run the last layer only at their
     scored positions (:func:`scored_query_index`); rows scoring more (a WikiText stream's first
-    window) run separately in full. Collectives: those of :func:`gpt_trunk`, once per group."""
+    window) run separately in full. Collectives: those of
+    :meth:`GPTModel.trunk`, once per group."""
     dense = 2 * mask.sum(dim=1) > mask.shape[1]
     if bool(dense.all()) or not bool(dense.any()):
         return _hidden_at(model, mask, input_ids, hidden)
@@ -101,9 +80,9 @@ def _hidden_at(
 ) -> torch.Tensor:
     pruned = scored_query_index(mask)
     if pruned is None:
-        return gpt_trunk(model, input_ids=input_ids, hidden=hidden)[mask]
+        return model.trunk(input_ids, hidden_states=hidden)[mask]
     index, valid = pruned
-    return gpt_trunk(model, input_ids=input_ids, hidden=hidden, query_index=index)[valid]
+    return model.trunk(input_ids, hidden_states=hidden, ctx=ForwardContext(query_index=index))[valid]
 
 
 def true_vocab_weight(model: GPTModel) -> torch.Tensor:

@@ -9,8 +9,8 @@ import torch
 from mlm_eval.megatron_scorer import MegatronGPTScorer
 from mlm_eval.vocab_scoring import scored_query_index
 from pretrain.config import ParallelConfig
+from pretrain.models.forward_context import ForwardContext, gather_positions
 from pretrain.models.gpt import GPTModel
-from pretrain.models.query_subset import gather_positions
 from pretrain.models.sharding import load_full_state_dict
 from pretrain.models.transformer import TransformerBlock
 from pretrain.parallel.state import ParallelState
@@ -44,7 +44,7 @@ def test_block_at_positions_equals_full_block_gathered(family: str) -> None:
     x = torch.randn(3, 16, cfg.hidden_size, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         full = gather_positions(block(x), INDEX)
-        pruned = block(x, query_index=INDEX)
+        pruned = block(x, ForwardContext(query_index=INDEX))
     assert pruned.shape == (3, 4, cfg.hidden_size)
     torch.testing.assert_close(pruned, full, **TOL)
 
@@ -56,8 +56,8 @@ def test_post_ln_bidirectional_block_with_padding_mask() -> None:
     x = torch.randn(3, 16, cfg.hidden_size, generator=torch.Generator().manual_seed(2))
     mask = (torch.arange(16)[None, :] < torch.tensor([16, 12, 9])[:, None])[:, None, None, :]
     with torch.no_grad():
-        full = gather_positions(block(x, mask), INDEX)
-        pruned = block(x, mask, query_index=INDEX)
+        full = gather_positions(block(x, ForwardContext(attn_mask=mask)), INDEX)
+        pruned = block(x, ForwardContext(attn_mask=mask, query_index=INDEX))
     torch.testing.assert_close(pruned, full, **TOL)
 
 
@@ -101,7 +101,10 @@ def _tp_block(rank: int, world: int, cfg, x: torch.Tensor):
     load_full_state_dict(model, full, strict=False)
     block.load_state_dict(model.language_model.encoder.state_dict())
     with torch.no_grad():
-        return {"full": gather_positions(block(x), INDEX), "pruned": block(x, query_index=INDEX)}
+        return {
+            "full": gather_positions(block(x), INDEX),
+            "pruned": block(x, ForwardContext(query_index=INDEX)),
+        }
 
 
 def test_tensor_parallel_block_at_positions_equals_full() -> None:

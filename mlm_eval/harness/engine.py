@@ -101,7 +101,7 @@ class BatchInvariantScorer:
     @torch.inference_mode()
     def score(self, input_ids: torch.Tensor, target_ids: torch.Tensor) -> ScoreOutput:
         from mlm_eval.megatron_scorer import scored_width
-        from mlm_eval.vocab_scoring import gpt_trunk, invariant_width, score_hidden_invariant
+        from mlm_eval.vocab_scoring import invariant_width, score_hidden_invariant
 
         device = self.model.ps.device
         b, s = target_ids.shape
@@ -113,7 +113,7 @@ class BatchInvariantScorer:
         padded = invariant_width(width, self.max_length)
         ids = torch.zeros((b, padded), dtype=torch.long)
         ids[:, : min(s, padded)] = input_ids[:, :padded]
-        hidden = gpt_trunk(self.model, input_ids=ids.to(device))[:, :width]
+        hidden = self.model.trunk(ids.to(device))[:, :width]
         mask = target_ids[:, :width] >= 0
         out = score_hidden_invariant(
             self.model, hidden[mask.to(device)], target_ids[:, :width][mask].to(device)

@@ -41,12 +41,13 @@ def ours_probe(full: dict[str, torch.Tensor], spec: ModelSpec, ids: torch.Tensor
         load_full_state_dict(gpt, {k: v.float() for k, v in full.items()})
         return gpt.full_logits(gpt(ids))
     from pretrain.models.bert import BertModel, padding_attention_mask
+    from pretrain.models.forward_context import ForwardContext
 
     bert = BertModel(cfg, ps, add_binary_head=spec.add_binary_head).eval()
     load_full_state_dict(bert, {k: v.float() for k, v in full.items()})
     lm = bert.language_model
     x = lm.embedding(ids, None, torch.zeros_like(ids))
-    return lm.encoder(x, padding_attention_mask(torch.ones_like(ids)))
+    return lm.encoder(x, ForwardContext(attn_mask=padding_attention_mask(torch.ones_like(ids))))
 
 
 @torch.inference_mode()

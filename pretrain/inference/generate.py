@@ -3,7 +3,7 @@
 Prompts of different lengths are left-padded to a common width; every row gets its own
 positions (``cumsum(valid) - 1``) and an attention mask that hides its padding, so a row
 generates the same tokens whatever other rows share its batch. Each step either feeds only the
-new position and reuses the :class:`~pretrain.inference.kv_cache.KVCache` (``use_cache``), or
+new position and reuses the :class:`~pretrain.models.kv_cache.KVCache` (``use_cache``), or
 recomputes the whole sequence (the reference the cache is tested against).
 
 Parallelism: tensor-parallel ranks run their heads (each caches its own) and all-gather the
@@ -21,9 +21,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pretrain.inference.kv_cache import KVCache
 from pretrain.inference.sampling import SamplingConfig, next_tokens, row_generators
+from pretrain.models.forward_context import ForwardContext
 from pretrain.models.gpt import GPTModel
+from pretrain.models.kv_cache import KVCache
 from pretrain.models.language_model import parallel_lm_logits
 from pretrain.models.transformer import DTYPES
 from pretrain.pipeline.p2p import PipelineComm
@@ -65,26 +66,6 @@ def attention_mask(valid: torch.Tensor, start: int) -> torch.Tensor:
     k = torch.arange(w, device=valid.device)[None, :]
     mask = (k <= q)[None] & valid[:, None, :]
     return (mask | (k == q)[None])[:, None]
-
-
-def stage_forward(
-    model: GPTModel,
-    *,
-    tokens: torch.Tensor | None,
-    hidden: torch.Tensor | None,
-    position_ids: torch.Tensor,
-    mask: torch.Tensor,
-    cache: KVCache | None,
-) -> torch.Tensor:
-    """This stage's output ``[b, s, h]`` for the fed positions (embedding on the first stage)."""
-    lm = model.language_model
-    if model.pre_process:
-        assert tokens is not None
-        hidden = lm.embedding(tokens, position_ids)
-    assert hidden is not None
-    if cache is None:
-        return lm.encoder(hidden, mask, position_ids=position_ids)  # type: ignore[no-any-return]
-    return lm.encoder(hidden, mask, position_ids=position_ids, kv_cache=cache)  # type: ignore[no-any-return]
 
 
 def last_logits(model: GPTModel, hidden: torch.Tensor) -> torch.Tensor:
@@ -149,8 +130,9 @@ def generate(
         hidden = None
         if comm is not None and not ps.is_first_stage:
             hidden = comm.recv((b, feed.shape[1], h), dtype, from_next=False)
-        hidden = stage_forward(model, tokens=feed, hidden=hidden, position_ids=positions[:, start:],
-                               mask=attention_mask(valid, start), cache=cache)  # fmt: skip
+        ctx = ForwardContext(attn_mask=attention_mask(valid, start), position_ids=positions[:, start:],
+                             kv_cache=cache)  # fmt: skip
+        hidden = model.trunk(feed, hidden_states=hidden, ctx=ctx)
         if comm is not None and not ps.is_last_stage:
             comm.send(hidden, to_next=True)
         nxt = torch.zeros(b, dtype=torch.long, device=ps.device)

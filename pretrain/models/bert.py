@@ -21,6 +21,7 @@ from torch import nn
 
 from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
+from pretrain.models.forward_context import ForwardContext
 from pretrain.models.language_model import LanguageModel, gather_vocab_logits, parallel_lm_logits
 from pretrain.models.transformer import DTYPES, layer_norm
 from pretrain.parallel.state import ParallelState
@@ -111,7 +112,7 @@ def bert_trunk(
         if hidden_states is None:
             raise ValueError("a later BERT stage needs hidden_states")
         x = hidden_states
-    return lm.encoder(x, mask)  # type: ignore[no-any-return]
+    return lm.encoder(x, ForwardContext(attn_mask=mask))  # type: ignore[no-any-return]
 
 
 def padding_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:

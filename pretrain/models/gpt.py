@@ -12,6 +12,7 @@ import torch
 
 from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
+from pretrain.models.forward_context import ForwardContext
 from pretrain.models.language_model import LanguageModel, gather_vocab_logits, parallel_lm_logits
 from pretrain.models.transformer import DTYPES
 from pretrain.parallel.state import ParallelState
@@ -57,29 +58,46 @@ class GPTModel(ShardedModule):
             )
 
     # --- compute -------------------------------------------------------------------------------
-    def forward(
+    def trunk(
         self,
         input_ids: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
         *,
         hidden_states: torch.Tensor | None = None,
-        labels: torch.Tensor | None = None,
-        query_index: torch.Tensor | None = None,
+        ctx: ForwardContext | None = None,
     ) -> torch.Tensor:
-        """First stage: ``input_ids [b, s]``; later stages: ``hidden_states [b, s, h]``.
+        """This stage's hidden states: the embedding (first stage, ``input_ids [b, s]``) or the
+        received ``hidden_states [b, s, h]``, then the layers (and the final LayerNorm on the last
+        stage): ``[b, s, h]``, or ``[b, n, h]`` with ``ctx.query_index [b, n]``.
 
-        Returns hidden states ``[b, s, h]`` (not last stage), per-token losses ``[b, s]`` (last
-        stage with ``labels``), or vocab-parallel logits ``[b, s, V/t]`` (last stage).
-        ``query_index [b, n]`` (last stage, evaluation): only those positions, ``s`` becomes ``n``
-        (``labels [b, n]``); the last layer computes queries and MLP only there.
+        The one forward of the decoder: training, scoring, the harness backend and generation all
+        run it (see :class:`~pretrain.models.forward_context.ForwardContext` for masks, positions,
+        KV cache and query pruning). Collectives: the TP all-reduces of the embedding and layers.
         """
+        ctx = ctx or ForwardContext()
         if self.pre_process:
             assert input_ids is not None, "the first stage needs input_ids"
-            x = self.language_model.embedding(input_ids, position_ids)
+            x = self.language_model.embedding(input_ids, ctx.position_ids)
         else:
             assert hidden_states is not None, "a later stage needs hidden_states"
             x = hidden_states
-        x = self.language_model.encoder(x, position_ids=position_ids, query_index=query_index)
+        return self.language_model.encoder(x, ctx)  # type: ignore[no-any-return]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor | None = None,
+        *,
+        hidden_states: torch.Tensor | None = None,
+        ctx: ForwardContext | None = None,
+        labels: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """:meth:`trunk`, then on the last stage the output layer.
+
+        Returns hidden states ``[b, s, h]`` (not last stage), per-token losses ``[b, s]`` (last
+        stage with ``labels``; ``[b, n]`` with ``ctx.query_index``), or vocab-parallel logits
+        ``[b, s, V/t]`` (last stage). Collectives: those of :meth:`trunk`; f on the output layer's
+        input; with ``labels`` the vocab-parallel cross entropy's all-reduces over the TP group.
+        """
+        x = self.trunk(input_ids, hidden_states=hidden_states, ctx=ctx)
         if not self.post_process:
             return x
         logits = parallel_lm_logits(

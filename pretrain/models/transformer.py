@@ -10,6 +10,7 @@ RMSNorm, SwiGLU, RoPE, grouped-query attention, no-bias linears, QKV bias, QK-no
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -17,16 +18,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config import ModelConfig
-from pretrain.inference.kv_cache import KVCache, LayerKVCache
+from pretrain.models.forward_context import (
+    ForwardContext,
+    LayerContext,
+    Rotary,
+    gather_positions,
+    query_rows_mask,
+)
 from pretrain.models.norms import DTYPES, layer_norm
-from pretrain.models.query_subset import gather_positions, layer_at_positions
 from pretrain.models.rotary import RotaryEmbedding, apply_rotary
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from pretrain.tensor_parallel.mappings import copy_to_tp_region
 from pretrain.tensor_parallel.random import checkpointed
 
 __all__ = ["DTYPES", "ParallelAttention", "ParallelMLP", "TransformerBlock", "TransformerLayer", "layer_norm"]
-Rotary = tuple[torch.Tensor, torch.Tensor]  # cos, sin [b|1, s, rotary_dim]
 
 
 class ParallelMLP(nn.Module):
@@ -95,39 +101,66 @@ class ParallelAttention(nn.Module):
         qkv = self.query_key_value(x).view(b, s, self.groups, self.q_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.q_per_group].reshape(b, s, self.heads, self.head_dim)
         k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
+        return self._norm_and_rotate(q, k, v, rotary, rotary)
+
+    def _qkv_at(
+        self, x: torch.Tensor, index: torch.Tensor, rotary: Rotary | None
+    ) -> tuple[torch.Tensor, ...]:
+        """As :meth:`_qkv` with queries only at ``index [b, n]``: q ``[b, heads, n, d]``; keys and
+        values at every position. The fused weight ``[groups][q heads, k, v][d]`` is split into
+        its query rows and key/value rows, so no query row is computed for other positions."""
+        b, s, _ = x.shape
+        n = index.shape[1]
+        lin, g, qpg, d = self.query_key_value, self.groups, self.q_per_group, self.head_dim
+        w = lin.weight.view(g, qpg + 2, d, -1)
+        q_w, kv_w = w[:, :qpg].reshape(g * qpg * d, -1), w[:, qpg:].reshape(g * 2 * d, -1)
+        q_b = kv_b = None
+        if lin.bias is not None:
+            bias = lin.bias.view(g, qpg + 2, d)
+            q_b, kv_b = bias[:, :qpg].reshape(-1), bias[:, qpg:].reshape(-1)
+        x_q = gather_positions(x, index)
+        q = F.linear(copy_to_tp_region(x_q, lin.group), q_w, q_b).view(b, n, self.heads, d)
+        kv = F.linear(copy_to_tp_region(x, lin.group), kv_w, kv_b).view(b, s, g, 2, d)
+        q_rotary = (
+            None
+            if rotary is None
+            else (gather_positions(rotary[0], index), gather_positions(rotary[1], index))
+        )
+        return self._norm_and_rotate(q, kv[:, :, :, 0], kv[:, :, :, 1], q_rotary, rotary)
+
+    def _norm_and_rotate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_rotary: Rotary | None,
+                         k_rotary: Rotary | None) -> tuple[torch.Tensor, ...]:  # fmt: skip
+        """QK-norm (per head) then RoPE on ``[b, s, heads, d]`` tensors; returned heads-first."""
         if hasattr(self, "q_layernorm"):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
-        if rotary is not None:
-            q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
+        if q_rotary is not None and k_rotary is not None:
+            q, k = apply_rotary(q, *q_rotary), apply_rotary(k, *k_rotary)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        rotary: Rotary | None = None,
-        kv_cache: LayerKVCache | None = None,
-    ) -> torch.Tensor:
-        """``x``: ``[b, s, h]``; ``attn_mask``: bool ``[b, 1, 1|s, s]`` (True = may attend) or None;
-        ``rotary``: RoPE cos/sin ``[b|1, s, rot]`` or None (learned absolute positions).
-        ``kv_cache`` (incremental decoding): this rank's keys/values of earlier positions; the new
-        ones are appended and attention spans all of them (``attn_mask`` ``[b, 1, s, cached + s]``)."""
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        """``x [b, s, h]`` -> ``[b, s, h]``, or ``[b, n, h]`` at ``ctx.query_index [b, n]``.
+
+        ``ctx.attn_mask`` bool ``[b, 1, 1|s, s_k]`` (None: causal, or full when bidirectional);
+        ``ctx.kv_cache`` (incremental decoding): this rank's keys/values of earlier positions, the
+        new ones appended, attention over all of them. Collectives: f before QKV (backward) and
+        g after the output projection, over the TP group.
+        """
         b, s, _ = x.shape
-        q, k, v = self._qkv(x, rotary)
-        if kv_cache is not None:
-            k, v = kv_cache.update(k, v)
+        index = ctx.query_index
+        q, k, v = self._qkv(x, ctx.rotary) if index is None else self._qkv_at(x, index, ctx.rotary)
+        if ctx.kv_cache is not None:
+            k, v = ctx.kv_cache.update(k, v)
+        mask, causal = ctx.attn_mask, self.causal and ctx.attn_mask is None
+        if index is not None:
+            mask, causal = query_rows_mask(index, s, ctx.attn_mask, causal=self.causal), False
         p = self.dropout if self.training else 0.0
-        causal, gqa = self.causal and attn_mask is None, self.groups != self.heads
-        if p > 0.0:
-            with self.rng.fork():
-                ctx = F.scaled_dot_product_attention(
-                    q, k, v, attn_mask=attn_mask, dropout_p=p, is_causal=causal, enable_gqa=gqa
-                )
-        else:
-            ctx = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attn_mask, is_causal=causal, enable_gqa=gqa
+        gqa = self.groups != self.heads
+        with self.rng.fork() if p > 0.0 else contextlib.nullcontext():
+            ctx_out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, enable_gqa=gqa
             )
-        return self.dense(ctx.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+        rows = ctx_out.shape[2]
+        return self.dense(ctx_out.transpose(1, 2).reshape(b, rows, self.heads * self.head_dim))  # type: ignore[no-any-return]
 
 
 class TransformerLayer(nn.Module):
@@ -153,18 +186,15 @@ class TransformerLayer(nn.Module):
         # Outside TP regions: the default generator, identical on all TP ranks.
         return F.dropout(x, self.hidden_dropout, self.training) if self.hidden_dropout > 0 else x
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        rotary: Rotary | None = None,
-        kv_cache: LayerKVCache | None = None,
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
+        """``x [b, s, h]`` -> ``[b, s, h]``, or ``[b, n, h]`` at ``ctx.query_index [b, n]`` (the
+        residual stream is gathered there, so the MLP runs on those rows only)."""
+        index = ctx.query_index
+        residual = x if index is None else gather_positions(x, index)
         if self.post_ln:
-            attn = self.self_attention(x, attn_mask, rotary, kv_cache)
-            x = self.post_attention_layernorm(x + self._drop(attn))
-            return self.post_mlp_layernorm(x + self._drop(self.mlp(x)))
-        x = x + self._drop(self.self_attention(self.input_layernorm(x), attn_mask, rotary, kv_cache))
+            x = self.post_attention_layernorm(residual + self._drop(self.self_attention(x, ctx)))
+            return self.post_mlp_layernorm(x + self._drop(self.mlp(x)))  # type: ignore[no-any-return]
+        x = residual + self._drop(self.self_attention(self.input_layernorm(x), ctx))
         return x + self._drop(self.mlp(self.post_attention_layernorm(x)))
 
 
@@ -199,31 +229,26 @@ class TransformerBlock(nn.Module):
             position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
         return self.rotary_pos_emb(position_ids, x.dtype)  # type: ignore[no-any-return]
 
-    def forward(
-        self,
-        x: torch.Tensor,
-        attn_mask: torch.Tensor | None = None,
-        position_ids: torch.Tensor | None = None,
-        kv_cache: KVCache | None = None,
-        query_index: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``kv_cache``: incremental decoding (:mod:`pretrain.inference`); ``position_ids`` then
-        continue after the cached positions (RoPE rotates each new key/query at its own position).
-        ``query_index [b, n]`` (evaluation): the output only at these positions, ``[b, n, h]``; the
-        last layer computes queries, attention, projection and MLP only there
-        (:mod:`pretrain.models.query_subset`)."""
-        rotary = self.rotary(x, position_ids)
+    def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
+        """``x [b, s, h]`` through this stage's layers (and final LayerNorm): ``[b, s, h]``, or
+        ``[b, n, h]`` with ``ctx.query_index [b, n]`` (only the last layer is pruned; the layers
+        before it need every position as keys and values). See :class:`ForwardContext`."""
+        ctx = ctx or ForwardContext()
+        rotary = self.rotary(x, ctx.position_ids)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
-            if query_index is not None and i == len(self.layers) - 1:
-                x = layer_at_positions(layer, x, query_index, attn_mask, rotary)  # type: ignore[arg-type]
-            elif self.recompute and self.training and torch.is_grad_enabled():
-                x = checkpointed(layer, self.rng, x, attn_mask, rotary)
-            elif kv_cache is not None:
-                x = layer(x, attn_mask, rotary, kv_cache.layer(i))
+            layer_ctx = LayerContext(
+                attn_mask=ctx.attn_mask,
+                rotary=rotary,
+                kv_cache=None if ctx.kv_cache is None else ctx.kv_cache.layer(i),
+                query_index=ctx.query_index if i == last else None,
+            )
+            if self.recompute and self.training and torch.is_grad_enabled():
+                x = checkpointed(layer, self.rng, x, layer_ctx)
             else:
-                x = layer(x, attn_mask, rotary)
-        if query_index is not None and not self.layers:
-            x = gather_positions(x, query_index)
+                x = layer(x, layer_ctx)
+        if ctx.query_index is not None and not self.layers:
+            x = gather_positions(x, ctx.query_index)
         if hasattr(self, "final_layernorm"):
             x = self.final_layernorm(x)
         return x

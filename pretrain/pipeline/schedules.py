@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from pretrain.models.base import ShardedModule
+from pretrain.models.forward_context import ForwardContext
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.p2p import PipelineComm
 from pretrain.pipeline.schedule_table import Action, build_table
@@ -27,9 +28,8 @@ ForwardStep = Callable[[ShardedModule, Microbatch, "torch.Tensor | None", bool],
 def gpt_forward_step(model: ShardedModule, mb: Microbatch, hidden: torch.Tensor | None, is_last: bool) -> Any:
     """GPT stage forward: ids (first stage) or received hidden states; per-token losses on the last."""
     kwargs: dict[str, Any] = {"hidden_states": hidden} if hidden is not None else {"input_ids": mb["tokens"]}
-    if "position_ids" in mb:
-        kwargs["position_ids"] = mb["position_ids"]
-    return model(labels=mb["labels"] if is_last else None, **kwargs)
+    ctx = ForwardContext(position_ids=mb.get("position_ids"))
+    return model(labels=mb["labels"] if is_last else None, ctx=ctx, **kwargs)
 
 
 def _detach(out: Any) -> Any:
