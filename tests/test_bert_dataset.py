@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from pretrain.data.bert_dataset import BertDataset, BertDatasetConfig, build_sample_map
-from pretrain.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from pretrain.data.indexed_dataset import IndexedDataset
+from pretrain.data.indexed_dataset_builder import IndexedDatasetBuilder
 from pretrain.data.masking import BertVocab, create_masked_lm_predictions
 from pretrain.utils.errors import UserError
 

@@ -226,7 +226,7 @@ def test_cli_writes_result_and_reports_errors(tmp_path: Path, capsys: pytest.Cap
 
 
 def test_indexed_dataset_matches_jsonl(tmp_path: Path) -> None:
-    from pretrain.data.indexed_dataset import IndexedDatasetBuilder
+    from pretrain.data.indexed_dataset_builder import IndexedDatasetBuilder
     from pretrain.tokenizer.factory import TokenizerConfig, build_tokenizer
     from pretrain.tokenizer.train_tiny import train_tiny_gpt2_bpe
 

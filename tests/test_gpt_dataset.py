@@ -21,7 +21,8 @@ from pretrain.data.gpt_dataset import (
     parse_split,
     split_document_ranges,
 )
-from pretrain.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from pretrain.data.indexed_dataset import IndexedDataset
+from pretrain.data.indexed_dataset_builder import IndexedDatasetBuilder
 from pretrain.utils.errors import UserError
 
 EOD = 0

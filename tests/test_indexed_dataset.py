@@ -14,10 +14,9 @@ from pretrain.data.indexed_dataset import (
     DTYPE_CODES,
     INDEX_MAGIC,
     IndexedDataset,
-    IndexedDatasetBuilder,
-    merge_datasets,
     optimal_dtype,
 )
+from pretrain.data.indexed_dataset_builder import IndexedDatasetBuilder, merge_datasets
 from pretrain.utils.errors import UserError
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import pretrain.checkpoint.io as ckpt_io
-from pretrain.data.indexed_dataset import IndexedDatasetBuilder
+from pretrain.data.indexed_dataset_builder import IndexedDatasetBuilder
 from pretrain.training.cli import main as pretrain_main
 from pretrain.training.logger import TrainingLogger
 from tests.train_fixtures import gpt_args

@@ -59,7 +59,8 @@ from typing import Any
 
 import numpy as np
 
-from pretrain.data.indexed_dataset import IndexedDatasetBuilder, optimal_dtype
+from pretrain.data.indexed_dataset import optimal_dtype
+from pretrain.data.indexed_dataset_builder import IndexedDatasetBuilder
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.tokenizer.factory import TokenizerConfig, add_tokenizer_arguments, build_tokenizer
 from pretrain.utils.errors import UserError, cli_entry

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pretrain.data.gpt_dataset import _file_digest, _IndexCache
+from pretrain.data.index_cache import IndexCache, file_digest
 from pretrain.data.indexed_dataset import IndexedDataset, index_file_path
 from pretrain.data.masking import BertVocab, create_masked_lm_predictions
 from pretrain.utils.errors import UserError
@@ -237,12 +237,12 @@ class BertDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             raise ValueError(f"document ids out of range for {n_docs} documents")
         desc = {
             "class": "BertDataset", "version": _MAP_VERSION,
-            "index_file_digest": _file_digest(index_file_path(self.indexed.prefix)), "split": split,
+            "index_file_digest": file_digest(index_file_path(self.indexed.prefix)), "split": split,
             "documents": _documents_key(docs), "seq_length": int(config.seq_length), "seed": int(config.seed),
             "num_samples": None if num_samples is None else int(num_samples),
             "short_seq_prob": float(config.short_seq_prob), "binary_head": bool(config.binary_head),
         }  # fmt: skip
-        cache = _IndexCache(config.cache_dir, "BertDataset", split, desc, ("sample_map",))
+        cache = IndexCache(config.cache_dir, "BertDataset", split, desc, ("sample_map",))
         loaded = cache.load()
         self.cache_hit = loaded is not None
         if loaded is None:

@@ -34,24 +34,40 @@ rule: sample ``i`` comes from the dataset whose share so far lags its weight the
 from __future__ import annotations
 
 import hashlib
-import json
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from pretrain.data.blending import BLEND_MARGIN, BlendedDataset, build_blending_indices
+from pretrain.data.index_cache import MAPS_VERSION, IndexCache, data_hash, file_digest
 from pretrain.data.indexed_dataset import IndexedDataset, index_file_path
-from pretrain.utils.atomic import atomic_open
+from pretrain.data.sample_index import (
+    build_document_index,
+    build_sample_index,
+    build_shuffle_index,
+    epochs_needed,
+)
 from pretrain.utils.errors import UserError
 
 SPLIT_NAMES = ("train", "valid", "test")
-_INDEX_VERSION = 1  # bump when the construction of the index maps changes
-_BLEND_MARGIN = 1.005  # Megatron builds 0.5% more samples per blended dataset than the weights ask for
+__all__ = [
+    "BlendedDataset",
+    "GPTDataset",
+    "GPTDatasetConfig",
+    "build_blending_indices",
+    "build_gpt_datasets",
+    "collate_samples",
+    "data_hash",
+    "global_batch_indices",
+    "parse_data_prefix",
+    "parse_split",
+    "split_document_ranges",
+]
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -135,122 +151,6 @@ class GPTDatasetConfig:
             object.__setattr__(self, "cache_dir", os.fspath(self.cache_dir))
 
 
-# --------------------------------------------------------------------------------------------- caching
-
-_HASH_MEMO: dict[tuple[str, int, int], str] = {}
-
-
-def _file_digest(path: str) -> str:
-    st = os.stat(path)
-    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns)
-    if key not in _HASH_MEMO:
-        h = hashlib.blake2b(digest_size=16)
-        with open(path, "rb") as fh:
-            for chunk in iter(lambda: fh.read(8 << 20), b""):
-                h.update(chunk)
-        _HASH_MEMO[key] = h.hexdigest()
-    return _HASH_MEMO[key]
-
-
-def data_hash(blend: Sequence[tuple[str, float | None]]) -> str:
-    """The identity of a ``--data-path`` blend for checkpoint provenance: ``blake2b`` over each
-    prefix's weight and the digest of its ``.idx`` file (document and sequence sizes; cheap to read,
-    independent of where the files lie)."""
-    h = hashlib.blake2b(digest_size=16)
-    for prefix, weight in blend:
-        h.update(f"{weight!r}:{_file_digest(prefix + '.idx')};".encode())
-    return f"idx-b2:{h.hexdigest()}"
-
-
-def _description_hash(desc: dict[str, Any]) -> str:
-    return hashlib.md5(json.dumps(desc, sort_keys=True).encode(), usedforsecurity=False).hexdigest()
-
-
-class _IndexCache:
-    """``{cache_dir}/{hash}-{kind}-{split}-{name}.npy`` + ``...-description.json`` (written last)."""
-
-    def __init__(
-        self, cache_dir: str | None, kind: str, split: str, desc: dict[str, Any], names: Sequence[str]
-    ):
-        self.desc = desc
-        self.unique = _description_hash(desc)
-        self.names = list(names)
-        self.dir = Path(cache_dir) if cache_dir is not None else None
-        stem = f"{self.unique}-{kind}-{split}"
-        self.paths = {n: self.dir / f"{stem}-{n}.npy" for n in self.names} if self.dir else {}
-        self.desc_path = self.dir / f"{stem}-description.json" if self.dir else None
-
-    def load(self) -> dict[str, np.ndarray] | None:
-        if self.desc_path is None or not self.desc_path.is_file():
-            return None
-        try:
-            if json.loads(self.desc_path.read_text(encoding="utf-8")) != self.desc:
-                return None
-            return {n: np.load(p, mmap_mode="r", allow_pickle=False) for n, p in self.paths.items()}
-        except (OSError, ValueError):  # missing or corrupt: rebuild
-            return None
-
-    def save(self, arrays: dict[str, np.ndarray]) -> None:
-        if self.dir is None or self.desc_path is None:
-            return
-        self.dir.mkdir(parents=True, exist_ok=True)
-        for name in self.names:
-            with atomic_open(self.paths[name], "wb") as fh:
-                np.save(fh, np.ascontiguousarray(arrays[name]), allow_pickle=False)
-        with atomic_open(self.desc_path, "w", encoding="utf-8") as fh:
-            json.dump(self.desc, fh, indent=2, sort_keys=True)
-            fh.write("\n")
-
-
-# --------------------------------------------------------------------------------------------- index maps
-
-
-def build_document_index(documents: np.ndarray, num_epochs: int, rng: np.random.RandomState) -> np.ndarray:
-    """``num_epochs`` independent permutations of ``documents``, concatenated."""
-    dtype = np.int32 if (documents.size == 0 or int(documents.max()) < 2**31 - 1) else np.int64
-    out = np.empty(num_epochs * documents.size, dtype=dtype)
-    for e in range(num_epochs):
-        perm = documents.astype(dtype, copy=True)
-        rng.shuffle(perm)
-        out[e * documents.size : (e + 1) * documents.size] = perm
-    return out
-
-
-def build_sample_index(doc_lengths: np.ndarray, document_index: np.ndarray, seq_length: int) -> np.ndarray:
-    """int64 [num_samples + 1, 2]: start of sample j (and inclusive end of sample j - 1) as
-    (position in ``document_index``, token offset in that document); num_samples = (T - 1) // s
-    for the T tokens of the stream."""
-    lens = doc_lengths[document_index].astype(np.int64)
-    cum_end = np.cumsum(lens)
-    total = int(cum_end[-1]) if cum_end.size else 0
-    num_samples = max(total - 1, 0) // seq_length
-    positions = np.arange(num_samples + 1, dtype=np.int64) * seq_length
-    if total == 0:
-        return np.zeros((1, 2), dtype=np.int64)
-    k = np.searchsorted(cum_end, positions, side="right")
-    offsets = positions - (cum_end[k] - lens[k])
-    return np.stack([k.astype(np.int64), offsets], axis=1)
-
-
-def build_shuffle_index(num_samples: int, total_size: int, rng: np.random.RandomState) -> np.ndarray:
-    """Permutation of ``[0, num_samples)``, then a separate permutation of ``[num_samples, total_size)``."""
-    dtype = np.uint32 if total_size < np.iinfo(np.uint32).max - 1 else np.int64
-    first = np.arange(num_samples, dtype=dtype)
-    rng.shuffle(first)
-    if num_samples == total_size:
-        return first
-    last = np.arange(num_samples, total_size, dtype=dtype)
-    rng.shuffle(last)
-    return np.concatenate([first, last])
-
-
-def _num_epochs(tokens_per_epoch: int, seq_length: int, num_samples: int | None) -> int:
-    if num_samples is None:
-        return 1
-    needed = num_samples * seq_length + 1
-    return max(1, -(-needed // tokens_per_epoch))
-
-
 # --------------------------------------------------------------------------------------------- datasets
 
 
@@ -296,15 +196,15 @@ class GPTDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
             raise ValueError(f"document ids out of range for {self.indexed.num_documents} documents")
         desc = {
             "class": "GPTDataset",
-            "version": _INDEX_VERSION,
-            "index_file_digest": _file_digest(index_file_path(self.indexed.prefix)),
+            "version": MAPS_VERSION,
+            "index_file_digest": file_digest(index_file_path(self.indexed.prefix)),
             "split": split,
             "documents": self._documents_key(),
             "seq_length": self.seq_length,
             "seed": int(config.seed),
             "num_samples": None if num_samples is None else int(num_samples),
         }
-        cache = _IndexCache(
+        cache = IndexCache(
             config.cache_dir, "GPTDataset", split, desc, ("document_index", "sample_index", "shuffle_index")
         )
         self.unique_description_hash = cache.unique
@@ -329,7 +229,7 @@ class GPTDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
 
     def _build_maps(self) -> dict[str, np.ndarray]:
         s, T, n = self.seq_length, self.tokens_per_epoch, self.num_samples
-        num_epochs = _num_epochs(T, s, n)
+        num_epochs = epochs_needed(T, s, n)
         separate_last_epoch = False
         if n is not None and num_epochs > 1:
             sans_last = ((num_epochs - 1) * T - 1) // s
@@ -402,92 +302,6 @@ def collate_samples(samples: Sequence[dict[str, torch.Tensor]]) -> dict[str, tor
     return {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
 
 
-def build_blending_indices(weights: Sequence[float], size: int) -> tuple[np.ndarray, np.ndarray]:
-    """Megatron's greedy blending: sample ``i`` comes from the dataset ``d`` maximising
-    ``w_d * max(i, 1) - count_d`` (ties: the lowest ``d``). Returns (dataset_index int16,
-    dataset_sample_index int64)."""
-    w = [float(x) for x in weights]
-    n = len(w)
-    if n > np.iinfo(np.int16).max:
-        raise ValueError("too many datasets to blend")
-    counts = [0] * n
-    ds_index = np.empty(size, dtype=np.int16)
-    ds_sample = np.empty(size, dtype=np.int64)
-    ds_list = [0] * size
-    sample_list = [0] * size
-    rng_n = range(1, n)
-    for i in range(size):
-        x = float(max(i, 1))
-        best = 0
-        best_err = w[0] * x - counts[0]
-        for d in rng_n:
-            err = w[d] * x - counts[d]
-            if err > best_err:
-                best, best_err = d, err
-        ds_list[i] = best
-        sample_list[i] = counts[best]
-        counts[best] += 1
-    ds_index[:] = ds_list
-    ds_sample[:] = sample_list
-    return ds_index, ds_sample
-
-
-class BlendedDataset(torch.utils.data.Dataset):  # type: ignore[type-arg]
-    """``size`` samples drawn from ``datasets`` in proportion to ``weights`` (normalised)."""
-
-    def __init__(
-        self,
-        datasets: Sequence[GPTDataset],
-        weights: Sequence[float],
-        size: int,
-        config: GPTDatasetConfig,
-        *,
-        split: str = "train",
-    ) -> None:
-        if len(datasets) != len(weights) or not datasets:
-            raise ValueError("need one weight per dataset")
-        total = float(sum(weights))
-        self.datasets = list(datasets)
-        self.weights = [float(w) / total for w in weights]
-        self.size = int(size)
-        self.split = split
-        desc = {
-            "class": "BlendedDataset",
-            "version": _INDEX_VERSION,
-            "datasets": [d.unique_description_hash for d in self.datasets],
-            "weights": self.weights,
-            "size": self.size,
-            "split": split,
-        }
-        cache = _IndexCache(
-            config.cache_dir, "BlendedDataset", split, desc, ("dataset_index", "dataset_sample_index")
-        )
-        loaded = cache.load()
-        self.cache_hit = loaded is not None
-        if loaded is None:
-            ds_index, ds_sample = build_blending_indices(self.weights, self.size)
-            loaded = {"dataset_index": ds_index, "dataset_sample_index": ds_sample}
-            cache.save(loaded)
-        self.cache_paths = dict(cache.paths)
-        self.dataset_index = loaded["dataset_index"]
-        self.dataset_sample_index = loaded["dataset_sample_index"]
-
-    def __len__(self) -> int:
-        return self.size
-
-    def dataset_of(self, idx: int) -> tuple[int, int]:
-        """(dataset number, sample number in it) of blended sample ``idx``."""
-        d = int(self.dataset_index[idx])
-        return d, int(self.dataset_sample_index[idx]) % len(self.datasets[d])
-
-    def __getitem__(self, idx: int) -> dict[str, torch.Tensor]:
-        i = int(idx)
-        if not 0 <= i < self.size:
-            raise IndexError(f"sample {idx} out of range for {self.size} blended samples ({self.split})")
-        d, j = self.dataset_of(i)
-        return self.datasets[d][j]
-
-
 # --------------------------------------------------------------------------------------------- building
 
 
@@ -553,12 +367,12 @@ def build_gpt_datasets(
                     indexed[p],
                     config,
                     documents=docs,
-                    num_samples=math.ceil(w * size * _BLEND_MARGIN),
+                    num_samples=math.ceil(w * size * BLEND_MARGIN),
                     split=name,
                 )
                 for (p, _, docs), w in zip(parts, weights, strict=True)
             ]
-        out.append(BlendedDataset(components, weights, size, config, split=name))
+        out.append(BlendedDataset(components, weights, size, config.cache_dir, split=name))
     return out[0], out[1], out[2]
 
 
