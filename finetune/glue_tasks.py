@@ -132,9 +132,13 @@ def _sentence_pair_task(name: str, glue_dir: str, labels: tuple[str, ...], a: st
     )
 
 
-def _build_tasks() -> dict[str, GlueTask]:
-    binary = ("0", "1")
-    mnli = GlueTask(
+_BINARY = ("0", "1")
+_NLI2 = ("entailment", "not_entailment")
+_STSB_HEAD = ((0, "index"), (7, "sentence1"), (8, "sentence2"))
+
+
+def _mnli() -> GlueTask:
+    return GlueTask(
         name="mnli",
         glue_dir="MNLI",
         num_labels=3,
@@ -158,11 +162,14 @@ def _build_tasks() -> dict[str, GlueTask]:
         hf_label_map=(1, 2, 0),
         hf_label_names=("entailment", "neutral", "contradiction"),
     )
-    qqp = GlueTask(
+
+
+def _qqp() -> GlueTask:
+    return GlueTask(
         name="qqp",
         glue_dir="QQP",
         num_labels=2,
-        labels=binary,
+        labels=_BINARY,
         metrics=GLUE_METRICS["qqp"],
         splits=_std_splits(
             TsvLayout(
@@ -177,11 +184,14 @@ def _build_tasks() -> dict[str, GlueTask]:
         ),
         hf_columns=("question1", "question2"),
     )
-    cola = GlueTask(
+
+
+def _cola() -> GlueTask:
+    return GlueTask(
         name="cola",
         glue_dir="CoLA",
         num_labels=2,
-        labels=binary,
+        labels=_BINARY,
         metrics=GLUE_METRICS["cola"],
         splits=_std_splits(
             # source, label, original annotation, sentence -- no header row.
@@ -191,11 +201,14 @@ def _build_tasks() -> dict[str, GlueTask]:
         ),
         hf_columns=("sentence", None),
     )
-    sst2 = GlueTask(
+
+
+def _sst2() -> GlueTask:
+    return GlueTask(
         name="sst2",
         glue_dir="SST-2",
         num_labels=2,
-        labels=binary,
+        labels=_BINARY,
         metrics=GLUE_METRICS["sst2"],
         splits=_std_splits(
             TsvLayout(header=((0, "sentence"), (1, "label")), num_cols=2, a_col=0, label_col=1, id_col=None),
@@ -204,11 +217,14 @@ def _build_tasks() -> dict[str, GlueTask]:
         ),
         hf_columns=("sentence", None),
     )
-    mrpc = GlueTask(
+
+
+def _mrpc() -> GlueTask:
+    return GlueTask(
         name="mrpc",
         glue_dir="MRPC",
         num_labels=2,
-        labels=binary,
+        labels=_BINARY,
         metrics=GLUE_METRICS["mrpc"],
         splits=_std_splits(
             TsvLayout(
@@ -226,31 +242,35 @@ def _build_tasks() -> dict[str, GlueTask]:
         ),
         hf_columns=("sentence1", "sentence2"),
     )
-    stsb_head = ((0, "index"), (7, "sentence1"), (8, "sentence2"))
-    stsb = GlueTask(
+
+
+def _stsb() -> GlueTask:
+    return GlueTask(
         name="stsb",
         glue_dir="STS-B",
         num_labels=1,
         labels=(),
         metrics=GLUE_METRICS["stsb"],
         splits=_std_splits(
-            TsvLayout(header=(*stsb_head, (9, "score")), num_cols=10, a_col=7, b_col=8, label_col=9),
-            TsvLayout(header=stsb_head, num_cols=9, a_col=7, b_col=8),
+            TsvLayout(header=(*_STSB_HEAD, (9, "score")), num_cols=10, a_col=7, b_col=8, label_col=9),
+            TsvLayout(header=_STSB_HEAD, num_cols=9, a_col=7, b_col=8),
             "STS-B.tsv",
         ),
         hf_columns=("sentence1", "sentence2"),
     )
-    nli2 = ("entailment", "not_entailment")
+
+
+def _build_tasks() -> dict[str, GlueTask]:
     tasks = [
-        mnli,
-        qqp,
-        cola,
-        sst2,
-        mrpc,
-        stsb,
-        _sentence_pair_task("qnli", "QNLI", nli2, "question", "sentence"),
-        _sentence_pair_task("rte", "RTE", nli2, "sentence1", "sentence2"),
-        _sentence_pair_task("wnli", "WNLI", binary, "sentence1", "sentence2"),
+        _mnli(),
+        _qqp(),
+        _cola(),
+        _sst2(),
+        _mrpc(),
+        _stsb(),
+        _sentence_pair_task("qnli", "QNLI", _NLI2, "question", "sentence"),
+        _sentence_pair_task("rte", "RTE", _NLI2, "sentence1", "sentence2"),
+        _sentence_pair_task("wnli", "WNLI", _BINARY, "sentence1", "sentence2"),
     ]
     return {t.name: t for t in tasks}
 

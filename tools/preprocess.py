@@ -308,6 +308,67 @@ class _Progress:
         self.bar.close()
 
 
+@dataclass
+class _Counts:
+    """What one run did (printed at the end)."""
+
+    docs: int = 0
+    tokens: int = 0
+    empty: int = 0
+    skipped: int = 0
+
+
+@contextlib.contextmanager
+def _encoded(
+    records: Iterator[Any], spec: EncodeSpec, workers: int
+) -> Iterator[Iterator[tuple[int, int, int, Any]]]:
+    """``(file number, line, bytes, per-key (tokens, lengths) or a reason)`` per record, in input
+    order, encoded in ``workers`` spawned processes (in this one for 1); the pool ends with the block."""
+    if workers == 1:
+        _init_worker(spec)
+        yield map(_encode_job, records)
+        return
+    pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(spec,))
+    try:
+        yield pool.imap(_encode_job, records, chunksize=32)
+    finally:
+        pool.terminate()
+        pool.join()
+
+
+def _skip(where: str, reason: str, counts: _Counts, progress: _Progress, *, skip_bad_lines: bool) -> None:
+    """A bad line: one error line, or (``--skip-bad-lines``) counted with a bounded number of warnings."""
+    if not skip_bad_lines:
+        raise UserError(f"{where}: {reason} (use --skip-bad-lines to skip such lines)")
+    counts.skipped += 1
+    if counts.skipped <= _MAX_WARNINGS:
+        progress.bar.write(f"warning: {where}: {reason} (skipped)", file=sys.stderr)
+    elif counts.skipped == _MAX_WARNINGS + 1:
+        progress.bar.write("warning: more bad lines skipped; see the count at the end", file=sys.stderr)
+
+
+def _fill(builders: list[IndexedDatasetBuilder], results: Iterator[tuple[int, int, int, Any]],
+          paths: list[Path], progress: _Progress, *, skip_bad_lines: bool) -> _Counts:  # fmt: skip
+    """Add every encoded document to the builders (one per JSON key)."""
+    counts = _Counts()
+    for file_no, lineno, nbytes, result in results:
+        progress.update(nbytes)
+        if isinstance(result, str):
+            _skip(f"{paths[file_no]}:{lineno}", result, counts, progress, skip_bad_lines=skip_bad_lines)
+            continue
+        counts.docs += 1
+        counts.empty += all(flat.size == 0 for flat, _ in result)
+        for builder, (flat, lengths) in zip(builders, result, strict=True):
+            builder.add_document(flat, lengths)
+            counts.tokens += int(flat.size)
+    if counts.docs == 0:
+        raise UserError(
+            f"--input {' '.join(map(str, paths))}: no documents"
+            + (f" ({counts.skipped} bad lines skipped)" if counts.skipped else "")
+        )
+    return counts
+
+
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     args = get_parser().parse_args(argv)
@@ -320,58 +381,21 @@ def main(argv: list[str] | None = None) -> int:
     level = "sentence" if args.split_sentences else "document"
     dtype = optimal_dtype(tokenizer.vocab_size)
     prefixes = [f"{args.output_prefix}_{key}_{level}" for key in args.json_keys]
-
-    builders: list[IndexedDatasetBuilder] = []
     out_dir = Path(args.output_prefix).absolute().parent
     missing_dirs = [d for d in (out_dir, *out_dir.parents) if not d.exists()]  # removed again on failure
     progress = _Progress(sum(p.stat().st_size for p in paths), args.log_interval)
-    pool = None
+    builders: list[IndexedDatasetBuilder] = []
     committed = False
-    docs = tokens = empty = skipped = 0
     try:
         builders = [IndexedDatasetBuilder(prefix, dtype=dtype) for prefix in prefixes]
-        records = _records(paths, formats)
-        if args.workers == 1:
-            _init_worker(spec)
-            results: Iterator[tuple[int, int, int, Any]] = map(_encode_job, records)
-        else:
-            ctx = multiprocessing.get_context("spawn")
-            pool = ctx.Pool(args.workers, initializer=_init_worker, initargs=(spec,))
-            results = pool.imap(_encode_job, records, chunksize=32)
-        for file_no, lineno, nbytes, result in results:
-            progress.update(nbytes)
-            if isinstance(result, str):
-                where = f"{paths[file_no]}:{lineno}"
-                if not args.skip_bad_lines:
-                    raise UserError(f"{where}: {result} (use --skip-bad-lines to skip such lines)")
-                skipped += 1
-                if skipped <= _MAX_WARNINGS:
-                    progress.bar.write(f"warning: {where}: {result} (skipped)", file=sys.stderr)
-                elif skipped == _MAX_WARNINGS + 1:
-                    progress.bar.write(
-                        "warning: more bad lines skipped; see the count at the end", file=sys.stderr
-                    )
-                continue
-            docs += 1
-            if all(flat.size == 0 for flat, _ in result):
-                empty += 1
-            for builder, (flat, lengths) in zip(builders, result, strict=True):
-                builder.add_document(flat, lengths)
-                tokens += int(flat.size)
-        if docs == 0:
-            raise UserError(
-                f"--input {' '.join(map(str, paths))}: no documents"
-                + (f" ({skipped} bad lines skipped)" if skipped else "")
-            )
+        with _encoded(_records(paths, formats), spec, args.workers) as results:
+            counts = _fill(builders, results, paths, progress, skip_bad_lines=args.skip_bad_lines)
         for builder in builders:
             builder.close()
         outputs = [builder.commit() for builder in builders]
         committed = True
     finally:
         progress.close()
-        if pool is not None:
-            pool.terminate()
-            pool.join()
         if not committed:
             for builder in builders:
                 builder.abort()
@@ -379,12 +403,9 @@ def main(argv: list[str] | None = None) -> int:
                 with contextlib.suppress(OSError):
                     d.rmdir()  # only if still empty
     names = ", ".join(f"{os.path.splitext(b)[0]}.{{bin,idx}}" for b, _ in outputs)
-    print(
-        f"mlm-preprocess: {docs} documents"
-        + (f" ({empty} empty)" if empty else "")
-        + f", {tokens} tokens, {skipped} bad lines skipped -> {names}",
-        flush=True,
-    )
+    empty = f" ({counts.empty} empty)" if counts.empty else ""
+    print(f"mlm-preprocess: {counts.docs} documents{empty}, {counts.tokens} tokens, "
+          f"{counts.skipped} bad lines skipped -> {names}", flush=True)  # fmt: skip
     return 0
 
 
