@@ -19,7 +19,7 @@ from typing import Any
 
 from mlm_eval.detokenize import count_original_tokens, wikitext_detokenize
 from mlm_eval.scorer import IGNORE, LMScorer, as_text_encoder, document_prefix, score_rows
-from mlm_eval.windows import plan_windows
+from mlm_eval.windows import Window, plan_windows
 from pretrain.utils.errors import UserError
 
 UPSTREAM_EXPONENT_CLAMP = 20.0  # Megatron-LM: math.exp(min(20, loss))
@@ -79,14 +79,7 @@ def evaluate_wikitext_paper(
     planned = len(windows)
     if limit is not None:
         windows = windows[:limit]
-    rows = []
-    for w in windows:
-        inputs = tokens[w.start : w.end - 1]
-        targets = [
-            t if w.start + 1 + j >= w.score_from else IGNORE
-            for j, t in enumerate(tokens[w.start + 1 : w.end])
-        ]
-        rows.append((inputs, targets))
+    rows = [_window_row(tokens, w) for w in windows]
     scored = score_rows(scorer, rows, batch_size=batch_size, desc="wikitext103", progress=progress)
     total_nll = math.fsum(x for row in scored for x in row.nll)
     scored_targets = sum(len(row.nll) for row in scored)
@@ -100,8 +93,7 @@ def evaluate_wikitext_paper(
         token_loss = total_nll / scored_targets
         adjusted_loss = token_loss * (len(tokens) - 1) / predicted_original
     return {
-        "adjusted_ppl": _exp(adjusted_loss),
-        "token_ppl": _exp(token_loss),
+        **_perplexities(adjusted_loss, token_loss),
         "total_nll": total_nll,
         "num_tokens": len(tokens),
         "num_original_tokens": num_original,
@@ -110,6 +102,22 @@ def evaluate_wikitext_paper(
         "planned_windows": planned,
         "seq_length": seq_length,
         "overlap": overlap,
+    }
+
+
+def _window_row(tokens: list[int], w: Window) -> tuple[list[int], list[int]]:
+    """(inputs, targets) of one window: targets before ``w.score_from`` are :data:`IGNORE`."""
+    targets = [
+        t if w.start + 1 + j >= w.score_from else IGNORE for j, t in enumerate(tokens[w.start + 1 : w.end])
+    ]
+    return tokens[w.start : w.end - 1], targets
+
+
+def _perplexities(adjusted_loss: float, token_loss: float) -> dict[str, float]:
+    """Adjusted and token perplexity, and both as upstream reports them (exponent clamped at 20)."""
+    return {
+        "adjusted_ppl": _exp(adjusted_loss),
+        "token_ppl": _exp(token_loss),
         "adjusted_ppl_upstream_clamped": math.exp(min(UPSTREAM_EXPONENT_CLAMP, adjusted_loss)),
         "token_ppl_upstream_clamped": math.exp(min(UPSTREAM_EXPONENT_CLAMP, token_loss)),
     }

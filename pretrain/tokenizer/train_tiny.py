@@ -20,6 +20,7 @@ import json
 import os
 import string
 import tempfile
+from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -64,6 +65,47 @@ def train_tiny_gpt2_bpe(
     return out
 
 
+def _word_counts(texts: list[str], lower_case: bool) -> Counter[str]:
+    """BERT-normalised, BERT-pre-tokenised word frequencies of ``texts``."""
+    from tokenizers.normalizers import BertNormalizer
+    from tokenizers.pre_tokenizers import BertPreTokenizer
+
+    normalizer = BertNormalizer(lowercase=lower_case, strip_accents=None if lower_case else False)
+    pre = BertPreTokenizer()
+    counts: Counter[str] = Counter()
+    for text in texts:
+        counts.update(w for w, _ in pre.pre_tokenize_str(normalizer.normalize_str(text)))
+    return counts
+
+
+def _initial_vocab(words: list[str], lower_case: bool) -> list[str]:
+    """Specials, then every printable ASCII character (alone and, if alphanumeric, as a ``##``
+    continuation) plus the corpus's characters, so that ASCII text never maps to [UNK]."""
+    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+    ascii_chars = string.ascii_lowercase + string.digits + string.punctuation
+    if not lower_case:
+        ascii_chars += string.ascii_uppercase
+    alphabet = set(ascii_chars) | {c for w in words for c in w}
+    for tok in [*sorted(alphabet), *sorted({"##" + c for c in alphabet if c.isalnum()})]:
+        if tok not in vocab:
+            vocab.append(tok)
+    return vocab
+
+
+def _merge_pair(syms: list[str], a: str, b: str, merged: str) -> list[str]:
+    """``syms`` with every adjacent ``a b`` replaced by ``merged`` (left to right)."""
+    out: list[str] = []
+    j = 0
+    while j < len(syms):
+        if j + 1 < len(syms) and syms[j] == a and syms[j + 1] == b:
+            out.append(merged)
+            j += 2
+        else:
+            out.append(syms[j])
+            j += 1
+    return out
+
+
 def _learn_wordpiece(
     texts: list[str], vocab_size: int, lower_case: bool, min_frequency: int = 2
 ) -> list[str]:
@@ -73,33 +115,12 @@ def _learn_wordpiece(
     (The ``tokenizers`` WordPiece trainer numbers ``##`` symbols in hash-map order, which changes its
     tie-breaking from run to run.)
     """
-    from collections import Counter
-
-    from tokenizers.normalizers import BertNormalizer
-    from tokenizers.pre_tokenizers import BertPreTokenizer
-
-    normalizer = BertNormalizer(lowercase=lower_case, strip_accents=None if lower_case else False)
-    pre = BertPreTokenizer()
-    counts: Counter[str] = Counter()
-    for text in texts:
-        counts.update(w for w, _ in pre.pre_tokenize_str(normalizer.normalize_str(text)))
+    counts = _word_counts(texts, lower_case)
     words = sorted(counts)
     freqs = [counts[w] for w in words]
     symbols = [[w[0]] + ["##" + c for c in w[1:]] for w in words]
-    vocab = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
-    # Every printable ASCII character (alone and as a continuation) plus the corpus's characters,
-    # so that ASCII text never maps to [UNK].
-    ascii_chars = string.ascii_lowercase + string.digits + string.punctuation
-    if not lower_case:
-        ascii_chars += string.ascii_uppercase
-    alphabet = set(ascii_chars) | {c for w in words for c in w}
-    initial = sorted(alphabet)
-    initial_cont = sorted({"##" + c for c in alphabet if c.isalnum()})
+    vocab = _initial_vocab(words, lower_case)
     seen = set(vocab)
-    for tok in [*initial, *initial_cont]:
-        if tok not in seen:
-            vocab.append(tok)
-            seen.add(tok)
     while len(vocab) < vocab_size:
         pairs: Counter[tuple[str, str]] = Counter()
         for syms, f in zip(symbols, freqs, strict=True):
@@ -107,24 +128,11 @@ def _learn_wordpiece(
                 pairs[(a, b)] += f
         if not pairs:
             break
-        best, count = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))
+        (a, b), count = min(pairs.items(), key=lambda kv: (-kv[1], kv[0]))
         if count < min_frequency:
             break
-        a, b = best
         merged = a + b[2:]
-        for i, syms in enumerate(symbols):
-            if len(syms) < 2:
-                continue
-            out: list[str] = []
-            j = 0
-            while j < len(syms):
-                if j + 1 < len(syms) and syms[j] == a and syms[j + 1] == b:
-                    out.append(merged)
-                    j += 2
-                else:
-                    out.append(syms[j])
-                    j += 1
-            symbols[i] = out
+        symbols = [syms if len(syms) < 2 else _merge_pair(syms, a, b, merged) for syms in symbols]
         if merged not in seen:
             vocab.append(merged)
             seen.add(merged)
