@@ -321,59 +321,65 @@ def build_gpt_datasets(
     if len(train_valid_test_num_samples) != 3:
         raise ValueError("train_valid_test_num_samples needs three entries")
     indexed = {p: IndexedDataset(p) for p, _ in config.blend}
-    out: list[GPTDataset | BlendedDataset | None] = []
-    for s, name in enumerate(SPLIT_NAMES):
-        n = train_valid_test_num_samples[s]
-        if n is not None and int(n) <= 0:
-            out.append(None)
-            continue
-        parts = []
-        for prefix, weight in config.blend:
-            if weight == 0:
-                continue
+    out = [
+        None if n is not None and int(n) <= 0 else _split_dataset(config, indexed, s, n)
+        for s, n in enumerate(train_valid_test_num_samples)
+    ]
+    return out[0], out[1], out[2]
+
+
+_Part = tuple[str, "float | None", np.ndarray]  # (prefix, weight, document ids of the split)
+
+
+def _split_dataset(config: GPTDatasetConfig, indexed: dict[str, IndexedDataset], s: int,
+                   n: int | None) -> GPTDataset | BlendedDataset | None:  # fmt: skip
+    """The dataset of split ``s`` (see :func:`build_gpt_datasets`)."""
+    name = SPLIT_NAMES[s]
+    parts: list[_Part] = []
+    for prefix, weight in config.blend:
+        if weight != 0:
             lo, hi = split_document_ranges(config.split, indexed[prefix].num_documents)[s]
             parts.append((prefix, weight, np.arange(lo, hi, dtype=np.int64)))
-        if all(docs.size == 0 for _, _, docs in parts):
-            if name != "train" or n is None:
-                out.append(None)  # as Megatron: no documents, no dataset (e.g. no test set)
-                continue
-            raise UserError(
-                f"--split {config.split}: the {name} split of {', '.join(p for p, _, _ in parts)} has no "
-                f"documents, but {n} {name} samples are needed"
-            )
-        if len(parts) == 1:
-            prefix, _, docs = parts[0]
-            out.append(GPTDataset(indexed[prefix], config, documents=docs, num_samples=n, split=name))
-            continue
-        empty = [p for p, _, docs in parts if docs.size == 0]
-        if empty:
-            raise UserError(f"--split {config.split}: the {name} split of {empty[0]} has no documents")
-        if parts[0][1] is None:
-            weights = [float(indexed[p].document_lengths[docs].sum()) for p, _, docs in parts]
-        else:
-            weights = [float(w) for _, w, _ in parts]  # type: ignore[arg-type]
-        total = sum(weights)
-        weights = [w / total for w in weights]
-        if n is None:
-            components = [
-                GPTDataset(indexed[p], config, documents=docs, num_samples=None, split=name)
-                for p, _, docs in parts
-            ]
-            size = sum(len(c) for c in components)
-        else:
-            size = int(n)
-            components = [
-                GPTDataset(
-                    indexed[p],
-                    config,
-                    documents=docs,
-                    num_samples=math.ceil(w * size * BLEND_MARGIN),
-                    split=name,
-                )
-                for (p, _, docs), w in zip(parts, weights, strict=True)
-            ]
-        out.append(BlendedDataset(components, weights, size, config.cache_dir, split=name))
-    return out[0], out[1], out[2]
+    if all(docs.size == 0 for _, _, docs in parts):
+        if name != "train" or n is None:
+            return None  # as Megatron: no documents, no dataset (e.g. no test set)
+        raise UserError(
+            f"--split {config.split}: the {name} split of {', '.join(p for p, _, _ in parts)} has no "
+            f"documents, but {n} {name} samples are needed"
+        )
+    if len(parts) == 1:
+        prefix, _, docs = parts[0]
+        return GPTDataset(indexed[prefix], config, documents=docs, num_samples=n, split=name)
+    return _blend(config, indexed, parts, name, n)
+
+
+def _blend(config: GPTDatasetConfig, indexed: dict[str, IndexedDataset], parts: list[_Part], name: str,
+           n: int | None) -> BlendedDataset:  # fmt: skip
+    """Several datasets' share of one split, blended by weight (by tokens when unweighted)."""
+    empty = [p for p, _, docs in parts if docs.size == 0]
+    if empty:
+        raise UserError(f"--split {config.split}: the {name} split of {empty[0]} has no documents")
+    if parts[0][1] is None:
+        weights = [float(indexed[p].document_lengths[docs].sum()) for p, _, docs in parts]
+    else:
+        weights = [float(w or 0.0) for _, w, _ in parts]
+    total = sum(weights)
+    weights = [w / total for w in weights]
+    if n is None:
+        components = [
+            GPTDataset(indexed[p], config, documents=docs, num_samples=None, split=name)
+            for p, _, docs in parts
+        ]
+        size = sum(len(c) for c in components)
+    else:
+        size = int(n)
+        components = [
+            GPTDataset(
+                indexed[p], config, documents=docs, num_samples=math.ceil(w * size * BLEND_MARGIN), split=name
+            )  # fmt: skip
+            for (p, _, docs), w in zip(parts, weights, strict=True)
+        ]
+    return BlendedDataset(components, weights, size, config.cache_dir, split=name)
 
 
 def global_batch_indices(iteration: int, global_batch: int, dp_rank: int, dp_size: int) -> np.ndarray:
