@@ -113,33 +113,15 @@ def generate(
             f"{model.cfg.max_position_embeddings} positions"
         )
     b = len(prompts)
-    layers = len(model.language_model.encoder.layers)
-    cache = KVCache(layers, capacity) if cfg.use_cache else None
+    cache = KVCache(len(model.language_model.encoder.layers), capacity) if cfg.use_cache else None
     gens = None
     if not cfg.sampling.greedy:
         gens = row_generators(cfg.sampling, list(seeds) if seeds is not None else list(range(b)), ps.device)
     comm = PipelineComm(ps) if ps.pp_size > 1 else None
     out: list[list[int]] = [[] for _ in range(b)]
     done = [False] * b
-    h = model.cfg.hidden_size
-    dtype = DTYPES[model.cfg.params_dtype]
     for _ in range(cfg.max_new_tokens):
-        start = cache.length if cache is not None else 0
-        positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
-        feed = tokens[:, start:]
-        hidden = None
-        if comm is not None and not ps.is_first_stage:
-            hidden = comm.recv((b, feed.shape[1], h), dtype, from_next=False)
-        ctx = ForwardContext(attn_mask=attention_mask(valid, start), position_ids=positions[:, start:],
-                             kv_cache=cache)  # fmt: skip
-        hidden = model.trunk(feed, hidden_states=hidden, ctx=ctx)
-        if comm is not None and not ps.is_last_stage:
-            comm.send(hidden, to_next=True)
-        nxt = torch.zeros(b, dtype=torch.long, device=ps.device)
-        if ps.is_last_stage:
-            nxt = next_tokens(last_logits(model, hidden[:, -1]), cfg.sampling, gens).to(ps.device)
-        if ps.pp_group is not None and ps.pp_size > 1:
-            dist.broadcast(nxt, src=ps.pp_ranks[-1], group=ps.pp_group)
+        nxt = _step(model, tokens, valid, cache, comm, cfg.sampling, gens)
         _record(nxt.tolist(), out, done, cfg, stop, on_token)
         tokens = torch.cat([tokens, nxt[:, None]], dim=1)
         valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
@@ -148,6 +130,38 @@ def generate(
     if comm is not None:
         comm.wait_all()
     return out
+
+
+def _step(model: GPTModel, tokens: torch.Tensor, valid: torch.Tensor, cache: KVCache | None,
+          comm: PipelineComm | None, sampling: SamplingConfig,
+          gens: list[torch.Generator] | None) -> torch.Tensor:  # fmt: skip
+    """One decoding step on this stage: the next token of every row ``[b]`` (on every stage).
+
+    Feeds the positions not yet cached (all of them without a cache); a later stage receives the
+    previous stage's hidden states and sends its own on. Collectives: p2p between stages, the
+    TP all-gather of the last logits, and a broadcast of the tokens over the pipeline group.
+    """
+    ps = model.ps
+    b = tokens.shape[0]
+    start = cache.length if cache is not None else 0
+    positions = (valid.long().cumsum(dim=1) - 1).clamp(min=0)
+    feed = tokens[:, start:]
+    hidden = None
+    if comm is not None and not ps.is_first_stage:
+        hidden = comm.recv((b, feed.shape[1], model.cfg.hidden_size), DTYPES[model.cfg.params_dtype],
+                           from_next=False)  # fmt: skip
+    ctx = ForwardContext(
+        attn_mask=attention_mask(valid, start), position_ids=positions[:, start:], kv_cache=cache
+    )
+    hidden = model.trunk(feed, hidden_states=hidden, ctx=ctx)
+    if comm is not None and not ps.is_last_stage:
+        comm.send(hidden, to_next=True)
+    nxt = torch.zeros(b, dtype=torch.long, device=ps.device)
+    if ps.is_last_stage:
+        nxt = next_tokens(last_logits(model, hidden[:, -1]), sampling, gens).to(ps.device)
+    if ps.pp_group is not None and ps.pp_size > 1:
+        dist.broadcast(nxt, src=ps.pp_ranks[-1], group=ps.pp_group)
+    return nxt
 
 
 def _record(
