@@ -12,7 +12,8 @@ from pretrain.data.builtin import builtin_corpus_path
 from pretrain.data.indexed_dataset import IndexedDataset
 from pretrain.tokenizer import TokenizerConfig, build_tokenizer
 from pretrain.tokenizer.train_tiny import train_tiny_gpt2_bpe, train_tiny_wordpiece
-from tools.preprocess import main, split_sentences
+from tools.preprocess import main
+from tools.preprocess_records import split_sentences
 
 
 @pytest.fixture(scope="module")
