@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from pretrain.config import ParallelConfig
 from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import gather_full_state_dict, load_full_state_dict
+from pretrain.parallel.rng import RNGStatesTracker, model_parallel_seed
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.cross_entropy import masked_mean
-from pretrain.tensor_parallel.random import RNGStatesTracker, model_parallel_seed
 from tests.distributed import run_distributed
 from tests.gpt_fixtures import batch, full_weights, tiny_config
 

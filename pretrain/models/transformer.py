@@ -27,10 +27,10 @@ from pretrain.models.forward_context import (
 )
 from pretrain.models.norms import DTYPES, layer_norm
 from pretrain.models.rotary import RotaryEmbedding, apply_rotary
+from pretrain.parallel.rng import checkpointed
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from pretrain.tensor_parallel.mappings import copy_to_tp_region
-from pretrain.tensor_parallel.random import checkpointed
 
 __all__ = ["DTYPES", "ParallelAttention", "ParallelMLP", "TransformerBlock", "TransformerLayer", "layer_norm"]
 

@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from pretrain.config import ParallelConfig
 from pretrain.parallel.layout import RankLayout, compute_layout
-from pretrain.tensor_parallel.random import RNGStatesTracker, model_parallel_seed
+from pretrain.parallel.rng import RNGStatesTracker, model_parallel_seed
 
 ProcessGroup = dist.ProcessGroup
 
