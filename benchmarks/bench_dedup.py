@@ -18,7 +18,7 @@ machine:
   parent (the LSH index) and of the largest worker are reported separately.
 * ``exact`` (baseline): exact-duplicate removal by BLAKE2b of the normalised text in one process
   (what a plain script would do); it finds only the verbatim copies.
-* ``contamination``: :func:`mlm_eval.contamination.run_contamination` (8-grams): training
+* ``contamination``: :func:`mlm_eval.contamination.cli.run_contamination` (8-grams): training
   n-grams scanned per second (whole run: read JSON, normalise, hash, match).
 * ``ngram_set`` (baseline): the pure-Python scan -- a ``set`` of eval 8-gram tuples and a
   membership test per training window -- over the same data, checked to find the same distinct
@@ -163,7 +163,7 @@ def phase_exact(corpus: Path, out_dir: Path, workers: int) -> dict[str, Any]:
 
 
 def phase_contamination(corpus: Path, eval_path: Path) -> dict[str, Any]:
-    from mlm_eval.contamination import ContaminationConfig, run_contamination
+    from mlm_eval.contamination.cli import ContaminationConfig, run_contamination
 
     cfg = ContaminationConfig(train=(corpus,), eval_task="jsonl", data=eval_path, n=8, progress=False)
     clock = Clock()
@@ -176,7 +176,7 @@ def phase_contamination(corpus: Path, eval_path: Path) -> dict[str, Any]:
 
 
 def phase_ngram_set(corpus: Path, eval_path: Path, n: int = 8) -> dict[str, Any]:
-    from mlm_eval.contamination_ngrams import normalise_words
+    from mlm_eval.contamination.ngrams import normalise_words
 
     clock = Clock()
     eval_set: set[tuple[str, ...]] = set()

@@ -17,7 +17,7 @@ from pretrain.utils.errors import cli_entry
 SUBCOMMAND_MODULES = (
     "mlm_eval.wikitext_cli",
     "mlm_eval.lambada_cli",
-    "mlm_eval.contamination",
+    "mlm_eval.contamination.cli",
     "mlm_eval.report",
 )
 # Each subcommand's name and one-line help, so that ``mlm-eval --help`` imports none of them
@@ -25,7 +25,7 @@ SUBCOMMAND_MODULES = (
 SUBCOMMANDS = {
     "wikitext103": ("mlm_eval.wikitext_cli", "WikiText-103 perplexity (paper or lm-eval method)"),
     "lambada": ("mlm_eval.lambada_cli", "LAMBADA cloze accuracy (strict, or --last-token)"),
-    "contamination": ("mlm_eval.contamination", "share of eval n-grams found in training corpora"),
+    "contamination": ("mlm_eval.contamination.cli", "share of eval n-grams found in training corpora"),
     "report": ("mlm_eval.report", "leaderboard of result records (terminal, markdown, CSV, HTML)"),
 }
 

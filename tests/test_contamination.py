@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from mlm_eval.cli import main as eval_main
-from mlm_eval.contamination import ContaminationConfig, run_contamination
-from mlm_eval.contamination_ngrams import EvalNgramSet, NgramHasher, TrainScanner, normalise_words
-from mlm_eval.contamination_readers import read_eval_examples
+from mlm_eval.contamination.cli import ContaminationConfig, run_contamination
+from mlm_eval.contamination.ngrams import EvalNgramSet, NgramHasher, TrainScanner, normalise_words
+from mlm_eval.contamination.readers import read_eval_examples
 from pretrain.utils.errors import UserError
 
 WIKI = (

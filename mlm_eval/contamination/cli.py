@@ -8,13 +8,13 @@ Definitions used here:
 
 * Words: ``str.lower()``, every character that is not a Unicode letter/digit/whitespace (regex
   ``[^\\w\\s]|_``) replaced by a space, split on whitespace (details and hashing in
-  :mod:`mlm_eval.contamination_ngrams`). n-grams (``--n``, default 8) are consecutive words within
+  :mod:`mlm_eval.contamination.ngrams`). n-grams (``--n``, default 8) are consecutive words within
   one example or training document; examples shorter than ``n`` words have none.
 * ``share``: contaminated n-gram positions / all n-gram positions of the eval set (an n-gram that
   repeats is counted each time it occurs). ``unique_share``: the same over distinct n-grams.
 * Per example: the same ratio over the example's own n-gram positions.
 
-Memory does not grow with the training corpus (see :mod:`mlm_eval.contamination_ngrams`), so a
+Memory does not grow with the training corpus (see :mod:`mlm_eval.contamination.ngrams`), so a
 corpus of millions of documents is a single streaming pass.
 
 Example::
@@ -38,8 +38,8 @@ from rich.markup import escape
 from rich.table import Table
 from tqdm import tqdm
 
-from mlm_eval.contamination_ngrams import EvalNgramSet, NgramHasher, TrainScanner
-from mlm_eval.contamination_readers import EVAL_TASKS, iter_train_segments, read_eval_examples
+from mlm_eval.contamination.ngrams import EvalNgramSet, NgramHasher, TrainScanner
+from mlm_eval.contamination.readers import EVAL_TASKS, iter_train_segments, read_eval_examples
 from pretrain.tokenizer.factory import TokenizerConfig, add_tokenizer_arguments
 from pretrain.utils.errors import UserError
 from pretrain.utils.outputs import check_writable_output
