@@ -9,8 +9,11 @@ Unlike :class:`~pretrain.tokenizer.gpt2_bpe.GPT2BPETokenizer`, the literal text 
 
 from __future__ import annotations
 
+import functools
 import os
+import tempfile
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 from pretrain.tokenizer.base import Tokenizer, require_file
@@ -44,6 +47,20 @@ class HuggingFaceTokenizer(Tokenizer):
         self.model_path = str(directory)
         self._vocab_size = len(self._tok)
         self.adds_bos = hf_adds_bos(self._tok)
+
+    def save_pretrained(self, directory: str | os.PathLike[str]) -> list[str]:
+        """Write the tokenizer ``AutoTokenizer`` resolved (its class named in ``tokenizer_config.json``,
+        its pre-tokenizer and special tokens in ``tokenizer.json``) into ``directory``: the file
+        names written. Copying the source's files instead can lose what the class adds (Qwen2's
+        digit splitting and pad token come from ``config.json``'s ``model_type``, not copied)."""
+        written = self._tok.save_pretrained(str(directory))
+        return sorted({Path(f).name for f in written if Path(f).is_file()})
+
+    @functools.cached_property
+    def saved_names(self) -> tuple[str, ...]:
+        """The file names :meth:`save_pretrained` writes (for the checkpoint's record)."""
+        with tempfile.TemporaryDirectory() as tmp:
+            return tuple(self.save_pretrained(tmp))
 
     def tokenize(self, text: str) -> list[int]:
         return list(self._tok(text, add_special_tokens=False)["input_ids"])

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import Any
 from pretrain.checkpoint.types import PROBE_TEXT, TOKENIZER_SUBDIR, TokenizerRecord
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.tokenizer.factory import TOKENIZER_TYPES, TokenizerConfig, build_tokenizer
+from pretrain.tokenizer.hf import HuggingFaceTokenizer
 from pretrain.utils.atomic import atomic_open
 from pretrain.utils.errors import UserError
 
@@ -172,13 +174,38 @@ def saved_name(tok: Tokenizer, src: Path) -> str:
 
 def record_of(tok: Tokenizer) -> TokenizerRecord:
     """The record of ``tok`` as :func:`save_tokenizer` will save it."""
+    if isinstance(tok, HuggingFaceTokenizer):
+        return describe(tok, tok.saved_names)
     return describe(tok, [saved_name(tok, f) for f in source_files(tok)])
 
 
+def _save_hf(tok: HuggingFaceTokenizer, out: Path) -> list[str]:
+    """``save_pretrained`` of the resolved tokenizer into ``out`` (atomically, file by file), checked
+    to load back as the same tokenizer (vocabulary, special ids, probe encoding, BOS rule)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        names = tok.save_pretrained(tmp)
+        for name in names:
+            with open(Path(tmp) / name, "rb") as fin, atomic_open(out / name, "wb") as fout:
+                shutil.copyfileobj(fin, fout)
+    back = load_tokenizer_dir(out, tokenizer_type=tok.tokenizer_type, flag="saved tokenizer")
+    want, got = describe(tok, names), describe(back, names)
+    if (got, back.adds_bos) != (want, tok.adds_bos):
+        raise UserError(
+            f"the Hugging Face tokenizer of {tok.model_path} does not load back as itself from "
+            f"{out} (saved: {got}, source: {want}); this tokenizer cannot travel with a checkpoint"
+        )
+    return names
+
+
 def save_tokenizer(tok: Tokenizer, dst: str | Path) -> TokenizerRecord:
-    """Copy ``tok``'s files into the directory ``dst`` (atomically, file by file); its record."""
+    """Copy ``tok``'s files into the directory ``dst`` (atomically, file by file); its record.
+
+    A Hugging Face tokenizer is written with ``save_pretrained`` (see :func:`_save_hf`), so that
+    the copy resolves to the class ``AutoTokenizer`` chose for the source."""
     out = Path(dst)
     out.mkdir(parents=True, exist_ok=True)
+    if isinstance(tok, HuggingFaceTokenizer):
+        return describe(tok, _save_hf(tok, out))
     names = []
     for src in source_files(tok):
         name = saved_name(tok, src)
