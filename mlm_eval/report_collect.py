@@ -90,6 +90,7 @@ class RunRecord:
     dtype: str | None = None  # the weights' dtype during the run ("float32", "bfloat16", ...)
     limit: int | None = None  # --limit N: only the first N examples/windows (a partial result)
     sample_data: bool = False  # the built-in sample data, not the real test set
+    forced_tokenizer: bool = False  # --force-tokenizer overrode a tokenizer check (model.tokenizer.forced)
     unit_rule: str = "declared"  # how accuracy-like values were scaled: "declared" or "producer"
 
     @property
@@ -226,6 +227,7 @@ def _parse_toolkit(path: Path, data: dict[str, Any]) -> RunRecord:
         dtype=_dtype(data, details),
         limit=_limit(data, details),
         sample_data=_sample_data(data, details),
+        forced_tokenizer=_forced_tokenizer(model),
         unit_rule=rule,
     )
 
@@ -319,6 +321,12 @@ def _limit(data: dict[str, Any], details: dict[str, Any]) -> int | None:
     if data.get("partial") is True or details.get("partial") is True:
         return 0  # partial without a recorded count
     return None
+
+
+def _forced_tokenizer(model: dict[str, Any]) -> bool:
+    """Whether ``--force-tokenizer`` overrode a check: ``model.tokenizer.forced`` lists what."""
+    tok = model.get("tokenizer")
+    return isinstance(tok, dict) and bool(tok.get("forced"))
 
 
 def _sample_data(data: dict[str, Any], details: dict[str, Any]) -> bool:

@@ -49,6 +49,7 @@ class Cell:
     limit: int | None = None  # a partial result (--limit N; 0: partial, count unknown)
     sample_data: bool = False
     reduced_precision: bool = False
+    forced_tokenizer: bool = False  # a --force-tokenizer result: not the model's own tokenizer
     contamination: float | None = None  # percent of the eval set's n-grams found in training data
     variants: tuple[tuple[str, float], ...] = ()  # other kept results: (description, value)
 
@@ -59,7 +60,7 @@ class Cell:
     @property
     def comparable(self) -> bool:
         """A full run on real data: may be ranked and marked best."""
-        return not self.partial and not self.sample_data
+        return not self.partial and not self.sample_data and not self.forced_tokenizer
 
     def marks(self) -> list[str]:
         """Short plain-text marks, in a fixed order (see :data:`MARK_LEGEND`)."""
@@ -70,6 +71,8 @@ class Cell:
             out.append(_SHORT_DTYPES.get(self.dtype or "", self.dtype or "reduced precision"))
         if self.sample_data:
             out.append("sample data")
+        if self.forced_tokenizer:
+            out.append("forced tokenizer")
         if self.contamination is not None:
             out.append(f"contaminated {format_value(self.contamination, percent=True)}%")
         return out
@@ -80,6 +83,10 @@ MARK_LEGEND = (
     ("partial", "a --limit run on the first N examples only: not comparable, never ranked or best"),
     ("bf16/fp16", "evaluated with reduced-precision (bfloat16/float16) weights"),
     ("sample data", "the built-in sample data, not the real test set; never ranked or best"),
+    (
+        "forced tokenizer",
+        "evaluated with --force-tokenizer (a tokenizer other than the checkpoint's); never ranked or best",
+    ),
     (
         "contaminated X%",
         "X% of the eval set's n-grams occur in the model's training data (mlm-eval contamination)",
@@ -238,17 +245,21 @@ def _format_of(r: RunRecord) -> str:
 
 def _reduce_cell(recs: list[RunRecord], metric: str, rule: str) -> Cell:
     """Per dtype: full runs win over partial ones, then latest/median; shown: a full run before a
-    partial one, then full precision before bf16/fp16; the others are the cell's variants."""
-    by_dtype: dict[str | None, list[RunRecord]] = {}
+    partial one, then full precision before bf16/fp16; the others are the cell's variants.
+    A --force-tokenizer run is its own group, shown only when there is no other."""
+    by_dtype: dict[tuple[str | None, bool], list[RunRecord]] = {}
     for r in recs:
-        by_dtype.setdefault(r.dtype, []).append(r)
+        by_dtype.setdefault((r.dtype, r.forced_tokenizer), []).append(r)
     kept = []
     for group in by_dtype.values():
         full = [r for r in group if not r.partial]
         kept.append(_reduce_group(full or group, metric, rule, n_total=len(group)))
-    kept.sort(key=lambda c: (c.partial, c.reduced_precision, c.sample_data))  # full data first
+    kept.sort(
+        key=lambda c: (c.forced_tokenizer, c.partial, c.reduced_precision, c.sample_data)
+    )  # full data first
     shown, others = kept[0], kept[1:]
-    variants = tuple((o.dtype or "dtype not recorded") + (", partial" if o.partial else "") for o in others)
+    variants = tuple((o.dtype or "dtype not recorded") + (", partial" if o.partial else "")
+                     + (", forced tokenizer" if o.forced_tokenizer else "") for o in others)  # fmt: skip
     return replace(shown, variants=tuple(zip(variants, (o.value for o in others), strict=True)))
 
 
@@ -272,6 +283,7 @@ def _reduce_group(recs: list[RunRecord], metric: str, rule: str, *, n_total: int
         limit=latest.limit,
         sample_data=any(r.sample_data for r in chosen),
         reduced_precision=latest.reduced_precision,
+        forced_tokenizer=any(r.forced_tokenizer for r in chosen),
     )
 
 

@@ -125,3 +125,37 @@ def test_bert_checkpoint_tokenizer_encodes_as_the_source(tiny_bert_dir: Path, tm
     assert resolved is not None
     text = "The Quick brown fox, 1995."
     assert resolved.tokenizer.tokenize(text) == source.encode(text, add_special_tokens=False)
+
+
+def _report_cell(results: Path, out: Path, key: str) -> tuple[dict[str, Any], str]:
+    assert eval_main(["report", "--results", str(results), "--out", str(out)]) == 0
+    (row,) = json.loads((out / "leaderboard.json").read_text())["rows"]
+    return row["cells"][key], (out / "leaderboard.md").read_text(encoding="utf-8")
+
+
+def test_report_marks_a_forced_tokenizer_result(tmp_path: Path, tiny_gpt2_dir: Path) -> None:
+    """A ``--force-tokenizer`` result says so in its record and its report row (never ranked); the
+    same weights' result with their own tokenizer is shown before it."""
+    from pretrain.tokenizer.train_tiny import train_tiny_gpt2_bpe
+
+    ck = tmp_path / "ck"
+    assert convert_main(["from-hf", "--load", str(tiny_gpt2_dir), "--save", str(ck)]) == 0
+    other = str(train_tiny_gpt2_bpe(tmp_path / "other", vocab_size=300))
+    results, key = tmp_path / "results", "wikitext103:adjusted_ppl"
+    forced = _eval(["wikitext103", "--ckpt", str(ck), "--tokenizer-dir", other, "--force-tokenizer", *WIKI],
+                   results / "forced.json")  # fmt: skip
+    assert forced["model"]["tokenizer"]["forced"]
+    cell, md = _report_cell(results, tmp_path / "r1", key)
+    assert "forced tokenizer" in cell["marks"] and not cell["best"]
+    assert "[sample data, forced tokenizer]" in md and "Mark 'forced tokenizer'" in md
+    own = _eval(["wikitext103", "--ckpt", str(ck), *WIKI], results / "own.json")
+    cell, _ = _report_cell(results, tmp_path / "r2", key)
+    assert "forced tokenizer" not in cell["marks"]
+    assert cell["text"] == _report_text(own["metrics"]["adjusted_ppl"])
+    assert [v["what"] for v in cell["variants"]] == ["float32, forced tokenizer"]
+
+
+def _report_text(value: float) -> str:
+    from mlm_eval.report_columns import format_value
+
+    return format_value(value, percent=False)
