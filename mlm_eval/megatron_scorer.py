@@ -137,7 +137,7 @@ def _open_with_tokenizer(ckpt: str, choice: TokenizerChoice) -> tuple[Any, Resol
         tok = load_tokenizer_dir(choice.directory)
         what = f"--tokenizer-dir {choice.directory}"
     else:
-        resolved = resolve_tokenizer(reader, required=True)
+        resolved = resolve_tokenizer(reader, required=True, force=choice.force)
         assert resolved is not None
         if not reader.info.vocab_known:
             reader = open_checkpoint(ckpt, tokenizer_size=resolved.tokenizer.vocab_size,
@@ -148,7 +148,8 @@ def _open_with_tokenizer(ckpt: str, choice: TokenizerChoice) -> tuple[Any, Resol
     meta = reader.metadata
     forced = check_tokenizer(tok, what=what, model_vocab=reader.spec.cfg.vocab_size,
                              recorded=None if meta is None else meta.tokenizer,
-                             model_source=f"--ckpt {ckpt}", force=choice.force)  # fmt: skip
+                             model_source=f"--ckpt {ckpt}", force=choice.force,
+                             divisible_by=reader.spec.cfg.make_vocab_size_divisible_by)  # fmt: skip
     return reader, ResolvedTokenizer(tokenizer=tok, source=what, record=record_of(tok), forced=tuple(forced))
 
 

@@ -129,7 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag_group(p, ParallelFlags, title="parallel layout")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     _add_module_names(p)
-    add_flag_group(p, TokenizerFlags, title="tokenizer", include=("tokenizer_dir",))
+    add_flag_group(p, TokenizerFlags, title="tokenizer", include=("tokenizer_dir", "force_tokenizer"))
     p.add_argument("--weights-only", action="store_true",
                    help="accept a Hugging Face directory without a tokenizer (the checkpoint records none)")  # fmt: skip
     _add_format(p)
@@ -387,8 +387,9 @@ def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
 
 
 def _hf_tokenizer(
-    hf_dir: Path, tokenizer_dir: Path | None, *, rows: int, weights_only: bool
-) -> ResolvedTokenizer | None:
+    hf_dir: Path, tokenizer_dir: Path | None, *, rows: int, weights_only: bool, divisible_by: int = 128,
+    force: bool = False,
+) -> ResolvedTokenizer | None:  # fmt: skip
     from pretrain.tokenizer.loader import ResolvedTokenizer, check_tokenizer, load_tokenizer_dir, record_of
 
     where, flag = (tokenizer_dir, "--tokenizer-dir") if tokenizer_dir is not None else (hf_dir, "--load")
@@ -402,8 +403,11 @@ def _hf_tokenizer(
                 f"{exc}; pass --tokenizer-dir DIR, or --weights-only for a model without one"
             ) from None
         return None
-    check_tokenizer(tok, what=f"{flag} {where}", model_vocab=rows, recorded=None, model_source="the model")
-    return ResolvedTokenizer(tokenizer=tok, source=f"{flag} {where}", record=record_of(tok))
+    forced = check_tokenizer(tok, what=f"{flag} {where}", model_vocab=rows, recorded=None,
+                             model_source=f"the model {hf_dir}", divisible_by=divisible_by, force=force)  # fmt: skip
+    return ResolvedTokenizer(
+        tokenizer=tok, source=f"{flag} {where}", record=record_of(tok), forced=tuple(forced)
+    )
 
 
 def _hf_model_type(hf_dir: Path) -> str | None:
@@ -414,7 +418,8 @@ def _hf_model_type(hf_dir: Path) -> str | None:
 
 def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_by: int,
                 tokenizer_dir: Path | None = None, weights_only: bool = False,
-                ckpt_format: str = "torch", module_names: str | None = None) -> int:  # fmt: skip
+                ckpt_format: str = "torch", module_names: str | None = None,
+                force_tokenizer: bool = False) -> int:  # fmt: skip
     from pretrain.checkpoint.fingerprint import weights_fingerprint
     from pretrain.checkpoint.reshard import WriteOptions, check_output_dir
     from pretrain.checkpoint.types import Provenance
@@ -422,7 +427,8 @@ def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_b
 
     check_output_dir(save, sources=(hf_dir,))
     source = import_hf(hf_dir, make_vocab_size_divisible_by=divisible_by)
-    tok = _hf_tokenizer(hf_dir, tokenizer_dir, rows=source.spec.cfg.vocab_size, weights_only=weights_only)
+    tok = _hf_tokenizer(hf_dir, tokenizer_dir, rows=source.spec.cfg.vocab_size, weights_only=weights_only,
+                        divisible_by=divisible_by, force=force_tokenizer)  # fmt: skip
     bar = _progress(target.tp * target.pp, "from-hf")
     options = WriteOptions(
         iteration="release",
@@ -498,7 +504,8 @@ def _convert(args: argparse.Namespace) -> int:
         target = _layout(flags_from_namespace(ParallelFlags, args))
         rc = run_from_hf(args.load, args.save, target, divisible_by=args.make_vocab_size_divisible_by,
                          tokenizer_dir=args.tokenizer_dir, weights_only=args.weights_only,
-                         ckpt_format=args.ckpt_format, module_names=args.module_names)  # fmt: skip
+                         ckpt_format=args.ckpt_format, module_names=args.module_names,
+                         force_tokenizer=args.force_tokenizer)  # fmt: skip
     return rc
 
 

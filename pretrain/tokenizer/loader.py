@@ -14,6 +14,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import shutil
 import tempfile
@@ -227,14 +228,25 @@ def check_tokenizer(
     recorded: TokenizerRecord | None,
     model_source: str,
     force: bool = False,
+    divisible_by: int = 128,
 ) -> list[str]:
     """Refuse ``tok`` (described by ``what``, e.g. ``--tokenizer-dir X``) for a model of
     ``model_vocab`` rows whose checkpoint records ``recorded``; returns the overridden problems
-    when ``force`` (for the result record), else raises :class:`UserError` with the first one."""
+    when ``force`` (for the result record), else raises :class:`UserError` with the first one.
+
+    A tokenizer too small for the rows (:func:`~pretrain.tensor_parallel.vocab.rows_fit_tokenizer`,
+    ``divisible_by``: the model's make_vocab_size_divisible_by) is a problem too."""
+    from pretrain.tensor_parallel.vocab import rows_fit_tokenizer
+
     problems = []
     if tok.vocab_size > model_vocab:
         problems.append(
             f"{what} has {tok.vocab_size} tokens but {model_source} only {model_vocab} vocabulary rows"
+        )
+    elif not rows_fit_tokenizer(tok.vocab_size, model_vocab, divisible_by=divisible_by):
+        problems.append(
+            f"{what} has {tok.vocab_size} tokens, too few for {model_source}'s {model_vocab} vocabulary "
+            "rows (neither Hugging Face's nor Megatron's padding of it)"
         )
     if recorded is not None:
         ours = {k: v for k, v in tok.special_ids().items() if v is not None}
@@ -289,27 +301,29 @@ def resolve_tokenizer(
     recorded = meta.tokenizer if meta is not None else None
     info = reader.info
     root = Path(info.root or info.path)
-    rows = reader.spec.cfg.vocab_size
-    model_source = f"the checkpoint {info.path}"
+    check = functools.partial(check_tokenizer, model_vocab=reader.spec.cfg.vocab_size, force=force,
+                              model_source=f"the checkpoint {info.path}",
+                              divisible_by=reader.spec.cfg.make_vocab_size_divisible_by)  # fmt: skip
     if tokenizer_dir is not None:
         tok = load_tokenizer_dir(tokenizer_dir, flag=flag)
         what = f"{flag} {tokenizer_dir}"
-        forced = check_tokenizer(tok, what=what, model_vocab=rows, recorded=recorded, model_source=model_source,
-                                 force=force)  # fmt: skip
+        forced = check(tok, what=what, recorded=recorded)
         return ResolvedTokenizer(tokenizer=tok, source=what, record=record_of(tok), forced=tuple(forced))
     if recorded is not None:
         tok = tokenizer_from_record(recorded, root)
-        check_tokenizer(tok, what=f"{root / TOKENIZER_SUBDIR}", model_vocab=rows, recorded=recorded,
-                        model_source=model_source)  # fmt: skip
-        return ResolvedTokenizer(tokenizer=tok, source="the checkpoint's tokenizer", record=record_of(tok))
+        forced = check(tok, what=f"{root / TOKENIZER_SUBDIR}", recorded=recorded)
+        return ResolvedTokenizer(tokenizer=tok, source="the checkpoint's tokenizer", record=record_of(tok),
+                                 forced=tuple(forced))  # fmt: skip
     found = tokenizer_from_args(getattr(reader, "args", {}) or {}, root=root)
     source = f"args.tokenizer_type {getattr(found, 'tokenizer_type', '')}"
     if found is None and checkpoint_tokenizer_dir(root).is_dir():
         found = load_tokenizer_dir(checkpoint_tokenizer_dir(root), flag="checkpoint tokenizer")
         source = str(checkpoint_tokenizer_dir(root))
     if found is not None:
-        check_tokenizer(found, what=source, model_vocab=rows, recorded=None, model_source=model_source)
-        return ResolvedTokenizer(tokenizer=found, source=source, record=record_of(found))
+        forced = check(found, what=source, recorded=None)
+        return ResolvedTokenizer(
+            tokenizer=found, source=source, record=record_of(found), forced=tuple(forced)
+        )
     if required:
         raise UserError(
             f"{info.path}: no usable tokenizer (none recorded in the checkpoint, no {TOKENIZER_SUBDIR}/ "
