@@ -20,11 +20,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pretrain.inference.generate import GenerationConfig
 from pretrain.inference.sampling import SamplingConfig
-from pretrain.tokenizer.factory import TokenizerConfig
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
 from pretrain.utils.flag_groups import (
@@ -36,8 +35,8 @@ from pretrain.utils.flag_groups import (
 )
 from pretrain.utils.jsonl import iter_json_objects
 
-# the shared flag groups' fields mlm-generate takes (the engine loads TP x PP stages, no VP)
-TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+if TYPE_CHECKING:
+    from mlm_eval.megatron_scorer import TokenizerChoice
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -63,21 +62,20 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag_group(p, DTypeFlags, title="dtype", include=("dtype",))
     add_flag_group(p, ParallelFlags, title="parallel layout (torchrun)", include=("tp", "pp"))
     tok = p.add_argument_group("tokenizer (default: the checkpoint's own)")
-    add_flag_group(p, TokenizerFlags, title="tokenizer", group=tok, include=TOKENIZER_FIELDS)
+    add_flag_group(p, TokenizerFlags, title="tokenizer", group=tok)
     return p
 
 
-def tokenizer_config(flags: TokenizerFlags) -> TokenizerConfig | None:
-    """The tokenizer the flags name, or ``None`` for the checkpoint's own."""
-    if flags.tokenizer_type is None:
-        given = [f"--{n.replace('_', '-')}" for n in TOKENIZER_FIELDS[1:] if getattr(flags, n) is not None]
-        if given:
-            raise UserError(
-                f"{given[0]} needs --tokenizer-type (without it the checkpoint's tokenizer is used)"
-            )
+def tokenizer_choice(flags: TokenizerFlags) -> TokenizerChoice | None:
+    """The tokenizer the flags name (Megatron's flags or ``--tokenizer-dir``, checked against the
+    checkpoint's unless ``--force-tokenizer``), or ``None`` for the checkpoint's own."""
+    from mlm_eval.megatron_scorer import TokenizerChoice
+
+    megatron = flags.megatron_config()
+    directory = None if flags.tokenizer_dir is None else str(flags.tokenizer_dir)
+    if megatron is None and directory is None:
         return None
-    return TokenizerConfig(tokenizer_type=flags.tokenizer_type, vocab_file=flags.vocab_file,
-                           merge_file=flags.merge_file, model_path=flags.tokenizer_model)  # fmt: skip
+    return TokenizerChoice(megatron=megatron, directory=directory, force=flags.force_tokenizer)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
@@ -120,14 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     if min(parallel.tp, parallel.pp) < 1:
         raise UserError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
     dtype = flags_from_namespace(DTypeFlags, args)
-    tok_cfg = tokenizer_config(flags_from_namespace(TokenizerFlags, args))
+    tok_cfg = tokenizer_choice(flags_from_namespace(TokenizerFlags, args))
     prompts = read_prompts(args)
     sampling = sampling_config(args)
     if args.hf_model:
         from mlm_eval.generate_hf import run_hf
 
         if tok_cfg is not None:
-            raise UserError("--tokenizer-type is for --ckpt; --hf-model uses the directory's tokenizer")
+            raise UserError("tokenizer flags are for --ckpt; --hf-model uses the directory's tokenizer")
         return run_hf(args, prompts, sampling, parallel=parallel, dtype=dtype)
     return _run_ckpt(args, prompts, sampling, parallel=parallel, dtype=dtype, tok_cfg=tok_cfg)
 
@@ -139,7 +137,7 @@ def _run_ckpt(
     *,
     parallel: ParallelFlags,
     dtype: DTypeFlags,
-    tok_cfg: TokenizerConfig | None,
+    tok_cfg: TokenizerChoice | None,
 ) -> int:
     from mlm_eval.harness.engine import EngineConfig, HarnessEngine
     from pretrain.inference.generate import generate

@@ -34,6 +34,7 @@ from pretrain.utils.flag_groups import ParallelFlags, TokenizerFlags, add_flag_g
 from pretrain.utils.outputs import check_writable_output
 
 if TYPE_CHECKING:
+    from pretrain.tokenizer.base import Tokenizer
     from pretrain.tokenizer.loader import ResolvedTokenizer
 
 # transformers' save_pretrained default (tools.hf_shards.DEFAULT_MAX_SHARD_SIZE; a test keeps them equal).
@@ -44,32 +45,61 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 @dataclass(frozen=True, kw_only=True)
 class SourceOptions:
-    """How to open the source checkpoint."""
+    """How to open the source checkpoint and which tokenizer to use with it (the shared flags:
+    Megatron's ``--tokenizer-type``/``--vocab-file``/``--merge-file``/``--tokenizer-model`` or
+    ``--tokenizer-dir``; none: the checkpoint's own)."""
 
     load: Path
     iteration: int | str | None = None
     vocab_size: int | None = None
-    tokenizer_dir: Path | None = None
-    force_tokenizer: bool = False
+    tok_flags: TokenizerFlags = TokenizerFlags()
 
     def open(self) -> Any:
-        """The reader; a ``--tokenizer-dir`` gives the true vocabulary when ``args`` do not."""
+        """The reader; a tokenizer given by flag gives the true vocabulary when ``args`` do not."""
         from pretrain.checkpoint.opener import open_checkpoint
-        from pretrain.tokenizer.loader import load_tokenizer_dir
 
         reader = open_checkpoint(self.load, iteration=self.iteration, vocab_size=self.vocab_size)
-        if self.tokenizer_dir is not None and not reader.info.vocab_known and self.vocab_size is None:
-            size = load_tokenizer_dir(self.tokenizer_dir).vocab_size
-            reader = open_checkpoint(self.load, iteration=self.iteration, tokenizer_size=size,
-                                     tokenizer_source=f"--tokenizer-dir {self.tokenizer_dir}")  # fmt: skip
-        return reader
+        if reader.info.vocab_known or self.vocab_size is not None:
+            return reader
+        given = self.given(reader)
+        if given is None:
+            return reader
+        tok, what = given
+        return open_checkpoint(self.load, iteration=self.iteration, tokenizer_size=tok.vocab_size,
+                               tokenizer_source=what)  # fmt: skip
+
+    def given(self, reader: Any) -> tuple[Tokenizer, str] | None:
+        """The tokenizer the flags name and how they name it, or ``None`` (the checkpoint's own).
+        Files without ``--tokenizer-type`` take the type the checkpoint names (``args`` or record)."""
+        from pretrain.tokenizer.factory import build_tokenizer
+        from pretrain.tokenizer.loader import load_tokenizer_dir
+
+        flags = self.tok_flags
+        cfg = flags.megatron_config(default_type=_named_tokenizer_type(reader))
+        if cfg is not None:
+            files = [f"{flag} {value}" for flag, value in (("--vocab-file", cfg.vocab_file),
+                     ("--merge-file", cfg.merge_file), ("--tokenizer-model", cfg.model_path)) if value]  # fmt: skip
+            return build_tokenizer(cfg), " ".join([f"--tokenizer-type {cfg.tokenizer_type}", *files])
+        if flags.tokenizer_dir is not None:
+            tok = load_tokenizer_dir(flags.tokenizer_dir, tokenizer_type=flags.tokenizer_type)
+            return tok, f"--tokenizer-dir {flags.tokenizer_dir}"
+        return None
 
     def tokenizer(self, reader: Any, *, required: bool) -> ResolvedTokenizer | None:
-        """The checked tokenizer (``--tokenizer-dir`` or the recorded one; see ``resolve_tokenizer``)."""
+        """The checked tokenizer (the flags' or the recorded one; see ``resolve_tokenizer``)."""
         from pretrain.tokenizer.loader import resolve_tokenizer
 
-        return resolve_tokenizer(reader, tokenizer_dir=self.tokenizer_dir, force=self.force_tokenizer,
+        return resolve_tokenizer(reader, given=self.given(reader), force=self.tok_flags.force_tokenizer,
                                  required=required)  # fmt: skip
+
+
+def _named_tokenizer_type(reader: Any) -> str | None:
+    """The tokenizer type a checkpoint names: its record's, else upstream ``args.tokenizer_type``."""
+    meta = getattr(reader, "metadata", None)
+    if meta is not None and meta.tokenizer is not None:
+        return str(meta.tokenizer.tokenizer_type)
+    kind = (getattr(reader, "args", None) or {}).get("tokenizer_type")
+    return kind if isinstance(kind, str) else None
 
 
 def _iteration(text: str) -> int | str:
@@ -93,7 +123,7 @@ def _add_source(p: argparse.ArgumentParser, *, positional: bool = False) -> None
         p.add_argument("--load", type=Path, required=True, help="source checkpoint directory")
     p.add_argument("--iteration", type=_iteration, help="iteration to read (default: the tracker's)")
     p.add_argument("--vocab-size", type=int, help="true vocabulary size, where the checkpoint records none")
-    add_flag_group(p, TokenizerFlags, title="tokenizer", include=("tokenizer_dir", "force_tokenizer"))
+    add_flag_group(p, TokenizerFlags, title="tokenizer (default: the checkpoint's own)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -191,7 +221,7 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _source(args: argparse.Namespace) -> SourceOptions:
     return SourceOptions(load=args.load, iteration=args.iteration, vocab_size=args.vocab_size,
-                         tokenizer_dir=args.tokenizer_dir, force_tokenizer=args.force_tokenizer)  # fmt: skip
+                         tok_flags=flags_from_namespace(TokenizerFlags, args))  # fmt: skip
 
 
 def _progress(total: int, desc: str, unit: str = "file") -> Any:
@@ -453,6 +483,7 @@ def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_b
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "inspect":
+        _check_tokenizer_flags(args)
         return run_inspect(_source(args), as_json=args.json)
     _check_outputs_and_flags(args)
     if not args.verify:
@@ -480,10 +511,19 @@ def _check_outputs_and_flags(args: argparse.Namespace) -> None:
         raise UserError("--dist-optimizer needs --with-optimizer and --ckpt-format torch_dist")
     if not args.verify_tol >= 0:  # (also NaN)
         raise UserError(f"--verify-tol must be >= 0, got {args.verify_tol}")
+    _check_tokenizer_flags(args)
+    check_writable_output(args.save, kind="dir", flag="--save")
+
+
+def _check_tokenizer_flags(args: argparse.Namespace) -> None:
+    """The tokenizer flags name files and directories that exist."""
     tok = getattr(args, "tokenizer_dir", None)
     if tok is not None and not Path(tok).is_dir():
         raise UserError(f"--tokenizer-dir {tok}: not a directory")
-    check_writable_output(args.save, kind="dir", flag="--save")
+    for name in ("vocab_file", "merge_file", "tokenizer_model"):
+        value = getattr(args, name, None)
+        if value is not None and not Path(value).exists():
+            raise UserError(f"--{name.replace('_', '-')} {value}: no such file")
 
 
 def _layout(flags: ParallelFlags) -> ParallelConfig:

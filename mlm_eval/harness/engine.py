@@ -35,7 +35,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -48,6 +48,9 @@ from pretrain.parallel.state import ParallelState
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.tokenizer.factory import TokenizerConfig
 from pretrain.utils.errors import UserError
+
+if TYPE_CHECKING:
+    from mlm_eval.megatron_scorer import TokenizerChoice
 
 T = TypeVar("T")
 
@@ -62,7 +65,7 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "float32"  # a pretrain.models.transformer.DTYPES name (or an mlm-eval flag: bf16)
     batch_size: int = 16  # rows per forward (per pipeline microbatch under PP)
-    tokenizer: TokenizerConfig | None = None  # None: the checkpoint's own
+    tokenizer: TokenizerConfig | TokenizerChoice | None = None  # None: the checkpoint's own
     progress: bool = True
 
     def __post_init__(self) -> None:

@@ -37,27 +37,56 @@ HF_TOKENIZER_FILES = (
 )  # fmt: skip
 
 
+# The file names a tokenizer directory may hold, ours first, then Megatron-LM's usual ones
+# (``gpt2-vocab.json``/``gpt2-merges.txt`` of its GPT-2 recipes, ``bert-large-cased-vocab.txt``).
+GPT2_VOCAB_NAMES = ("vocab.json", "gpt2-vocab.json", "*-vocab.json")
+GPT2_MERGES_NAMES = ("merges.txt", "gpt2-merges.txt", "*-merges.txt")
+WORDPIECE_NAMES = ("vocab.txt", "*-vocab.txt")
+
+
+def _find(path: Path, names: tuple[str, ...]) -> Path | None:
+    """The first of ``names`` (exact names, then one glob match) in directory ``path``."""
+    for name in names:
+        hits = sorted(path.glob(name))
+        if len(hits) > 1:
+            raise UserError(
+                f"{path}: several tokenizer files match {name} ({', '.join(h.name for h in hits)})"
+            )
+        if hits and hits[0].is_file():
+            return hits[0]
+    return None
+
+
 def _infer_type(path: Path) -> str:
     if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
         return "HuggingFaceTokenizer"
-    if (path / "vocab.json").is_file() and (path / "merges.txt").is_file():
+    if _find(path, GPT2_VOCAB_NAMES) and _find(path, GPT2_MERGES_NAMES):
         return "GPT2BPETokenizer"
-    if (path / "vocab.txt").is_file():
+    vocab_txt = _find(path, WORDPIECE_NAMES)
+    if vocab_txt is not None:
         marker = path / "mlm_tokenizer.json"
         cased = marker.is_file() and "BertWordPieceCase" in marker.read_text(encoding="utf-8")
+        cased = cased or ("-cased" in vocab_txt.name and not marker.is_file())  # bert-large-cased-vocab.txt
         return "BertWordPieceCase" if cased else "BertWordPieceLowerCase"
     if any(path.glob("*.model")):
         return "GPTSentencePieceTokenizer"
     raise UserError(
-        f"{path}: no tokenizer files (tokenizer.json, vocab.json + merges.txt, vocab.txt or *.model)"
+        f"{path}: no tokenizer files (tokenizer.json, vocab.json + merges.txt, gpt2-vocab.json + "
+        "gpt2-merges.txt, vocab.txt or *.model)"
     )
 
 
 def _config_for(path: Path, kind: str, flag: str) -> TokenizerConfig:
     if kind == "GPT2BPETokenizer":
-        return TokenizerConfig(kind, vocab_file=str(path / "vocab.json"), merge_file=str(path / "merges.txt"))
+        vocab, merges = _find(path, GPT2_VOCAB_NAMES), _find(path, GPT2_MERGES_NAMES)
+        if vocab is None or merges is None:
+            raise UserError(
+                f"{flag} {path}: {kind} needs vocab.json + merges.txt (or gpt2-vocab.json + gpt2-merges.txt)"
+            )
+        return TokenizerConfig(kind, vocab_file=str(vocab), merge_file=str(merges))
     if kind in ("BertWordPieceLowerCase", "BertWordPieceCase"):
-        return TokenizerConfig(kind, vocab_file=str(path / "vocab.txt"))
+        vocab_txt = _find(path, WORDPIECE_NAMES)
+        return TokenizerConfig(kind, vocab_file=str(vocab_txt or path / "vocab.txt"))
     if kind in ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer"):
         models = sorted(path.glob("*.model"))
         if not models:
@@ -286,14 +315,15 @@ def resolve_tokenizer(
     reader: Any,
     *,
     tokenizer_dir: str | Path | None = None,
+    given: tuple[Tokenizer, str] | None = None,
     force: bool = False,
     required: bool = True,
     flag: str = "--tokenizer-dir",
 ) -> ResolvedTokenizer | None:
     """The tokenizer for an opened checkpoint ``reader`` (``spec``, ``info``, ``metadata``, ``args``).
 
-    ``tokenizer_dir`` (a flag) is checked against the model and the recorded tokenizer (see
-    :func:`check_tokenizer`); else the recorded one (``CKPT/tokenizer/``), else the one upstream
+    ``given`` (a tokenizer and the flags that named it) or ``tokenizer_dir`` (a flag) is checked
+    against the model and the recorded tokenizer (see :func:`check_tokenizer`); else the recorded one (``CKPT/tokenizer/``), else the one upstream
     ``args`` name when its files exist, else a ``tokenizer/`` directory without a record. None
     found: :class:`UserError` when ``required``, else ``None``.
     """
@@ -304,9 +334,10 @@ def resolve_tokenizer(
     check = functools.partial(check_tokenizer, model_vocab=reader.spec.cfg.vocab_size, force=force,
                               model_source=f"the checkpoint {info.path}",
                               divisible_by=reader.spec.cfg.make_vocab_size_divisible_by)  # fmt: skip
-    if tokenizer_dir is not None:
-        tok = load_tokenizer_dir(tokenizer_dir, flag=flag)
-        what = f"{flag} {tokenizer_dir}"
+    if given is None and tokenizer_dir is not None:
+        given = (load_tokenizer_dir(tokenizer_dir, flag=flag), f"{flag} {tokenizer_dir}")
+    if given is not None:
+        tok, what = given
         forced = check(tok, what=what, recorded=recorded)
         return ResolvedTokenizer(tokenizer=tok, source=what, record=record_of(tok), forced=tuple(forced))
     if recorded is not None:

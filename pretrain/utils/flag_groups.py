@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 from pretrain.config import DTypeName
-from pretrain.tokenizer.factory import TOKENIZER_TYPES
+from pretrain.tokenizer.factory import TOKENIZER_TYPES, TokenizerConfig
 from pretrain.utils.errors import UserError
 
 T = TypeVar("T")
@@ -65,6 +65,33 @@ class TokenizerFlags:
             "use the given tokenizer even if it differs from the checkpoint's (the result says so)"
         ),
     )
+
+    def megatron_config(self, *, default_type: str | None = None) -> TokenizerConfig | None:
+        """The tokenizer Megatron's flags name (``--tokenizer-type`` and its files), or ``None``.
+
+        Files given without ``--tokenizer-type`` take ``default_type`` (a checkpoint's
+        ``args.tokenizer_type``: local copies of the files its training cluster named); with none,
+        :class:`UserError`. ``--tokenizer-dir`` is the other way to name a tokenizer, not both."""
+        files = [n for n in MEGATRON_TOKENIZER_FIELDS[1:] if getattr(self, n) is not None]
+        kind = self.tokenizer_type or (default_type if files else None)
+        if files and self.tokenizer_dir is not None:
+            raise UserError(f"--tokenizer-dir and {_flag(files[0])} name two tokenizers; give one")
+        if kind is None:
+            if files:
+                raise UserError(f"{_flag(files[0])} needs --tokenizer-type")
+            return None
+        if self.tokenizer_dir is not None:
+            return None  # --tokenizer-type picks the type of the --tokenizer-dir files
+        return TokenizerConfig(tokenizer_type=kind, vocab_file=self.vocab_file, merge_file=self.merge_file,
+                               model_path=self.tokenizer_model)  # fmt: skip
+
+
+# Megatron-LM's tokenizer flags (TokenizerFlags fields), type first
+MEGATRON_TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
+
+
+def _flag(field_name: str) -> str:
+    return "--" + field_name.replace("_", "-")
 
 
 @dataclass(frozen=True, kw_only=True)
