@@ -118,14 +118,16 @@ def main(argv: list[str] | None = None) -> int:
     if min(parallel.tp, parallel.pp) < 1:
         raise UserError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
     dtype = flags_from_namespace(DTypeFlags, args)
-    tok_cfg = tokenizer_choice(flags_from_namespace(TokenizerFlags, args))
+    tok_flags = flags_from_namespace(TokenizerFlags, args)
+    tok_cfg = tokenizer_choice(tok_flags)
     prompts = read_prompts(args)
     sampling = sampling_config(args)
     if args.hf_model:
         from mlm_eval.generate_hf import run_hf
 
         if tok_cfg is not None:
-            raise UserError("tokenizer flags are for --ckpt; --hf-model uses the directory's tokenizer")
+            flag = "--tokenizer-type" if tok_flags.tokenizer_type else "--tokenizer-dir"
+            raise UserError(f"{flag} is for --ckpt; --hf-model uses the directory's tokenizer")
         return run_hf(args, prompts, sampling, parallel=parallel, dtype=dtype)
     return _run_ckpt(args, prompts, sampling, parallel=parallel, dtype=dtype, tok_cfg=tok_cfg)
 
@@ -157,18 +159,18 @@ def _run_ckpt(
                                eos_id=tok.eod, pad_id=int(tok.eod or 0))  # fmt: skip
 
         def stop(_: int, out: list[int]) -> bool:
-            return cut_at_stop(tok.detokenize(out), args.stop)[1]
+            return cut_at_stop(tok.text_of(out), args.stop)[1]
 
         if args.json:
             outs = engine.generate(ids, gen, stop=stop if args.stop else None)
             for i, (prompt, out) in enumerate(zip(prompts, outs, strict=True)):
-                text, stopped = cut_at_stop(tok.detokenize(out), args.stop)
+                text, stopped = cut_at_stop(tok.text_of(out), args.stop)
                 if engine.is_main:
                     print(json.dumps({"index": i, "prompt": prompt, "text": text, "tokens": out,
                                       "stopped": stopped}), flush=True)  # fmt: skip
             return 0
         for i, (prompt, row) in enumerate(zip(prompts, ids, strict=True)):
-            stream = _Stream(tok.detokenize, args.stop, show=engine.is_main)
+            stream = TextStream(tok.text_of, args.stop, show=engine.is_main)
             stream.start(prompt)
             generate(
                 engine.model, [row], gen, stop=stop if args.stop else None, seeds=[i], on_token=stream.add
@@ -179,8 +181,10 @@ def _run_ckpt(
         engine.close()
 
 
-class _Stream:
-    """Prints a prompt's continuation as it grows (whole characters only, cut at stop strings)."""
+class TextStream:
+    """Prints a prompt, then its continuation as it grows (whole characters only, cut at stop
+    strings, special tokens left out by ``decode``), then a newline: both ``--ckpt`` and
+    ``--hf-model`` print through it."""
 
     def __init__(self, decode: Any, stops: list[str], *, show: bool) -> None:
         self.decode, self.stops, self.show = decode, stops, show

@@ -23,9 +23,9 @@ def run_hf(
     dtype: DTypeFlags,
 ) -> int:
     """Generate for each prompt in one process; stream to stdout or print JSON lines."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TextStreamer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mlm_eval.generate_cli import cut_at_stop
+    from mlm_eval.generate_cli import TextStream, cut_at_stop
 
     if parallel.tp * parallel.pp > 1:
         raise UserError("--hf-model runs in one process; TP/PP generation needs --ckpt DIR")
@@ -44,17 +44,47 @@ def run_hf(
         kwargs.update(temperature=sampling.temperature, top_k=sampling.top_k or None, top_p=sampling.top_p)
     if args.stop:
         kwargs.update(stop_strings=list(args.stop), tokenizer=tok)
+
+    def decode(out: list[int]) -> str:  # as HF users read generated text (and as --ckpt prints it)
+        return str(tok.decode(out, skip_special_tokens=True, clean_up_tokenization_spaces=False))
+
     for i, prompt in enumerate(prompts):
         torch.manual_seed(sampling.seed + i)
         ids = torch.tensor(
             [tok.encode(prompt, add_special_tokens=False) or [tok.eos_token_id]], device=args.device
         )
-        streamer = None if args.json else TextStreamer(tok, skip_prompt=False)
+        stream = None if args.json else TextStream(decode, args.stop, show=True)
+        if stream is not None:
+            stream.start(prompt)
         with torch.no_grad():
-            out = model.generate(ids, streamer=streamer, **kwargs)[0, ids.shape[1] :].tolist()
+            out = model.generate(ids, streamer=_feed(stream), **kwargs)[0, ids.shape[1] :].tolist()
+        if stream is not None:
+            stream.finish()
         if tok.eos_token_id in out:
             out = out[: out.index(tok.eos_token_id)]
         if args.json:
-            text, stopped = cut_at_stop(str(tok.decode(out)), args.stop)
+            text, stopped = cut_at_stop(decode(out), args.stop)
             print(json.dumps({"index": i, "prompt": prompt, "text": text, "tokens": out, "stopped": stopped}))
     return 0
+
+
+def _feed(stream: Any) -> Any:
+    """A ``transformers`` streamer handing each generated id to ``stream`` (a ``TextStream``), or None."""
+    if stream is None:
+        return None
+    from transformers.generation.streamers import BaseStreamer
+
+    class Feed(BaseStreamer):  # type: ignore[misc]
+        prompt_seen = False
+
+        def put(self, value: torch.Tensor) -> None:
+            if not self.prompt_seen:  # generate() first puts the prompt
+                self.prompt_seen = True
+                return
+            for token in value.reshape(-1).tolist():
+                stream.add(0, int(token))
+
+        def end(self) -> None:
+            return None
+
+    return Feed()

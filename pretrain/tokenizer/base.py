@@ -85,6 +85,17 @@ class Tokenizer(abc.ABC):
         """``{"eod": ..., "cls": ..., "sep": ..., "pad": ..., "mask": ...}``."""
         return {"eod": self.eod, "cls": self.cls, "sep": self.sep, "pad": self.pad, "mask": self.mask}
 
+    def special_token_ids(self) -> frozenset[int]:
+        """Ids of every special token (bos, eod, cls, sep, pad, mask): what generated text leaves
+        out, as Hugging Face's ``decode(ids, skip_special_tokens=True)`` does."""
+        ids = [self.bos, *self.special_ids().values()]
+        return frozenset(i for i in ids if i is not None)
+
+    def text_of(self, ids: Sequence[int]) -> str:
+        """Text of ``ids`` without its special tokens (generated text, as users read it)."""
+        skip = self.special_token_ids()
+        return self.detokenize([i for i in ids if i not in skip])
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(vocab_size={self.vocab_size}, special={self.special_ids()})"
 

@@ -72,6 +72,9 @@ class HuggingFaceTokenizer(Tokenizer):
             )
         )
 
+    def special_token_ids(self) -> frozenset[int]:
+        return frozenset(int(i) for i in self._tok.all_special_ids)
+
     def offsets(self, text: str) -> list[tuple[int, int]]:
         if not getattr(self._tok, "is_fast", False):
             raise NotImplementedError("offsets need a fast (Rust) Hugging Face tokenizer")
