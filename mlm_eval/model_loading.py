@@ -39,6 +39,7 @@ class ModelSpec:
     tokenizer_type: str | None = None
     vocab_file: str | None = None
     merge_file: str | None = None
+    tokenizer_model: str | None = None
     tokenizer_dir: str | None = None
     device: str = "cpu"
     dtype: str = "float32"  # a pretrain.models.transformer.DTYPES name
@@ -57,6 +58,7 @@ class ModelSpec:
             tokenizer_type=tok.tokenizer_type,
             vocab_file=tok.vocab_file,
             merge_file=tok.merge_file,
+            tokenizer_model=tok.tokenizer_model,
             tokenizer_dir=None if tok.tokenizer_dir is None else str(tok.tokenizer_dir),
             device=args.device,
             dtype=DTYPE_FLAGS[flags_from_namespace(DTypeFlags, args).dtype],
@@ -91,8 +93,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
         "--hf-model", metavar="DIR", help="local Hugging Face causal LM + tokenizer directory"
     )
     source.add_argument("--ckpt", metavar="DIR", help="an mlm-toolkit (Megatron-layout) checkpoint directory")
-    add_flag_group(parser, TokenizerFlags, title="tokenizer", group=group,
-                   include=("tokenizer_type", "vocab_file", "merge_file", "tokenizer_dir", "force_tokenizer"))  # fmt: skip
+    add_flag_group(parser, TokenizerFlags, title="tokenizer", group=group)
     group.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
     add_flag_group(parser, DTypeFlags, title="dtype", group=group, include=("dtype",))
     add_flag_group(
@@ -123,6 +124,7 @@ def load_scorer(args: argparse.Namespace) -> LoadedModel:
         raise UserError("--hf-model runs in one process; TP/PP/DP evaluation (torchrun) needs --ckpt DIR")
     megatron_flags = {"--tokenizer-type": spec.tokenizer_type, "--vocab-file": spec.vocab_file}
     megatron_flags["--merge-file"] = spec.merge_file
+    megatron_flags["--tokenizer-model"] = spec.tokenizer_model
     given = [flag for flag, value in megatron_flags.items() if value is not None]
     if given:  # silently ignoring them would evaluate with a different tokenizer than asked
         raise UserError(f"{', '.join(given)} apply to --ckpt; with --hf-model use --tokenizer-dir DIR")
@@ -141,9 +143,12 @@ def _load_ckpt(spec: ModelSpec, args: argparse.Namespace) -> LoadedModel:
     megatron = None
     if spec.tokenizer_type is not None:
         megatron = TokenizerConfig(tokenizer_type=spec.tokenizer_type, vocab_file=spec.vocab_file,
-                                   merge_file=spec.merge_file, model_path=spec.tokenizer_dir)  # fmt: skip
-    elif spec.vocab_file is not None or spec.merge_file is not None:
-        raise UserError("--vocab-file/--merge-file need --tokenizer-type (or use --tokenizer-dir DIR)")
+                                   merge_file=spec.merge_file,
+                                   model_path=spec.tokenizer_model or spec.tokenizer_dir)  # fmt: skip
+    elif spec.vocab_file is not None or spec.merge_file is not None or spec.tokenizer_model is not None:
+        raise UserError(
+            "--vocab-file/--merge-file/--tokenizer-model need --tokenizer-type (or use --tokenizer-dir DIR)"
+        )
     tok_cfg = TokenizerChoice(megatron=megatron, directory=None if megatron else spec.tokenizer_dir,
                               force=spec.force_tokenizer)  # fmt: skip
     if spec.tp * spec.pp > 1 or launched_distributed():

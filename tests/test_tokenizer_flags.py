@@ -161,3 +161,29 @@ def test_megatron_core_checkpoint_with_cluster_paths_converts(tok: dict[str, Any
         with torch.no_grad():
             logits = model(probe["tokens"]).logits
         torch.testing.assert_close(logits, probe["logits"], atol=1e-4, rtol=0)
+
+
+def test_mlm_eval_takes_tokenizer_model(upstream: Path, tok: dict[str, Any], tmp_path: Path) -> None:
+    """mlm-eval has the whole group too: ``--tokenizer-model`` names a Hugging Face tokenizer
+    directory (here the to-hf export's), scoring as the BPE files do."""
+    from mlm_eval.cli import main as eval_main
+
+    files = [
+        "--vocab-file",
+        str(tok["plain"] / "vocab.json"),
+        "--merge-file",
+        str(tok["plain"] / "merges.txt"),
+    ]
+    hf = tmp_path / "hf"
+    assert convert_main(["to-hf", "--load", str(upstream), "--save", str(hf), *files]) == 0
+    data = ["--data", "builtin:lambada_sample.jsonl", "--no-progress"]
+    runs = {
+        "files": ["--tokenizer-type", "GPT2BPETokenizer", *files],
+        "model": ["--tokenizer-type", "HuggingFaceTokenizer", "--tokenizer-model", str(hf)],
+    }
+    ppl = {}
+    for name, flags in runs.items():
+        out = tmp_path / f"{name}.json"
+        assert eval_main(["lambada", "--ckpt", str(upstream), *flags, *data, "--out", str(out)]) == 0
+        ppl[name] = json.loads(out.read_text())["metrics"]["ppl"]
+    assert ppl["model"] == pytest.approx(ppl["files"], rel=1e-9)
