@@ -11,7 +11,9 @@
 directory, written by mlm-toolkit or by Megatron-LM (legacy ``torch`` format of any era, or
 ``torch_dist``). Every output directory is written under a temporary sibling and renamed when
 complete. User errors print one line and exit with code 2; ``inspect`` exits 1 when the
-checkpoint is inconsistent.
+checkpoint is inconsistent. ``inspect``, ``reshard`` and ``to-hf`` take the shared tokenizer flags
+(``--tokenizer-type``/``--vocab-file``/``--merge-file``/``--tokenizer-model`` or ``--tokenizer-dir``;
+e.g. local copies of the files an upstream checkpoint's ``args`` name on its training cluster).
 """
 
 from __future__ import annotations
