@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from pretrain.checkpoint.args_semantics import OUTPUT_LAYER, is_zero_centred_norm, layernorm_1p
+from pretrain.checkpoint.dcp_failures import dcp_failures, first_line
 from pretrain.checkpoint.metadata import as_mapping, read_metadata
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
 from pretrain.checkpoint.safe_unpickle import load_untrusted
@@ -78,11 +79,19 @@ class _RegionPlanner(DefaultLoadPlanner):
     def __init__(self, key: str, out: torch.Tensor, offsets: tuple[int, ...]) -> None:
         super().__init__()
         self.key, self.out, self.offsets = key, out, offsets
+        self.files: list[str] = []
 
     def create_local_plan(self) -> LoadPlan:
         md = self.metadata.state_dict_metadata[self.key]  # type: ignore[union-attr]
         chunk = ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.out.shape)
-        return LoadPlan(create_read_items_for_chunk_list(self.key, md, [chunk]))  # type: ignore[arg-type]
+        items = create_read_items_for_chunk_list(self.key, md, [chunk])  # type: ignore[arg-type]
+        storage = self.metadata.storage_data or {}  # type: ignore[union-attr]
+        self.files = sorted({getattr(storage.get(i.storage_index), "relative_path", "?") for i in items})
+        return LoadPlan(items)
+
+    def where(self, path: Path) -> str:
+        """The data file(s) the region is read from (the directory until the plan is made)."""
+        return ", ".join(str(path / f) for f in self.files) if self.files else str(path)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
         t = self.out
@@ -99,15 +108,19 @@ def read_region(path: Path, md: TensorStorageMetadata, key: str, layer: int | No
     size = tuple(md.size) if layer is None else (1, *md.size[1:])
     out = torch.empty(size, dtype=md.properties.dtype)
     offsets = (0,) * len(size) if layer is None else (layer, *(0,) * (len(size) - 1))
+    planner = _RegionPlanner(key, out, offsets)
+
+    def describe(exc: BaseException) -> str:
+        return f"{planner.where(path)}: cannot read tensor {key}, truncated or corrupt? ({first_line(exc)})"
+
     try:
-        with warnings.catch_warnings():  # "assuming ... a single process": intended
+        with dcp_failures(describe), warnings.catch_warnings():  # "assuming ... a single process": intended
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load(
-                {}, storage_reader=FileSystemReader(str(path)), planner=_RegionPlanner(key, out, offsets),
-                no_dist=True,
-            )  # fmt: skip
+            dcp.load({}, storage_reader=FileSystemReader(str(path)), planner=planner, no_dist=True)
+    except UserError:
+        raise
     except Exception as exc:
-        raise UserError(f"{path}: cannot read tensor {key} ({type(exc).__name__}: {exc})") from None
+        raise UserError(describe(exc)) from None
     return out if layer is None else out[0]
 
 
@@ -159,9 +172,35 @@ class TorchDistReader:
 def _read_metadata(it_dir: Path) -> dict[str, TensorStorageMetadata]:
     try:
         md = FileSystemReader(str(it_dir)).read_metadata()
+        tensors = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
     except Exception as exc:
-        raise UserError(f"{it_dir}: cannot read torch_dist metadata ({type(exc).__name__}: {exc})") from None
-    return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+        raise UserError(
+            f"{it_dir / '.metadata'}: cannot be read, truncated or corrupt? ({first_line(exc)})"
+        ) from None
+    _check_data_files(it_dir, md.storage_data)
+    return tensors
+
+
+def _check_data_files(it_dir: Path, storage: object) -> None:
+    """Every ``.distcp`` file the metadata names exists and reaches the end of its last item.
+
+    Tensors are read lazily, so without this a truncated file would surface only when (and if)
+    a tensor stored past the cut is read: after minutes of work, or as an ``inspect`` problem.
+    """
+    ends: dict[str, int] = {}
+    for info in storage.values() if isinstance(storage, dict) else ():
+        name, offset, length = (getattr(info, a, None) for a in ("relative_path", "offset", "length"))
+        if isinstance(name, str) and isinstance(offset, int) and isinstance(length, int):
+            ends[name] = max(ends.get(name, 0), offset + length)
+    for name, end in sorted(ends.items()):
+        path = it_dir / name
+        if not path.is_file():
+            raise UserError(f"{path}: missing (the torch_dist .metadata stores tensors in it)")
+        size = path.stat().st_size
+        if size < end:
+            raise UserError(
+                f"{path}: truncated: {size} bytes, but the .metadata stores data up to byte {end}"
+            )
 
 
 def open_torch_dist(

@@ -38,6 +38,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from pretrain.checkpoint.dcp_failures import dcp_failures, first_line
 from pretrain.checkpoint.layout import CHECKPOINT_VERSION, iteration_dir, write_tracker
 from pretrain.checkpoint.metadata import to_args
 from pretrain.checkpoint.optimizer_state import MCORE_STATE_PREFIX, OptimizerSource
@@ -236,7 +237,8 @@ def write_torch_dist(
     with atomic_directory(save) as tmp:
         it_dir = iteration_dir(tmp, options.iteration)
         it_dir.mkdir(parents=True)
-        with warnings.catch_warnings():  # "assuming ... a single process": intended
+        written = dcp_failures(lambda exc: f"{save}: cannot write the torch_dist data ({first_line(exc)})")
+        with written, warnings.catch_warnings():  # "assuming ... a single process": intended
             warnings.simplefilter("ignore", UserWarning)
             dcp.save({}, storage_writer=FileSystemWriter(str(it_dir), thread_count=1),
                      planner=_StreamingPlanner(entries, _fetcher(source, optimizer)), no_dist=True)  # fmt: skip
