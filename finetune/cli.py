@@ -143,7 +143,7 @@ def _check_outputs(args: Any) -> None:
     from pretrain.checkpoint.layout import TRACKER
 
     if args.results_dir is not None:
-        check_writable_output(args.results_dir, kind="dir", flag="--results-dir")
+        check_writable_output(args.results_dir, kind="dir", flag="--results-dir", shared=True)
     if args.log_json is not None:
         check_writable_output(args.log_json, kind="file", flag="--log-json")
     if args.save is None:

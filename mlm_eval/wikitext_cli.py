@@ -181,7 +181,7 @@ def check_result_output(args: argparse.Namespace) -> None:
     """Before any work: --out is a writable file name (or --results-dir a writable folder), and a
     --limit run never replaces a full result."""
     if args.out is None:
-        check_writable_output(args.results_dir, kind="dir", flag="--results-dir")
+        check_writable_output(args.results_dir, kind="dir", flag="--results-dir", shared=True)
         return
     out = check_writable_output(args.out, kind="file", flag="--out")
     if args.limit is not None and out.is_file():

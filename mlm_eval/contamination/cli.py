@@ -226,7 +226,7 @@ def run(args: argparse.Namespace) -> int:
     if args.out is not None:
         check_writable_output(args.out, kind="file", flag="--out")
     elif args.results_dir is not None:
-        check_writable_output(args.results_dir, kind="dir", flag="--results-dir")
+        check_writable_output(args.results_dir, kind="dir", flag="--results-dir", shared=True)
     config = ContaminationConfig(
         train=tuple(args.train),
         eval_task=args.eval_task,

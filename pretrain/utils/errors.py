@@ -20,11 +20,25 @@ class UserError(Exception):
     """
 
 
+_command_end: list[Callable[[], None]] = []  # run when the outermost cli_entry command ends
+_depth = 0  # cli_entry commands running (one ``main`` may call another)
+
+
+def at_command_end(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the running ``cli_entry`` command ends, however it ends (e.g. release
+    an output lock). Outside a command it is not kept: the caller's own exit handling applies."""
+    if _depth > 0 and callback not in _command_end:
+        _command_end.append(callback)
+
+
 def cli_entry(func: F) -> F:
-    """Wrap a CLI ``main`` so that :class:`UserError` prints ``error: ...`` and exits with code 2."""
+    """Wrap a CLI ``main`` so that :class:`UserError` prints ``error: ...`` and exits with code 2,
+    and Ctrl-C prints ``interrupted`` and exits with code 130."""
 
     @wraps(func)
     def wrapper(*args, **kwargs):  # type: ignore[no-untyped-def]
+        global _depth
+        _depth += 1
         try:
             return func(*args, **kwargs)
         except UserError as exc:
@@ -34,6 +48,10 @@ def cli_entry(func: F) -> F:
         except KeyboardInterrupt:
             print("interrupted", file=sys.stderr)
             raise SystemExit(130) from None
+        finally:
+            _depth -= 1
+            while _depth == 0 and _command_end:
+                _command_end.pop()()
 
     return wrapper  # type: ignore[return-value]
 

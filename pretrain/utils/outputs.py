@@ -3,7 +3,8 @@
 A run that would fail only at its first write (a read-only ``--save`` after hours of training, a
 ``--out`` that is a directory) is refused up front. The check is a real probe: the nearest
 existing directory on the way to the output gets a temporary file created and removed, so it is
-right for every user (``root`` included) and file system (read-only mounts, quotas aside).
+right for every user (``root`` included) and file system (read-only mounts, quotas aside). An
+output directory is also locked against a second writer (:mod:`pretrain.utils.output_lock`).
 """
 
 from __future__ import annotations
@@ -15,15 +16,21 @@ from pathlib import Path
 from typing import Literal
 
 from pretrain.utils.errors import UserError
+from pretrain.utils.output_lock import lock_output
 
 OutputKind = Literal["file", "dir"]
 
 
-def check_writable_output(path: str | os.PathLike[str], *, kind: OutputKind, flag: str) -> Path:
+def check_writable_output(
+    path: str | os.PathLike[str], *, kind: OutputKind, flag: str, shared: bool = False
+) -> Path:
     """Check that ``path`` can be written as a ``kind`` ("file" or "dir"); returns it as a Path.
 
     A missing path is fine when its nearest existing ancestor is a writable directory (the
     folders are created later). Raises :class:`UserError` naming ``flag`` and the path otherwise.
+    An output directory is then locked for this command (:func:`lock_output`: a second process
+    writing it is refused) unless ``shared``: a directory that several runs fill with their own
+    files, each written atomically (a results directory).
     """
     p = Path(path)
     if p.exists():
@@ -38,6 +45,8 @@ def check_writable_output(path: str | os.PathLike[str], *, kind: OutputKind, fla
         raise UserError(f"{flag} {p}: cannot write in {probe_dir} (permission denied or read-only)")
     if kind == "file" and p.exists() and not os.access(p, os.W_OK):
         raise UserError(f"{flag} {p}: the file is not writable")
+    if kind == "dir" and not shared:
+        lock_output(p, flag=flag)
     return p
 
 
