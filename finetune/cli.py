@@ -27,7 +27,7 @@ from typing import Any
 
 from finetune.init_from import Pretrained, load_pretrained, tokenizer_from_dir
 from finetune.presets import SIZES, TASK_NAMES, get_preset
-from finetune.task_data import load_task_data
+from finetune.task_data import check_task_files, load_task_data
 from finetune.tasks import FinetuneTask, predict_all, train_iterations
 from finetune.tokenization import PairEncoder
 from pretrain.checkpoint.args import training_metadata
@@ -276,6 +276,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     flags_from_namespace(DTypeFlags, args).dtype_name()  # --bf16 with --fp16 is refused before any work
+    check_task_files(args.task, args.data_dir)  # a missing directory first, not a flag it makes moot
     _check_outputs(args)
     if args.eval_only:
         pre = _eval_only_source(args)

@@ -266,10 +266,24 @@ class RaceData:
                 "files": files}  # fmt: skip
 
 
-def load_task_data(name: str, data_dir: str, encoder: PairEncoder, **squad_options: Any) -> Any:
-    """The :class:`~finetune.tasks.TaskData` of CLI task ``name``."""
+def check_task_files(name: str, data_dir: str) -> None:
+    """Before any work: ``data_dir`` exists and holds CLI task ``name``'s files (one line if not)."""
     if not Path(data_dir).is_dir():
         raise UserError(f"--data-dir {data_dir}: no such directory")
+    if name in ("squad", "squad2"):
+        for split in ("train", "dev"):
+            _squad_file(name, data_dir, split)
+    elif name == "race":
+        for split in ("train", "dev"):
+            if not (Path(data_dir) / split).is_dir():
+                raise UserError(f"--data-dir {data_dir}: missing RACE directory {Path(data_dir) / split}")
+    else:
+        resolve_task_dir(name, data_dir)
+
+
+def load_task_data(name: str, data_dir: str, encoder: PairEncoder, **squad_options: Any) -> Any:
+    """The :class:`~finetune.tasks.TaskData` of CLI task ``name``."""
+    check_task_files(name, data_dir)
     if name in ("squad", "squad2"):
         return SquadData.load(name, data_dir, encoder, **squad_options)
     if name == "race":

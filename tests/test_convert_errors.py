@@ -127,7 +127,7 @@ def test_heads_not_divisible_by_target_tp(tmp_path: Path, full, capsys: pytest.C
     with pytest.raises(SystemExit) as err:
         main(argv)
     msg = capsys.readouterr().err
-    assert err.value.code == 2 and "8" in msg and "not divisible by --tp 3" in msg
+    assert err.value.code == 2 and "8" in msg and "not divisible by --target-tp 3" in msg
     assert not (tmp_path / "out").exists() and not list(tmp_path.glob(".out*"))
 
 

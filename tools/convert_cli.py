@@ -30,9 +30,16 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pretrain.config import ParallelConfig
+from pretrain.models.hf_families import supported_architectures, supported_model_types
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
-from pretrain.utils.flag_groups import ParallelFlags, TokenizerFlags, add_flag_group, flags_from_namespace
+from pretrain.utils.flag_groups import (
+    ParallelFlags,
+    TokenizerFlags,
+    add_flag_group,
+    flags_from_namespace,
+    renamed_flag_errors,
+)
 from pretrain.utils.outputs import check_writable_output
 
 if TYPE_CHECKING:
@@ -155,8 +162,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                    help="largest safetensors shard, as save_pretrained (e.g. 5GB, 500MB; default 5GB)")  # fmt: skip
     _add_verify(p)
-    p = sub.add_parser("from-hf", help="import a Hugging Face GPT-2 / BERT directory")
-    p.add_argument("--load", type=Path, required=True, help="Hugging Face model directory")
+    p = sub.add_parser("from-hf", help=f"import a Hugging Face model directory ({supported_architectures()})")
+    p.add_argument("--load", type=Path, required=True,
+                   help=f"Hugging Face model directory (config.json model_type {supported_model_types()})")  # fmt: skip
     p.add_argument("--save", type=Path, required=True, help="new checkpoint directory")
     add_flag_group(p, ParallelFlags, title="parallel layout")
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
@@ -534,10 +542,11 @@ def _layout(flags: ParallelFlags) -> ParallelConfig:
 
 def _convert(args: argparse.Namespace) -> int:
     if args.command == "reshard":
-        target = _layout(flags_from_namespace(ParallelFlags, args, dests=TARGET_DESTS))
-        rc = run_reshard(_source(args), args.save, target, with_optimizer=args.with_optimizer,
-                         ckpt_format=args.ckpt_format, module_names=args.module_names,
-                         dist_optimizer=args.dist_optimizer)  # fmt: skip
+        with renamed_flag_errors(ParallelFlags, TARGET_FLAGS):  # the user typed --target-tp, not --tp
+            target = _layout(flags_from_namespace(ParallelFlags, args, dests=TARGET_DESTS))
+            rc = run_reshard(_source(args), args.save, target, with_optimizer=args.with_optimizer,
+                             ckpt_format=args.ckpt_format, module_names=args.module_names,
+                             dist_optimizer=args.dist_optimizer)  # fmt: skip
     elif args.command == "to-hf":
         rc = run_to_hf(
             _source(args), args.save, weights_only=args.weights_only, max_shard_size=args.max_shard_size

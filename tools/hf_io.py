@@ -21,6 +21,7 @@ import torch
 
 from pretrain.checkpoint.plan import ModelSpec
 from pretrain.checkpoint.types import PROBE_TEXT, DictSource
+from pretrain.models.hf_families import BERT_MODEL_TYPES, HF_MODEL_TYPES, supported_model_types
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.utils.atomic import atomic_directory
 from pretrain.utils.errors import UserError
@@ -228,7 +229,7 @@ def read_hf_state(hf_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def import_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> DictSource:
-    """A local HF GPT-2 / BERT / MegatronBERT directory -> canonical tensors and model spec."""
+    """A local HF directory of one of ``HF_MODEL_TYPES`` -> canonical tensors and model spec."""
     from transformers import AutoConfig
 
     if not (hf_dir / "config.json").is_file():
@@ -237,6 +238,8 @@ def import_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> DictS
         config = AutoConfig.from_pretrained(str(hf_dir))
     except Exception as exc:
         raise UserError(f"--load {hf_dir}: cannot read config.json ({type(exc).__name__}: {exc})") from None
+    if config.model_type not in HF_MODEL_TYPES:  # before reading any weights
+        raise UserError(f"--load {hf_dir}: model_type {config.model_type!r} is not {supported_model_types()}")
     state = read_hf_state(hf_dir)
     over = {"make_vocab_size_divisible_by": make_vocab_size_divisible_by}
     if config.model_type == "gpt2":
@@ -249,7 +252,7 @@ def import_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> DictS
     if config.model_type in hf_llama.FAMILIES:  # Llama, Mistral, Qwen2, Qwen3
         cfg = hf_llama.model_config_from_hf(config, **over)
         return DictSource(ModelSpec(kind="gpt", cfg=cfg), hf_llama.hf_to_canonical(state, cfg))
-    if config.model_type in ("bert", "megatron-bert"):
+    if config.model_type in BERT_MODEL_TYPES:
         from pretrain.models import hf_bert
 
         cfg = hf_bert.model_config_from_hf(config, **over)
@@ -260,4 +263,4 @@ def import_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> DictS
         fresh = hf_bert.add_fresh_heads(full, cfg)  # our BertModel always has an LM head
         binary = "binary_head.weight" in full
         return DictSource(ModelSpec(kind="bert", cfg=cfg, add_binary_head=binary, fresh_heads=fresh), full)
-    raise UserError(f"--load {hf_dir}: model_type {config.model_type!r} is not gpt2, bert or megatron-bert")
+    raise AssertionError(f"HF_MODEL_TYPES lists {config.model_type!r} without an importer")

@@ -74,7 +74,7 @@ NUMERICS_ONLY = (
     "masked_softmax_fusion", "bias_dropout_fusion", "bias_swiglu_fusion", "gradient_accumulation_fusion",
     "fp16", "bf16", "params_dtype", "transformer_impl", "attention_backend",
 )  # fmt: skip
-# Needed fields and the Megatron flag that supplies each (for the one-line refusal).
+# Needed fields and the Megatron-LM training flag that sets each (named in the one-line refusal).
 FLAGS = {
     "hidden_size": "--hidden-size", "num_attention_heads": "--num-attention-heads",
     "num_query_groups": "--num-query-groups", "max_position_embeddings": "--max-position-embeddings",
@@ -139,7 +139,7 @@ def need(args: Mapping[str, Any], key: str, source: str) -> Any:
     value = args.get(key)
     if value is None:
         flag = FLAGS.get(key, "--" + key.replace("_", "-"))
-        raise UserError(f"{source}: args lack {key}, needed to read this checkpoint (pass {flag})")
+        raise UserError(f"{source}: args lack {key} (Megatron-LM's {flag}), needed to read this checkpoint")
     return value
 
 

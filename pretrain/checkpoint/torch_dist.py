@@ -211,7 +211,9 @@ def open_torch_dist(
     root: Path | None = None,
 ) -> TorchDistReader:
     """Open a ``torch_dist`` iteration directory (metadata only; tensors are read on demand)."""
-    common = load_untrusted(it_dir / "common.pt", mmap=False) if (it_dir / "common.pt").exists() else {}
+    if not (it_dir / "common.pt").is_file():  # megatron-core keeps the model's args only there
+        raise UserError(f"{it_dir}: common.pt is missing (it holds the args that describe the model)")
+    common = load_untrusted(it_dir / "common.pt", mmap=False)
     args = dict(as_mapping(common.get("args")))
     ours = read_metadata(args, source=str(it_dir))
     meta = _read_metadata(it_dir)

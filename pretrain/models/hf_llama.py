@@ -17,36 +17,18 @@ Megatron readers and the parity tests.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from pretrain.config import ModelConfig
+from pretrain.models.hf_families import LLAMA_FAMILIES, Family
 from pretrain.utils.errors import UserError
 
 LM = "language_model."
 
 
-@dataclass(frozen=True)
-class Family:
-    """One Hugging Face model family: its architecture and what its config turns on."""
-
-    model_type: str
-    architecture: str
-    qkv_bias: bool  # q/k/v projections always carry a bias (Qwen2)
-    qk_norm: bool  # per-head RMSNorm of queries and keys (Qwen3)
-
-
-FAMILIES = {
-    f.model_type: f
-    for f in (
-        Family("llama", "LlamaForCausalLM", qkv_bias=False, qk_norm=False),
-        Family("mistral", "MistralForCausalLM", qkv_bias=False, qk_norm=False),
-        Family("qwen2", "Qwen2ForCausalLM", qkv_bias=True, qk_norm=False),
-        Family("qwen3", "Qwen3ForCausalLM", qkv_bias=False, qk_norm=True),
-    )
-}
+FAMILIES = LLAMA_FAMILIES  # model_type -> Family (pretrain/models/hf_families.py)
 
 # (ours under "language_model.encoder.layers.{i}.", HF under "model.layers.{i}.") one-to-one.
 LAYER_TABLE: tuple[tuple[str, str], ...] = (

@@ -19,10 +19,12 @@ The shared groups: :class:`TokenizerFlags`, :class:`DTypeFlags`, :class:`Paralle
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import re
 import types
 import typing
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -211,3 +213,23 @@ def flags_from_namespace(
         if hasattr(ns, dest):
             values[f.name] = getattr(ns, dest)
     return cls(**values)
+
+
+@contextlib.contextmanager
+def renamed_flag_errors(cls: type[Any], flags: Mapping[str, tuple[str, ...]]) -> Iterator[None]:
+    """Re-raise a :class:`UserError` naming ``cls``'s shared flags (``--tp``) with this command's
+    names for them (``flags``, as given to :func:`add_flag_group`: ``--target-tp``).
+
+    Checks deep in the engine (``ModelConfig.check_tensor_parallel``, ``ParallelConfig``) name the
+    shared flags; a command that spells them otherwise must not send the user to a flag it lacks.
+    """
+    names: dict[str, str] = {}
+    for f in dataclasses.fields(cls):
+        if f.name in flags:
+            for option in f.metadata.get("flags") or ("--" + f.name.replace("_", "-"),):
+                names[option] = flags[f.name][0]
+    pattern = re.compile(r"(?<![\w-])(" + "|".join(map(re.escape, names)) + r")(?![\w-])")
+    try:
+        yield
+    except UserError as exc:
+        raise UserError(pattern.sub(lambda m: names[m.group(1)], str(exc))) from None
