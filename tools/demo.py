@@ -5,8 +5,9 @@
 2. pretrain a tiny GPT with tp=2, pp=2 under ``torchrun`` (gloo), saving a checkpoint;
 3. reshard it to tp=1, pp=1 (``mlm-convert reshard``) and inspect it;
 4. convert it to a Hugging Face ``GPT2LMHeadModel`` (``mlm-convert to-hf``);
-5. evaluate WikiText-format perplexity and LAMBADA-format accuracy on the built-in samples
-   (``mlm-eval wikitext103`` / ``lambada``) straight from the Megatron checkpoint;
+5. run lm-evaluation-harness on the toolkit's offline sample tasks (``mlm-lm-eval --model mlm``,
+   ``mlm_eval/harness/tasks``), then evaluate WikiText-format perplexity and LAMBADA-format accuracy
+   on the built-in samples (``mlm-eval wikitext103`` / ``lambada``) straight from the Megatron checkpoint;
 6. pretrain a tiny BERT (``mlm-pretrain bert``) and finetune it on the built-in GLUE-format task
    (``mlm-finetune sst2``);
 7. write the leaderboard report (``mlm-eval report``) and print where it is.
@@ -77,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         "convert to Hugging Face",
         [tool("mlm-convert"), "to-hf", "--load", str(ckpt1), "--save", str(out / "hf_gpt2")],
     )
+    _harness(out, ckpt1)
     for task, data in (
         ("wikitext103", "builtin:wikitext_sample.tokens"),
         ("lambada", "builtin:lambada_sample.jsonl"),
@@ -91,6 +93,21 @@ def main(argv: list[str] | None = None) -> int:
                                "--with-paper"])  # fmt: skip
     print(f"\nDemo complete. Report: {out / 'report' / 'leaderboard.html'} (also .md, .csv, .json)")
     return 0
+
+
+def _harness(out: Path, ckpt: Path) -> None:
+    """lm-evaluation-harness on the toolkit's offline sample tasks, on our checkpoint as it is."""
+    import importlib.util
+
+    if importlib.util.find_spec("lm_eval") is None:
+        print("\n=== lm-evaluation-harness: not installed (pip install -e '.[lm-eval]'), step skipped")
+        return
+    from mlm_eval.harness.tasks import TAG, TASKS_DIR
+
+    run("lm-evaluation-harness sample tasks (offline) on the tp=1 checkpoint", [
+        tool("mlm-lm-eval"), "--model", "mlm", "--model_args", f"ckpt={ckpt},batch_size=8", "--include_path",
+        str(TASKS_DIR), "--tasks", TAG, "--device", "cpu", "--output_path", str(out / "lm_eval"),
+    ], env={"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"})  # fmt: skip
 
 
 def _finetune(out: Path, results: Path, iters: int) -> None:

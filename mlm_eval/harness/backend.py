@@ -15,6 +15,7 @@ vocabulary and the output layer only at scored positions.
 from __future__ import annotations
 
 import atexit
+import inspect
 import json
 from typing import Any
 
@@ -23,6 +24,7 @@ import torch
 from lm_eval.api.model import TemplateLM
 from lm_eval.api.registry import register_model
 from lm_eval.models.utils import handle_stop_sequences, normalize_gen_kwargs, postprocess_generated_text
+from lm_eval.utils import simple_parse_args_string
 from tqdm import tqdm
 
 from mlm_eval.harness.engine import EngineConfig, HarnessEngine
@@ -62,7 +64,7 @@ class MLMHarnessLM(TemplateLM):
         super().__init__()
         if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
             device = "cpu"  # the harness CLI's default is cuda:0 (its hf backend falls back to CPU too)
-        size = 16 if batch_size in (None, "auto") or str(batch_size).startswith("auto") else int(batch_size)
+        size = _batch_size(batch_size)
         if engine is None:
             if not ckpt:
                 raise UserError("--model mlm needs --model_args ckpt=DIR")
@@ -93,6 +95,30 @@ class MLMHarnessLM(TemplateLM):
         self.add_bos_token = bool(add_bos_token)
         self.batch_size = engine.batch_size
         self._device = device
+
+    @classmethod
+    def create_from_arg_string(
+        cls, arg_string: str, additional_config: dict[str, Any] | None = None
+    ) -> MLMHarnessLM:
+        """``--model_args`` as the harness parses them (see :meth:`create_from_arg_obj`)."""
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
+    @classmethod
+    def create_from_arg_obj(
+        cls, arg_dict: dict[str, Any], additional_config: dict[str, Any] | None = None
+    ) -> MLMHarnessLM:
+        """``--model_args`` over the harness-wide settings: a key given in both (``batch_size``,
+        ``device``, ``max_batch_size``) takes the ``--model_args`` value, where the harness's own
+        ``create_from_arg_*`` pass it twice (``TypeError``); an unknown key is one line naming it."""
+        known = model_arg_names()
+        unknown = sorted(set(arg_dict) - known)
+        if unknown:
+            raise UserError(
+                f"--model_args {unknown[0]}={arg_dict[unknown[0]]}: not an option of --model mlm "
+                f"(options: {', '.join(sorted(known))})"
+            )
+        harness = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **harness)
 
     # --- what the harness asks of a model -------------------------------------------------------
     @property
@@ -127,7 +153,8 @@ class MLMHarnessLM(TemplateLM):
 
     def get_model_info(self) -> dict[str, Any]:
         """Recorded in the harness's results ``config``."""
-        return {f"mlm_{k}": v for k, v in self.engine.info.items()}
+        # the batch size used (the harness's config.batch_size is its --batch_size, not --model_args')
+        return {**{f"mlm_{k}": v for k, v in self.engine.info.items()}, "mlm_batch_size": self.batch_size}
 
     # --- request types ------------------------------------------------------------------------
     def _loglikelihood_tokens(
@@ -198,3 +225,25 @@ class MLMHarnessLM(TemplateLM):
 
         ids = self.engine.generate(prompts, gen, stop=stop, progress=bar.update)
         return [postprocess_generated_text(self.tok_decode(x), until, None) for x in ids]
+
+
+def model_arg_names() -> set[str]:
+    """The ``--model_args`` keys ``--model mlm`` takes: its constructor's keyword parameters."""
+    params = inspect.signature(MLMHarnessLM.__init__).parameters.values()
+    return {p.name for p in params if p.kind is p.KEYWORD_ONLY or p.kind is p.POSITIONAL_OR_KEYWORD} - {
+        "self",
+        "engine",
+    }
+
+
+def _batch_size(value: int | str | None) -> int:
+    """Rows per forward: ``auto``/``auto:N`` (no search here) and ``None`` mean 16."""
+    if value is None or str(value).startswith("auto"):
+        return 16
+    try:
+        size = int(value)
+    except (TypeError, ValueError):
+        size = 0
+    if size < 1 or str(size) != str(value).strip():
+        raise UserError(f"batch_size={value}: expected a positive integer or 'auto'")
+    return size
