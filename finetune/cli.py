@@ -31,7 +31,6 @@ from finetune.task_data import check_task_files, load_task_data
 from finetune.tasks import FinetuneTask, predict_all, train_iterations
 from finetune.tokenization import PairEncoder
 from pretrain.checkpoint.args import training_metadata
-from pretrain.checkpoint.fingerprint import fingerprint_tensors
 from pretrain.checkpoint.metadata import require_metadata
 from pretrain.checkpoint.types import FinetuneRecord
 from pretrain.config import DTypeName, ModelConfig, ParallelConfig
@@ -173,7 +172,18 @@ def _eval_only_source(args: Any) -> Pretrained:
         raise UserError(f"--ckpt {args.ckpt}: not a {args.task} finetuning checkpoint (task {task!r})")
     tok_dir = args.tokenizer_dir or Path(args.ckpt) / "tokenizer"
     args.saved_argv = tuple(meta.provenance.argv)
-    return Pretrained(cfg=meta.model, tensors={}, tokenizer=tokenizer_from_dir(tok_dir), source=args.ckpt)
+    # results of the re-evaluation belong to the model the run finetuned: its name and fingerprint
+    # (a checkpoint from before they were recorded: the finetuned weights' own fingerprint)
+    ft = meta.finetune
+    fingerprint = ft.source_fingerprint if ft is not None else None
+    if fingerprint is None:
+        from pretrain.checkpoint.fingerprint import weights_fingerprint
+        from pretrain.checkpoint.opener import open_checkpoint
+
+        fingerprint = weights_fingerprint(open_checkpoint(args.ckpt))
+    name = Path(ft.source).name if ft is not None and ft.source else Path(args.ckpt).name
+    return Pretrained(cfg=meta.model, tensors={}, tokenizer=tokenizer_from_dir(tok_dir), source=args.ckpt,
+                      fingerprint=fingerprint, name=name)  # fmt: skip
 
 
 def _model_cfg(args: Any, pre: Pretrained, seq_length: int) -> ModelConfig:
@@ -208,7 +218,7 @@ def _save_tokenizer(tokenizer: Any, path: Path) -> None:
 
 def _run_seed(args: Any, k: int, ctx: dict[str, Any]) -> dict[str, Any]:
     """Finetune (unless ``--eval-only``) and evaluate with seed ``--seed + k``."""
-    from pretrain.training.loop import train
+    from pretrain.training.loop import count_parameters, train
 
     h, data, ps, rank0 = ctx["hyper"], ctx["data"], ctx["ps"], ctx["ps"].rank == 0
     seed = args.seed + k
@@ -244,7 +254,11 @@ def _run_seed(args: Any, k: int, ctx: dict[str, Any]) -> dict[str, Any]:
     scored = data.score(outputs, out_dir)
     history = result["history"]
     scored.update(
-        seed=seed, iterations=iters, final_loss=history[-1]["loss"] if history else None, fresh=task.fresh
+        seed=seed,
+        iterations=iters,
+        final_loss=history[-1]["loss"] if history else None,
+        fresh=task.fresh,
+        parameters=count_parameters(result["trainer"], vocab_size=ctx["cfg"].vocab_size),  # a collective
     )
     return scored
 
@@ -295,7 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     data = load_task_data(args.task, args.data_dir, encoder, **({"doc_stride": args.doc_stride,
                           "max_query_length": args.max_query_length, "null_threshold": args.null_score_diff_threshold}
                           if args.task in ("squad", "squad2") else {}))  # fmt: skip
-    record = FinetuneRecord(task=args.task, head=dataclasses.asdict(data.head), source=pre.source)
+    fingerprint = pre.weights_fingerprint()  # the pretrained trunk's: every rank records it
+    record = FinetuneRecord(task=args.task, head=dataclasses.asdict(data.head), source=pre.source,
+                            source_fingerprint=fingerprint)  # fmt: skip
     from pretrain.training.loop import setup_parallel
 
     ps = setup_parallel(parallel, seed=args.seed)
@@ -306,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [_run_seed(args, k, ctx) for k in range(args.seeds)]
     metrics = _median(runs)
     if ps.rank == 0:
-        _report(args, pre, parallel, h, metrics, runs)
+        _report(args, pre, parallel, h, metrics, runs, fingerprint=fingerprint)
     import torch.distributed as dist
 
     if dist.is_initialized():
@@ -315,16 +331,17 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _report(args: Any, pre: Pretrained, parallel: ParallelConfig, h: dict[str, Any], metrics: dict[str, float],
-            runs: list[dict[str, Any]]) -> None:  # fmt: skip
+            runs: list[dict[str, Any]], *, fingerprint: str | None) -> None:  # fmt: skip
     task = RESULT_TASK.get(args.task, args.task)
     headline = {k: v for k, v in metrics.items() if k in TASK_METRICS.get(task, metrics)}
     record = make_result(
         kind="finetune", task=task, method="median" if len(runs) > 1 else "single",
-        model={"name": Path(pre.source).name, "iteration": pre.iteration if isinstance(pre.iteration, int) else None,
+        model={"name": pre.name or Path(pre.source).name,
+               "iteration": pre.iteration if isinstance(pre.iteration, int) else None,
                "layout": f"tp{parallel.tp}-pp{parallel.pp}-vp{parallel.vp}", "checkpoint": pre.source,
+               "parameters": runs[0]["parameters"],  # the finetuned model's (trunk and task head)
                # the pretrained trunk every source of these weights shares (ckpt, HF export, bare BertModel)
-               "fingerprint": fingerprint_tensors(pre.tensors.items(), vocab_size=pre.cfg.vocab_size)
-               if len(pre.tensors) else None},  # --eval-only reads no pretrained tensors
+               "fingerprint": fingerprint},
         metrics=headline, seed=args.seed, units={k: "percent" for k in headline},  # finetune metrics: x 100
         dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
         sample_data=_is_builtin_task(args.data_dir),

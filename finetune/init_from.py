@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from pretrain.checkpoint.fingerprint import fingerprint_tensors
 from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
 from pretrain.models.sharding import load_full_state_dict
@@ -69,6 +70,18 @@ class Pretrained:
     source: str
     iteration: int | str | None = None
     layout: str | None = None
+    # known without hashing ``tensors`` (--eval-only: recorded by the finetuning run) / the name
+    # results carry (default: ``source``'s directory name)
+    fingerprint: str | None = None
+    name: str | None = None
+
+    def weights_fingerprint(self) -> str | None:
+        """The pretrained weights' fingerprint (``None`` when neither recorded nor readable)."""
+        if self.fingerprint is not None:
+            return self.fingerprint
+        if not len(self.tensors):
+            return None
+        return fingerprint_tensors(self.tensors.items(), vocab_size=self.cfg.vocab_size)
 
     def with_config(self, **changes: Any) -> Pretrained:
         """The same weights under a config with ``changes`` (e.g. dropout, params_dtype)."""

@@ -22,7 +22,15 @@ from rich.table import Table
 
 from mlm_eval.report_collect import collect_results
 from mlm_eval.report_columns import Column, format_params
-from mlm_eval.report_render import ReportMeta, cell_text, details_text, notes, rank_text, write_outputs
+from mlm_eval.report_render import (
+    ReportMeta,
+    cell_text,
+    details_text,
+    notes,
+    rank_header,
+    rank_text,
+    write_outputs,
+)
 from mlm_eval.report_table import (
     REDUCE_RULES,
     Leaderboard,
@@ -34,6 +42,7 @@ from mlm_eval.report_table import (
 from pretrain.utils.errors import UserError
 
 _MODEL_WIDTH = 26
+_RANK_WIDTH = 12  # '# (unranked: sample data)' wraps to this width
 _HEADER_WRAP = 12
 _META_WIDTH = 6 + _MODEL_WIDTH + 4  # rank and model columns with borders and padding
 
@@ -112,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
     meta = ReportMeta(
         directories=collection.directories,
         skipped=collection.skipped,
+        ignored=collection.ignored,
         n_records=len(collection.records),
         generated=_dt.datetime.now(_dt.timezone.utc),
     )
@@ -132,19 +142,21 @@ def rich_tables(board: Leaderboard, width: int) -> list[Table]:
     Best cells are bold green, marks follow the value in brackets, reference rows dim italic.
     """
     chunks: list[list[Column]] = [[]]
-    used = _META_WIDTH
+    rank = rank_header(board)
+    meta_width = _META_WIDTH + max(0, min(len(rank), _RANK_WIDTH) - 3)  # an explained '#' is wider
+    used = meta_width
     for col in board.columns:
         need = min(max(len(col.label), 6), _HEADER_WRAP) + 3  # headers wrap at spaces
         if chunks[-1] and used + need > width:
             chunks.append([])
-            used = _META_WIDTH
+            used = meta_width
         chunks[-1].append(col)
         used += need
     tables = []
     for i, chunk in enumerate(chunks):
         title = "Leaderboard" + (f" ({i + 1}/{len(chunks)})" if len(chunks) > 1 else "")
         table = Table(title=title, caption="bold green: best among full runs; ↓ lower is better; ref: paper")
-        table.add_column("#", justify="right")
+        table.add_column(escape(rank), justify="right", max_width=_RANK_WIDTH)
         table.add_column("Model (params; details)", max_width=_MODEL_WIDTH)
         for col in chunk:
             table.add_column(escape(col.label), justify="right", max_width=_HEADER_WRAP, overflow="fold")

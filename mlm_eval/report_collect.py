@@ -26,6 +26,7 @@ from __future__ import annotations
 import datetime as _dt
 import json
 import math
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -92,6 +93,7 @@ class RunRecord:
     sample_data: bool = False  # the built-in sample data, not the real test set
     forced_tokenizer: bool = False  # --force-tokenizer overrode a tokenizer check (model.tokenizer.forced)
     unit_rule: str = "declared"  # how accuracy-like values were scaled: "declared" or "producer"
+    outputs: tuple[Path, ...] = ()  # files the run wrote beside its record (mlm-finetune predictions)
 
     @property
     def partial(self) -> bool:
@@ -134,6 +136,7 @@ class Collection:
     directories: tuple[Path, ...]
     files_seen: int
     hygiene: tuple[HygieneRecord, ...] = ()
+    ignored: tuple[Path, ...] = ()  # JSON files a record names as its own outputs: not results, quietly
 
 
 def is_percent_metric(metric: str) -> bool:
@@ -159,13 +162,31 @@ def collect_results(directories: Sequence[str | Path]) -> Collection:
         except MalformedResult as exc:
             if str(exc) != LEADERBOARD_SCHEMA:  # our own report output is not a result, quietly
                 skipped.append(SkippedFile(path=path, reason=str(exc)))
+    owned = {p.resolve() for r in records for p in r.outputs}
     return Collection(
         records=tuple(records),
-        skipped=tuple(skipped),
+        skipped=tuple(s for s in skipped if s.path.resolve() not in owned),
         directories=dirs,
         files_seen=len(files),
         hygiene=tuple(hygiene),
+        ignored=tuple(s.path for s in skipped if s.path.resolve() in owned),
     )
+
+
+def _named_outputs(path: Path, details: dict[str, Any]) -> tuple[Path, ...]:
+    """The files a record's runs say they wrote (``details.runs[].files``), found beside ``path``:
+    they were written as ``RESULTS_DIR[/seed_K]/NAME`` and ``path`` is ``RESULTS_DIR/results.json``,
+    so a relative ``RESULTS_DIR`` (from the producer's working directory) still resolves."""
+    runs = details.get("runs")
+    out = []
+    for run in runs if isinstance(runs, list) else []:
+        files = run.get("files") if isinstance(run, dict) else None
+        for name in files if isinstance(files, list) else []:
+            if isinstance(name, str) and name:
+                named = Path(name)
+                seed_dir = named.parent.name if re.fullmatch(r"seed_\d+", named.parent.name) else ""
+                out.append(path.parent / seed_dir / named.name)
+    return tuple(out)
 
 
 def _json_files(dirs: Iterable[Path]) -> list[Path]:
@@ -229,6 +250,7 @@ def _parse_toolkit(path: Path, data: dict[str, Any]) -> RunRecord:
         sample_data=_sample_data(data, details),
         forced_tokenizer=_forced_tokenizer(model),
         unit_rule=rule,
+        outputs=_named_outputs(path, details),
     )
 
 

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 from mlm_eval.report_columns import MISSING, Column, format_params
 from mlm_eval.report_plots import Plot
-from mlm_eval.report_render import ReportMeta, cell_text, details_text, notes, rank_text
+from mlm_eval.report_render import ReportMeta, cell_text, details_text, notes, rank_header, rank_text
 from mlm_eval.report_table import Cell, Leaderboard, Row
 
 _CSS = """
@@ -46,6 +46,7 @@ td.best { background: #dff3df; }
 td.missing { color: #aaa; text-align: center; }
 span.mark { display: block; font-size: 10px; line-height: 1.25; color: #8a5a00; white-space: normal; }
 span.mark.contaminated { color: #b00020; }
+span.mark.older { color: #b00020; font-weight: 600; }
 span.mark.partial, span.mark.sample { color: #6d4c9f; }
 tr.reference td { font-style: italic; color: #555; background: #fafaf0; }
 tr.reference td.best { background: #fafaf0; }
@@ -133,7 +134,7 @@ def render_html(board: Leaderboard, meta: ReportMeta, plots: Sequence[Plot]) -> 
         'fingerprints…" aria-label="filter rows">'
         f'<label{"" if refs else " hidden"}><input type="checkbox" id="show-refs" checked> '
         "paper reference rows</label><span>Click a column header to sort.</span></div>\n"
-        f'<div class="scroll"><table class="leaderboard" id="leaderboard">\n{_head_html(board.columns)}\n'
+        f'<div class="scroll"><table class="leaderboard" id="leaderboard">\n{_head_html(board.columns, rank_header(board))}\n'
         f"<tbody>\n{body}\n</tbody>\n</table></div>\n"
         f'<h2>Plots</h2>\n<div class="plots">\n{figures or _NO_PLOTS}'
         f'\n</div>\n<h2>Notes</h2>\n<ul class="notes">{note_items}</ul>\n'
@@ -151,10 +152,10 @@ def _spans(labels: Sequence[str]) -> list[tuple[str, int]]:
     return out
 
 
-def _head_html(columns: Sequence[Column]) -> str:
+def _head_html(columns: Sequence[Column], rank: str) -> str:
     """Three header rows: task family, task (with the method when not the paper's), metric."""
     esc = html.escape
-    top = '<th rowspan="3" class="sortable" data-col="0" data-lower="true">#</th>'
+    top = f'<th rowspan="3" class="sortable" data-col="0" data-lower="true">{esc(rank)}</th>'
     top += '<th rowspan="3" class="sortable" data-col="1">Model</th>'
     top += '<th rowspan="3" class="sortable" data-col="2" data-lower="false">Params</th>'
     top += "".join(f'<th colspan="{n}">{esc(name)}</th>' for name, n in _spans([c.family for c in columns]))

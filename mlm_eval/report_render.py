@@ -36,6 +36,7 @@ class ReportMeta:
     skipped: tuple[SkippedFile, ...]
     n_records: int
     generated: _dt.datetime
+    ignored: tuple[Path, ...] = ()  # files a result record names as its own outputs
 
 
 def cell_text(cell: Cell | None, col: Column) -> str:
@@ -45,6 +46,18 @@ def cell_text(cell: Cell | None, col: Column) -> str:
 
 def rank_text(row: Row) -> str:
     return "ref" if row.reference else (MISSING if row.rank is None else str(row.rank))
+
+
+def rank_header(board: Leaderboard) -> str:
+    """``#``, or ``# (unranked: why)`` when no run row is ranked, so that a column of dashes is
+    explained where it is read (e.g. every run used the built-in sample data)."""
+    runs = [r for r in board.rows if not r.reference]
+    if not runs or any(r.rank is not None for r in runs):
+        return "#"
+    cells = [c for r in runs if (c := r.cells.get(board.sort_column.key)) is not None]
+    why = [w for w, hit in (("sample data", any(c.sample_data for c in cells)),
+                            ("partial", any(c.partial for c in cells))) if hit]  # fmt: skip
+    return f"# (unranked: {', '.join(why) or 'no value'})"
 
 
 def details_text(row: Row) -> str:
@@ -91,7 +104,27 @@ def notes(board: Leaderboard, meta: ReportMeta) -> list[str]:
         f"Contamination record {h.path} ({h.name}, {h.eval_task}) matches no model row by name or fingerprint."
         for h in board.unmatched_hygiene
     ]
+    out += _conflict_notes(board)
+    if meta.ignored:
+        out.append(f"Ignored {len(meta.ignored)} output file(s) that result records name as their own "
+                   "(e.g. mlm-finetune's predictions).")  # fmt: skip
     out += [f"Skipped {s.path}: {s.reason}" for s in meta.skipped]
+    return out
+
+
+def _conflict_notes(board: Leaderboard) -> list[str]:
+    """One line per cell marked 'older differs': the value shown and the older ones it hides."""
+    out = []
+    for row in board.rows:
+        for col in board.columns:
+            cell = row.cells.get(col.key)
+            if cell is None or not cell.older:
+                continue
+            older = "; ".join(f"{format_value(v, percent=col.percent)} ({path})" for path, v in cell.older)
+            out.append(
+                f"Conflicting results for {row_name(row)}, {col.label}: the newest, {cell_text(cell, col)} "
+                f"({', '.join(cell.sources)}), is shown; older: {older}."
+            )
     return out
 
 
@@ -105,7 +138,7 @@ def _marked(cell: Cell | None, col: Column) -> str:
 
 def render_markdown(board: Leaderboard, meta: ReportMeta) -> str:
     """A GitHub-flavoured Markdown table (best in bold, marks in brackets) followed by the notes."""
-    headers = [*META_HEADERS, *(c.label for c in board.columns)]
+    headers = [rank_header(board), *META_HEADERS[1:], *(c.label for c in board.columns)]
     lines = [
         "# Leaderboard",
         "",

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 from mlm_eval.paper_reference import PAPER_ROWS, PaperRow
-from mlm_eval.report_collect import HygieneRecord, RunRecord
+from mlm_eval.report_collect import HygieneRecord, RunRecord, is_percent_metric
 from mlm_eval.report_columns import (
     HYGIENE_TASK,
     MISSING,
@@ -52,6 +52,9 @@ class Cell:
     forced_tokenizer: bool = False  # a --force-tokenizer result: not the model's own tokenizer
     contamination: float | None = None  # percent of the eval set's n-grams found in training data
     variants: tuple[tuple[str, float], ...] = ()  # other kept results: (description, value)
+    # older runs of the same group (model, task, method, dtype) that printed another value than the
+    # one shown: (file, value), oldest first; --reduce latest would otherwise hide the conflict
+    older: tuple[tuple[str, float], ...] = ()
 
     @property
     def partial(self) -> bool:
@@ -75,6 +78,8 @@ class Cell:
             out.append("forced tokenizer")
         if self.contamination is not None:
             out.append(f"contaminated {format_value(self.contamination, percent=True)}%")
+        if self.older:
+            out.append("older differs")
         return out
 
 
@@ -90,6 +95,11 @@ MARK_LEGEND = (
     (
         "contaminated X%",
         "X% of the eval set's n-grams occur in the model's training data (mlm-eval contamination)",
+    ),
+    (
+        "older differs",
+        "an older run of the same weights, task, method and dtype gave another value (the notes list "
+        "it); the newest is shown",
     ),
 )
 
@@ -266,8 +276,15 @@ def _reduce_cell(recs: list[RunRecord], metric: str, rule: str) -> Cell:
 def _reduce_group(recs: list[RunRecord], metric: str, rule: str, *, n_total: int) -> Cell:
     ordered = sorted(recs, key=lambda r: (r.created, str(r.path)))
     latest = ordered[-1]
+    older: tuple[tuple[str, float], ...] = ()
     if rule == "latest":
         chosen, value = [latest], latest.metrics[metric]
+        shown = format_value(value, percent=is_percent_metric(metric))
+        older = tuple(
+            (str(r.path), r.metrics[metric])
+            for r in ordered[:-1]
+            if format_value(r.metrics[metric], percent=is_percent_metric(metric)) != shown
+        )
     else:
         per_seed = {r.seed: r for r in ordered}  # the latest run per seed
         chosen = list(per_seed.values())
@@ -284,6 +301,7 @@ def _reduce_group(recs: list[RunRecord], metric: str, rule: str, *, n_total: int
         sample_data=any(r.sample_data for r in chosen),
         reduced_precision=latest.reduced_precision,
         forced_tokenizer=any(r.forced_tokenizer for r in chosen),
+        older=older,
     )
 
 

@@ -67,7 +67,21 @@ def test_save_overwrite_eval_only_and_record(
     hyper = b["details"]["hyperparameters"]
     assert hyper["seq_length"] == 32 and hyper["global_batch_size"] == 8 and hyper["lr"] == 1e-3
     assert a["units"] == {"accuracy": "percent"} and a["sample_data"] is True and a["dtype"] == "float32"
+    # the re-evaluation is the same model's row: its name, weights fingerprint and parameter count
+    assert a["model"]["name"] == tiny_bert_dir.name and a["model"]["fingerprint"].startswith("w1:")
+    assert {k: b["model"][k] for k in ("name", "fingerprint", "parameters")} == {
+        k: a["model"][k] for k in ("name", "fingerprint", "parameters")
+    }
+    assert a["model"]["parameters"] == _hf_parameters(tiny_bert_dir, num_labels=2)
     assert main([*SST2, *save, "--overwrite"]) == 0
+
+
+def _hf_parameters(hf_dir: Path, *, num_labels: int) -> int:
+    """transformers' count of ``BertForSequenceClassification`` over ``hf_dir``'s config."""
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig.from_pretrained(hf_dir, num_labels=num_labels)
+    return int(BertForSequenceClassification(config).num_parameters())
 
 
 def test_non_utf8_tsv_is_one_line(

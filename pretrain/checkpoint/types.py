@@ -75,6 +75,9 @@ class FinetuneRecord:
     task: str
     head: dict[str, int | float | str | bool | None] = field(default_factory=dict)
     source: str | None = None
+    # the weights fingerprint of ``source`` (the pretrained trunk): the leaderboard row of every
+    # result of this finetuning, --eval-only's included
+    source_fingerprint: str | None = None
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,6 +24,7 @@ from pretrain.config import ParallelConfig
 from pretrain.distributed.ddp import DDPConfig, DistributedDataParallel, finalize_model_grads
 from pretrain.models.base import ShardedModule
 from pretrain.models.init import init_model_parameters
+from pretrain.models.sharding import is_vocab_tensor
 from pretrain.optim import build_optimizer
 from pretrain.optim.clip_grads import counts_for_norm
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
@@ -256,18 +257,34 @@ def remove_stale_temporaries(save: str) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def start_summary(trainer: Trainer, start: int) -> str:
-    """Megatron-style start line: model size, layout, batch and tokens per iteration, data."""
-    ps, cfg = trainer.ps, trainer.cfg
+def count_parameters(trainer: Trainer, *, vocab_size: int | None = None) -> int:
+    """The whole model's parameter count, each tensor once (TP-replicated and the PP-tied head
+    copy counted once, data-parallel replicas once); with ``vocab_size``, vocabulary tensors count
+    only the true vocabulary's rows (padding is a layout detail, as in ``mlm-convert inspect``).
+    A collective: every rank must call it."""
+    ps = trainer.ps
+
+    def size(name: str, p: torch.Tensor) -> int:
+        if vocab_size is None or not is_vocab_tensor(name):
+            return p.numel()
+        rows = p.shape[0]  # this TP rank's slice of the padded rows; padding sits at the end
+        return max(0, min(rows, vocab_size - ps.tp_rank * rows)) * (p.numel() // rows)
+
     local = sum(
-        p.numel() for c in trainer.chunks for n, p in c.named_parameters() if counts_for_norm(n, p, ps)
+        size(n, p) for c in trainer.chunks for n, p in c.named_parameters() if counts_for_norm(n, p, ps)
     )
     total = torch.tensor([float(local)], dtype=torch.float64)
     if dist.is_initialized() and dist.get_world_size() > 1:
         total = total.to(ps.device)
         dist.all_reduce(total)
         total = total.cpu()
-    params = int(total.item()) // max(ps.dp_size, 1)
+    return int(total.item()) // max(ps.dp_size, 1)
+
+
+def start_summary(trainer: Trainer, start: int) -> str:
+    """Megatron-style start line: model size, layout, batch and tokens per iteration, data."""
+    ps, cfg = trainer.ps, trainer.cfg
+    params = count_parameters(trainer)
     tokens = cfg.global_batch_size * cfg.seq_length
     data = getattr(getattr(trainer.task, "data_cfg", None), "data_prefix", None)
     where = f" | data {' '.join(data)}" if data else ""
