@@ -2,12 +2,13 @@
 #   make demo   -- create .venv, install torch 2.13.0 (CPU) and the toolkit, run the end-to-end demo
 #   make test   -- create .venv, install with dev extras, run ruff, mypy and pytest (every test)
 #   make test-fast -- the same without the tests marked slow (multi-process, browser): under 2 minutes
+#   make docs-report -- regenerate docs/report.png and docs/report.json from the demo (needs chromium)
 PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: setup demo test test-gpu lint typecheck pytest clean
+.PHONY: setup demo docs-report test test-gpu lint typecheck pytest clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,6 +21,10 @@ setup: $(VENV)/.installed
 
 demo: setup
 	HF_HUB_OFFLINE=1 $(PY) -m tools.demo
+
+# docs/report.png (+ docs/report.json, the numbers it shows) from a fresh demo; needs chromium
+docs-report: setup
+	HF_HUB_OFFLINE=1 $(PY) -m tools.docs_report --out docs
 
 lint: setup
 	$(VENV)/bin/ruff check pretrain mlm_eval finetune tools tests benchmarks

@@ -47,6 +47,7 @@ td.missing { color: #aaa; text-align: center; }
 span.mark { display: block; font-size: 10px; line-height: 1.25; color: #8a5a00; white-space: normal; }
 span.mark.contaminated { color: #b00020; }
 span.mark.older { color: #b00020; font-weight: 600; }
+th .why { display: block; max-width: 7em; font-size: 10px; font-weight: normal; white-space: normal; }
 span.mark.partial, span.mark.sample { color: #6d4c9f; }
 tr.reference td { font-style: italic; color: #555; background: #fafaf0; }
 tr.reference td.best { background: #fafaf0; }
@@ -155,7 +156,9 @@ def _spans(labels: Sequence[str]) -> list[tuple[str, int]]:
 def _head_html(columns: Sequence[Column], rank: str) -> str:
     """Three header rows: task family, task (with the method when not the paper's), metric."""
     esc = html.escape
-    top = f'<th rowspan="3" class="sortable" data-col="0" data-lower="true">{esc(rank)}</th>'
+    why = rank.removeprefix("#").strip()  # '(unranked: sample data)' on its own narrow lines
+    label = "#" + (f'<span class="why">{esc(why)}</span>' if why else "")
+    top = f'<th rowspan="3" class="sortable" data-col="0" data-lower="true">{label}</th>'
     top += '<th rowspan="3" class="sortable" data-col="1">Model</th>'
     top += '<th rowspan="3" class="sortable" data-col="2" data-lower="false">Params</th>'
     top += "".join(f'<th colspan="{n}">{esc(name)}</th>' for name, n in _spans([c.family for c in columns]))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import subprocess
 from pathlib import Path
 
@@ -21,20 +20,9 @@ from matplotlib.image import imread
 from mlm_eval.cli import main as eval_main
 from tests import report_fixtures as rf
 from tests.test_report_html import png_size
+from tools.docs_report import chromium, find_chromium
 
 WIDTH, HEIGHT = 1400, 900
-CHROMIUM_FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--hide-scrollbars",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    f"--window-size={WIDTH},{HEIGHT}",
-)
 # Appended to a copy of the page: measures the layout after load and writes it into the DOM.
 PROBE = """<script>
 window.addEventListener("load", function () {
@@ -71,13 +59,7 @@ window.addEventListener("load", function () {
 </script>"""
 
 
-def _chromium() -> str | None:
-    if Path("/usr/bin/chromium").exists():
-        return "/usr/bin/chromium"
-    return shutil.which("chromium") or shutil.which("chromium-browser")
-
-
-CHROMIUM = _chromium()
+CHROMIUM = find_chromium()
 pytestmark = [
     pytest.mark.slow,  # starts a browser
     pytest.mark.skipif(CHROMIUM is None, reason="no chromium at /usr/bin/chromium or on PATH"),
@@ -85,10 +67,7 @@ pytestmark = [
 
 
 def _browser(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    assert CHROMIUM is not None
-    profile = tmp_path / "chromium-profile"
-    cmd = [CHROMIUM, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=120, check=False)
+    return chromium(list(args), profile=tmp_path / "chromium-profile", width=WIDTH, height=HEIGHT)
 
 
 @pytest.fixture(scope="module")

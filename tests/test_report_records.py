@@ -58,7 +58,10 @@ def test_all_sample_data_says_why_nothing_is_ranked(
     _report(tmp_path / "results", tmp_path / "out", capsys)
     md = (tmp_path / "out" / "leaderboard.md").read_text()
     assert "| # (unranked: sample data) | Model |" in md
-    assert "># (unranked: sample data)</th>" in (tmp_path / "out" / "leaderboard.html").read_text()
+    assert (
+        '>#<span class="why">(unranked: sample data)</span></th>'
+        in (tmp_path / "out" / "leaderboard.html").read_text()
+    )
     # with a ranked row the header is the plain '#'
     rf.result(tmp_path / "results" / "real.json", name="real", task="wikitext103", fingerprint=rf.GPT345,
               metrics={"adjusted_ppl": 20.0}, created="2024-04-01T00:00:00Z")  # fmt: skip
