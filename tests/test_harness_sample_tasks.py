@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +70,11 @@ def test_tasks_are_package_data() -> None:
     assert yamls == sorted(TASK_NAMES)
     data = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert "*.yaml" in data["package-data"]["*"]
+    # the README's --include_path "$(python -m mlm_eval.harness.tasks)"
+    out = subprocess.run(
+        [sys.executable, "-m", "mlm_eval.harness.tasks"], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == str(TASKS_DIR)
 
 
 @pytest.mark.parametrize(
