@@ -15,7 +15,6 @@ from typing import Any
 import pytest
 
 from mlm_eval.harness.tasks import TAG, TASK_NAMES, TASKS_DIR
-from tests.cli_helpers import one_line_error
 from tests.harness_fixtures import export_hf
 
 pytest.importorskip("lm_eval")
@@ -85,15 +84,16 @@ def test_tasks_are_package_data() -> None:
     ],
 )
 def test_bad_model_args_are_one_line(
-    trained_gpt: dict[str, str],
-    capsys: pytest.CaptureFixture[str],
-    offline: None,
-    model_args: str,
-    needle: str,
+    trained_gpt: dict[str, str], tmp_path: Path, model_args: str, needle: str
 ) -> None:
-    from mlm_eval.harness.cli import main
-
+    """Through the real command (a fresh process: the harness configures logging once per process)."""
     argv = ["--model", "mlm", "--model_args", model_args.format(ckpt=trained_gpt["ckpt"]), "--include_path",
             str(TASKS_DIR), "--tasks", "mlm_sample_lambada", "--device", "cpu"]  # fmt: skip
-    assert needle in one_line_error(main, argv, capsys)
-    assert os.environ["HF_DATASETS_OFFLINE"] == "1"
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "mlm_eval.harness", *argv], capture_output=True, text=True,
+                          cwd=tmp_path, env=env, timeout=300, check=False)  # fmt: skip
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode == 2 and len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]
+    assert "Traceback" not in proc.stderr and proc.stderr.rstrip().endswith(
+        errors[0]
+    )  # after the harness's INFO lines
