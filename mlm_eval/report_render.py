@@ -56,7 +56,8 @@ def rank_header(board: Leaderboard) -> str:
         return "#"
     cells = [c for r in runs if (c := r.cells.get(board.sort_column.key)) is not None]
     why = [w for w, hit in (("sample data", any(c.sample_data for c in cells)),
-                            ("partial", any(c.partial for c in cells))) if hit]  # fmt: skip
+                            ("partial", any(c.partial for c in cells)),
+                            ("forced tokenizer", any(c.forced_tokenizer for c in cells))) if hit]  # fmt: skip
     return f"# (unranked: {', '.join(why) or 'no value'})"
 
 
