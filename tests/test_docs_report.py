@@ -2,14 +2,17 @@
 
 ``docs/report.json`` (written with the picture by :mod:`tools.docs_report`) holds the picture's
 ``sha256`` and the numbers it shows. Fast: the committed picture is the one the record describes,
-and the record's demo GPT was trained for the demo's iterations. Slow: a fresh demo shows exactly
-the recorded numbers (run ``make docs-report`` when the demo changes them)."""
+and the record's demo GPT was trained for the demo's iterations. Slow: a fresh demo shows the
+recorded rows, sizes, iterations and marks exactly and the recorded numbers within 5% (hosts differ
+in their last float digits -- another CPU's kernels round differently over 200 training steps -- while
+a changed demo moves them by far more; run ``make docs-report`` when the demo changes them)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,4 +42,23 @@ def test_a_fresh_demo_shows_the_recorded_numbers(tmp_path: Path, monkeypatch: py
         demo.main(["--out", str(tmp_path / "demo"), "--no-harness"]) == 0
     )  # the harness is not in the report
     board = json.loads((tmp_path / "demo" / "report" / "leaderboard.json").read_text(encoding="utf-8"))
-    assert shown_numbers(board) == RECORD["rows"], "the demo's numbers changed: run `make docs-report`"
+    fresh, fresh_numbers = _numbers_apart(shown_numbers(board))
+    recorded, recorded_numbers = _numbers_apart(RECORD["rows"])
+    assert fresh == recorded, "the demo's rows changed: run `make docs-report`"
+    assert fresh_numbers == pytest.approx(recorded_numbers, rel=0.05, abs=0.02), (
+        "the demo's numbers changed: run `make docs-report`"
+    )
+
+
+def _numbers_apart(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[float]]:
+    """``rows`` with each cell's printed number replaced by ``"#"``, and those numbers in order."""
+    numbers: list[float] = []
+
+    def cell(c: dict[str, Any]) -> dict[str, Any]:
+        try:
+            numbers.append(float(c["text"]))
+        except ValueError:
+            return c
+        return {**c, "text": "#"}
+
+    return [{**r, "cells": {k: cell(c) for k, c in sorted(r["cells"].items())}} for r in rows], numbers
