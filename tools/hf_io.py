@@ -155,6 +155,7 @@ def export_hf(
     family: str | None = None,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     progress: Callable[[int], Callable[[str], object]] | None = None,
+    check: Callable[[Path], object] | None = None,
 ) -> Path:
     """Write a HF model directory at ``save`` (atomically) from canonical ``tensors``: weights,
     ``config.json``, ``generation_config.json`` and the complete tokenizer (``tokenizer.json``,
@@ -164,7 +165,9 @@ def export_hf(
     source with ``names()`` and ``tensor(name)`` (a checkpoint reader) is streamed one layer at a
     time (:mod:`tools.hf_shards`); an iterable of pairs is read into memory first. ``family``: see
     :func:`hf_state_and_config`. ``progress(total)`` (optional) is told the number of HF tensors and
-    returns a callback called with each tensor's name once it is written."""
+    returns a callback called with each tensor's name once it is written. ``check(directory)``
+    (optional; ``to-hf`` verifies the export with it) runs on the complete directory before it is
+    renamed to ``save``: when it raises, nothing is left at ``save``."""
     from transformers import GenerationConfig
 
     from tools.hf_shards import ShardWriter, meta_like, parse_shard_size, stream_hf_tensors
@@ -198,6 +201,8 @@ def export_hf(
             GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
         if hf_tok is not None:
             hf_tok.save_pretrained(str(tmp))  # tokenizer.json + tokenizer_config + special tokens map
+        if check is not None:
+            check(tmp)
     return save
 
 
