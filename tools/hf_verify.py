@@ -7,8 +7,9 @@ compares logits, BERT the encoder's final hidden states (a bare ``BertModel`` ex
 head). Both sides compute in float32 whatever the stored dtype, so one tolerance serves every
 dtype: a difference passes when it is at most ``tolerance * max(1, max |ours|)``.
 
-Two modes (``auto`` picks ``per-layer`` when two float32 copies of the model would not fit in half
-the available memory):
+Two modes (``auto`` picks ``full`` for small models only: while its estimate, about 12 bytes a
+parameter, stays under :data:`FULL_MODE_MAX_BYTES` and half the available memory; conversions
+keep their peak memory near the model's size, which the full mode would not):
 
 * ``full``: both whole models, end to end. On a mismatch the layers are compared one by one on the
   already loaded models to name the first that diverges.
@@ -47,6 +48,7 @@ VerifyMode = Literal["auto", "full", "per-layer"]
 MODES: tuple[VerifyMode, ...] = ("auto", "full", "per-layer")
 DEFAULT_TOLERANCE = 1e-4
 FULL_MODE_MEMORY_FRACTION = 0.5  # auto: full mode while its estimate fits in this much of MemAvailable
+FULL_MODE_MAX_BYTES = 1 << 30  # ... and in 1 GiB (about 90M parameters); above, per-layer
 _LAYER_PREFIX = "language_model.encoder.layers."
 
 
@@ -357,11 +359,13 @@ def _available_bytes() -> int:
 
 def choose_mode(mode: VerifyMode, files: SafetensorsDir) -> Literal["full", "per-layer"]:
     """``auto``: full while about 12 bytes a parameter (two float32 models and our float32 copy
-    of the tensors) fit in :data:`FULL_MODE_MEMORY_FRACTION` of the available memory."""
+    of the tensors) fit in :data:`FULL_MODE_MAX_BYTES` and :data:`FULL_MODE_MEMORY_FRACTION` of the
+    available memory; else per-layer."""
     if mode != "auto":
         return mode
     need = 12 * files.numel()
-    return "full" if need <= FULL_MODE_MEMORY_FRACTION * _available_bytes() else "per-layer"
+    limit = min(FULL_MODE_MAX_BYTES, FULL_MODE_MEMORY_FRACTION * _available_bytes())
+    return "full" if need <= limit else "per-layer"
 
 
 @torch.inference_mode()
