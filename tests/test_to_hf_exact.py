@@ -215,3 +215,27 @@ def test_auto_mode_goes_per_layer_when_memory_is_short(tmp_path: Path, monkeypat
     monkeypatch.setattr(hv, "_available_bytes", lambda: 1000)
     assert main(_to_hf(ck, tmp_path / "hf")) == 0
     assert "(per-layer)" in capsys.readouterr().out
+
+
+def test_per_layer_mode_holds_one_layer_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The memory bound of --verify per-layer: whenever a transformers layer runs, every other layer
+    of the model is still (or again) on the meta device, holding no memory."""
+    import tools.hf_verify as hv
+
+    ck, _, _ = _checkpoint(tmp_path, num_layers=4)
+    real_counts: list[int] = []
+    original = hv._layer_loader
+
+    def spying_loader(model, files):  # type: ignore[no-untyped-def]
+        materialize, release = original(model, files)
+        layers = hv._layers_of(model)
+
+        def counted(i: int) -> None:
+            materialize(i)
+            real_counts.append(sum(next(x.parameters()).device.type != "meta" for x in layers))
+
+        return counted, release
+
+    monkeypatch.setattr(hv, "_layer_loader", spying_loader)
+    assert main(_to_hf(ck, tmp_path / "hf", "--verify", "per-layer")) == 0
+    assert real_counts == [1, 1, 1, 1]

@@ -398,10 +398,11 @@ def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
     """Export; ``verify`` (``auto``/``full``/``per-layer``; None: skip) checks the written directory
     against the checkpoint before it is renamed to ``save`` (:mod:`tools.hf_verify`)."""
     from pretrain.checkpoint.reshard import check_output_dir
-    from tools.hf_io import export_hf
+    from tools.hf_io import check_exportable, export_hf
 
     check_output_dir(save, sources=(source.load,))
     reader = source.open()
+    check_exportable(reader.spec)  # an option the target lacks: refused before any tensor is read
     try:
         tok = source.tokenizer(reader, required=not weights_only)
     except UserError as exc:

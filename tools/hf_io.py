@@ -4,9 +4,11 @@ This is the edge of the toolkit: the only module that reads and writes Hugging F
 (the engine in ``pretrain/`` imports without ``transformers``).
 
 :func:`export_hf` writes (sharded) safetensors, streamed layer by layer, ``config.json`` and the tokenizer files of a
-checkpoint (GPT -> ``GPT2LMHeadModel``; pre-LN BERT -> ``MegatronBertForPreTraining``; post-LN
-BERT -> ``BertForPreTraining``; a checkpoint imported from a bare ``BertModel`` -> ``BertModel``
-again, its freshly initialised heads left out). :func:`import_hf` reads a local HF model directory into a
+checkpoint (GPT with RoPE -> the Llama family, other GPT -> ``GPT2LMHeadModel``; pre-LN BERT ->
+``MegatronBertForPreTraining``; post-LN BERT -> ``BertForPreTraining``; a checkpoint imported from a
+bare ``BertModel`` -> ``BertModel`` again, its freshly initialised heads left out). An option the
+chosen architecture cannot express is refused before anything is written (each mapping's
+``unsupported``); ``check`` (``to-hf``: :mod:`tools.hf_verify`) runs on the finished directory. :func:`import_hf` reads a local HF model directory into a
 :class:`~pretrain.checkpoint.types.DictSource` ready to be written at any layout.
 """
 
@@ -26,7 +28,7 @@ from pretrain.utils.atomic import atomic_directory
 from pretrain.utils.errors import UserError
 from tools.hf_shards import DEFAULT_MAX_SHARD_SIZE
 
-__all__ = ["export_hf", "hf_tokenizer_of", "import_hf", "read_hf_state"]
+__all__ = ["check_exportable", "export_hf", "hf_tokenizer_of", "import_hf", "read_hf_state"]
 
 
 @runtime_checkable
@@ -103,6 +105,20 @@ def _special_ids(tok: Tokenizer | None) -> dict[str, int | None]:
             "pad_token_id": tok.pad}  # fmt: skip
 
 
+def check_exportable(spec: ModelSpec) -> None:
+    """Raise :class:`UserError` (one line naming each option) unless the architecture ``spec`` exports
+    to holds it exactly: RoPE GPT -> the Llama family, other GPT -> GPT-2, BERT -> (Megatron)BERT.
+    From the config alone, so a refusal comes before any tensor is read."""
+    from pretrain.models import hf_bert, hf_gpt2, hf_llama
+
+    if spec.kind == "gpt" and spec.cfg.position_embedding_type == "rope":
+        hf_llama.check_supported(spec.cfg)
+    elif spec.kind == "gpt":
+        hf_gpt2.check_exportable(spec.cfg)
+    else:
+        hf_bert.check_exportable(spec.cfg)
+
+
 def hf_state_and_config(
     full: dict[str, torch.Tensor], spec: ModelSpec, tokenizer: Tokenizer | None = None, *,
     family: str | None = None,
@@ -172,6 +188,7 @@ def export_hf(
 
     from tools.hf_shards import ShardWriter, meta_like, parse_shard_size, stream_hf_tensors
 
+    check_exportable(spec)
     if tokenizer is not None and tokenizer.vocab_size > spec.cfg.vocab_size:
         raise UserError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint only {spec.cfg.vocab_size}"
