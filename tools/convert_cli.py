@@ -38,6 +38,7 @@ from pretrain.utils.outputs import check_writable_output
 if TYPE_CHECKING:
     from pretrain.tokenizer.base import Tokenizer
     from pretrain.tokenizer.loader import ResolvedTokenizer
+    from tools.hf_verify import VerifyMode
 
 # transformers' save_pretrained default (tools.hf_shards.DEFAULT_MAX_SHARD_SIZE; a test keeps them equal).
 # The heavy modules (torch, transformers) are imported inside the functions that use them, so that
@@ -393,7 +394,7 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
 
 
 def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
-              max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, verify: str | None = "auto",
+              max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, verify: VerifyMode | None = "auto",
               verify_tol: float = 1e-4) -> int:  # fmt: skip
     """Export; ``verify`` (``auto``/``full``/``per-layer``; None: skip) checks the written directory
     against the checkpoint before it is renamed to ``save`` (:mod:`tools.hf_verify`)."""
@@ -427,7 +428,9 @@ def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
         for bar in bars:
             bar.close()
         try:
-            result = verify_export(reader, reader.spec, directory, mode=verify, tolerance=verify_tol)  # type: ignore[arg-type]
+            result = verify_export(
+                reader, reader.spec, directory, mode=verify or "auto", tolerance=verify_tol
+            )
         except UserError as exc:
             raise UserError(f"{exc}; {save} not written (--no-verify skips the check)") from None
         print(result.line())

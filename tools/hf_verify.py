@@ -80,9 +80,9 @@ class VerifyResult:
 
     def line(self) -> str:
         w = self.worst
-        at = "" if self.mode == "full" else f" (largest at {w.where})"
+        what, at = (self.what, "") if self.mode == "full" else ("stage", f" (largest at {w.where})")
         return (
-            f"verify: max |{self.what} difference| = {w.diff:.3e} <= {w.limit:.3e}{at}, "
+            f"verify: max |{what} difference| = {w.diff:.3e} <= {w.limit:.3e}{at}, "
             f"transformers vs. the checkpoint on a {self.batch[0]}x{self.batch[1]} probe batch ({self.mode})"
         )
 
@@ -332,9 +332,8 @@ def _layer_loader(
 
     def materialize(i: int) -> None:
         layer = layers[i].to_empty(device="cpu")
-        own = {k: None for k in layer.state_dict()}
         state = {}
-        for key in own:
+        for key in list(layer.state_dict()):
             name = _file_key(files, f"{prefix}{i}.{key}", model)
             if name is None:
                 raise UserError(f"to-hf verify: the export has no tensor {prefix}{i}.{key}")
