@@ -239,3 +239,31 @@ def test_per_layer_mode_holds_one_layer_at_a_time(tmp_path: Path, monkeypatch: p
     monkeypatch.setattr(hv, "_layer_loader", spying_loader)
     assert main(_to_hf(ck, tmp_path / "hf", "--verify", "per-layer")) == 0
     assert real_counts == [1, 1, 1, 1]
+
+
+@pytest.mark.parametrize("mode", ["full", "per-layer"])
+@pytest.mark.parametrize("damage", ["drop", "reshape"])
+def test_verification_catches_an_export_transformers_cannot_load(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    mode: str,
+    damage: str,
+) -> None:
+    """A tensor missing from the files (transformers would initialise it at random) or of the wrong
+    shape (transformers refuses the file) fails the check with one line; nothing is left."""
+    from tools.hf_shards import ShardWriter
+
+    ck, _, _ = _checkpoint(tmp_path)
+    original, target = ShardWriter.add, "transformer.h.0.attn.c_attn.weight"
+
+    def add(self: ShardWriter, name: str, tensor: torch.Tensor) -> None:
+        if name != target:
+            original(self, name, tensor)
+        elif damage == "reshape":
+            original(self, name, tensor[:, :-8])
+
+    monkeypatch.setattr(ShardWriter, "add", add)
+    err = one_line_error(main, _to_hf(ck, tmp_path / "hf", "--verify", mode), capsys)
+    assert "to-hf verify:" in err and "not written" in err, err
+    _no_output_left(tmp_path / "hf")

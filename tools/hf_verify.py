@@ -333,11 +333,14 @@ def _layer_loader(
     def materialize(i: int) -> None:
         layer = layers[i].to_empty(device="cpu")
         state = {}
-        for key in list(layer.state_dict()):
+        for key, param in layer.state_dict().items():
             name = _file_key(files, f"{prefix}{i}.{key}", model)
             if name is None:
                 raise UserError(f"to-hf verify: the export has no tensor {prefix}{i}.{key}")
             state[key] = files.get(name)
+            if state[key].shape != param.shape:
+                raise UserError(f"to-hf verify: {name} has shape {tuple(state[key].shape)}, "
+                                f"transformers expects {tuple(param.shape)}")  # fmt: skip
         layer.load_state_dict(state, strict=True)
 
     def release(i: int) -> None:
