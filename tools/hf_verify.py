@@ -111,7 +111,7 @@ class OurPieces:
         names = source.names()
         self.shell = self._model(())
         self._load(self.shell, [n for n in names if not n.startswith(_LAYER_PREFIX)])
-        self._layer_names = names
+        self._names = names
 
     def _model(self, layers: tuple[int, ...], *, ends: bool = True) -> ShardedModule:
         kw: dict[str, Any] = dict(pre_process=ends, post_process=ends, layer_numbers=layers)
@@ -136,7 +136,7 @@ class OurPieces:
     @torch.inference_mode()
     def layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
         model = self._model((i,), ends=False)
-        self._load(model, [n for n in self._layer_names if n.startswith(f"{_LAYER_PREFIX}{i}.")])
+        self._load(model, [n for n in self._names if n.startswith(f"{_LAYER_PREFIX}{i}.")])
         return model(hidden_states=x)  # type: ignore[no-any-return]
 
     @torch.inference_mode()
