@@ -12,6 +12,7 @@ Run as ``python -m tests.megatron_core_peer save|load ...`` (the tests do, in a 
   ``OUT/dist``, legacy ``torch`` under ``OUT/legacy`` (megatron-core names) and ``OUT/legacy_te``
   (the TransformerEngine spec's names: norms folded into ``linear_qkv.layer_norm_weight`` /
   ``linear_fc1.layer_norm_weight``), and the logits of the probe batch in ``OUT/logits.pt``.
+* ``save-cases OUT CASE...``: ``save`` of several cases at tp 1 in one process, under ``OUT/CASE``.
 * ``load``: build the model from the ``args`` in a ``torch_dist`` checkpoint's ``common.pt``, load
   it with ``dist_checkpointing.load`` and write the probe logits to ``OUT/logits.pt``.
 
@@ -57,6 +58,13 @@ CASES: dict[str, dict[str, Any]] = {
     "gpt2": GPT2,
     "gpt2_openai_gelu": dict(GPT2, openai_gelu=True),  # megatron-core ignores it: exact F.gelu
     "gpt2_squared_relu": dict(GPT2, squared_relu=True),
+    # options GPT2LMHeadModel lacks (to-hf refuses them) or holds in another form (untied, no biases)
+    "gpt2_qknorm": dict(GPT2, qk_layernorm=True),
+    "gpt2_untied": dict(GPT2, untie_embeddings_and_output_weights=True),
+    "gpt2_kv_channels": dict(GPT2, kv_channels=16),
+    "gpt2_swiglu": dict(GPT2, swiglu=True, ffn_hidden_size=96),
+    "gpt2_gqa": dict(GPT2, group_query_attention=True, num_query_groups=2),
+    "gpt2_no_bias": dict(GPT2, add_bias_linear=False, add_qkv_bias=False),
     # no vocabulary padding at tp <= 2: megatron-core trains padded rows (its softmax spans them),
     # which no converter carries, so resumed training is comparable bit for bit only without them
     "llama_v256": dict(LLAMA, vocab_size=256),
@@ -278,7 +286,19 @@ def save_load_main(worker: Any, argv: list[str] | None, cases: list[str] | None 
     mp.spawn(worker, args=(a.tp, a.port or free_port(), a.cmd, a.paths, *extra), nprocs=a.tp)
 
 
+def save_cases(out: Path, cases: list[str]) -> None:
+    """Save each case (tp 1) under ``OUT/CASE`` in this one process (one megatron-core import)."""
+    init_peer(0, 1, free_port())
+    for case in cases:
+        _save(out / case, case, 0, 1)
+    finish_peer()
+
+
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["save-cases"]:  # save-cases OUT CASE [CASE ...]
+        save_cases(Path(argv[1]), argv[2:])
+        return
     save_load_main(_worker, argv, cases=["llama", *sorted(set(CASES) - {"llama"})])
 
 

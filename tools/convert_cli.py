@@ -4,7 +4,7 @@
 
     mlm-convert inspect CKPT [--json]
     mlm-convert reshard --load CKPT --save NEW --target-tp 4 --target-pp 1 [--target-vp V]
-    mlm-convert to-hf --load CKPT --save HFDIR [--tokenizer-dir TOK]
+    mlm-convert to-hf --load CKPT --save HFDIR [--tokenizer-dir TOK] [--verify per-layer | --no-verify]
     mlm-convert from-hf --load HFDIR --save CKPT --tp 2 --pp 2 [--vp 2]
 
 ``CKPT`` is a checkpoint root (with ``latest_checkpointed_iteration.txt``) or one iteration
@@ -45,6 +45,7 @@ from pretrain.utils.outputs import check_writable_output
 if TYPE_CHECKING:
     from pretrain.tokenizer.base import Tokenizer
     from pretrain.tokenizer.loader import ResolvedTokenizer
+    from tools.hf_verify import VerifyMode
 
 # transformers' save_pretrained default (tools.hf_shards.DEFAULT_MAX_SHARD_SIZE; a test keeps them equal).
 # The heavy modules (torch, transformers) are imported inside the functions that use them, so that
@@ -161,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write no tokenizer (only for checkpoints that have none; the result is not a usable model)")  # fmt: skip
     p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                    help="largest safetensors shard, as save_pretrained (e.g. 5GB, 500MB; default 5GB)")  # fmt: skip
-    _add_verify(p)
+    _add_hf_verify(p)
     p = sub.add_parser("from-hf", help=f"import a Hugging Face model directory ({supported_architectures()})")
     p.add_argument("--load", type=Path, required=True,
                    help=f"Hugging Face model directory (config.json model_type {supported_model_types()})")  # fmt: skip
@@ -209,6 +210,17 @@ def _add_verify(p: argparse.ArgumentParser) -> None:
     p.add_argument("--verify-tol", type=float, default=1e-4, help="tolerance of --verify (default 1e-4)")
 
 
+def _add_hf_verify(p: argparse.ArgumentParser) -> None:
+    """to-hf verifies by default (tools.hf_verify): a mismatch exits 2 and leaves no output."""
+    p.add_argument("--verify", nargs="?", const="auto", default="auto", choices=("auto", "full", "per-layer"),
+                   help="compare the export, loaded by transformers, with the checkpoint on a probe batch "
+                        "(default; auto = per-layer when two float32 copies would not fit in half the free memory)")  # fmt: skip
+    p.add_argument("--no-verify", dest="verify", action="store_const", const=None,
+                   help="write the export without loading it back")  # fmt: skip
+    p.add_argument("--verify-tol", type=float, default=1e-4,
+                   help="largest difference, relative to max(1, largest |logit|) (default 1e-4)")  # fmt: skip
+
+
 def _verify(args: argparse.Namespace) -> int:
     from pretrain.checkpoint.verify import verify_against_hf, verify_checkpoints
 
@@ -219,8 +231,6 @@ def _verify(args: argparse.Namespace) -> int:
                 from pretrain.checkpoint.verify import verify_optimizer
 
                 verify_optimizer(args.load, args.save)
-        elif args.command == "to-hf":
-            verify_against_hf(args.load, args.save, tolerance=args.verify_tol)
         else:
             verify_against_hf(args.save, args.load, tolerance=args.verify_tol)
     except UserError as exc:
@@ -392,12 +402,16 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
 
 
 def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
-              max_shard_size: str = DEFAULT_MAX_SHARD_SIZE) -> int:  # fmt: skip
+              max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, verify: VerifyMode | None = "auto",
+              verify_tol: float = 1e-4) -> int:  # fmt: skip
+    """Export; ``verify`` (``auto``/``full``/``per-layer``; None: skip) checks the written directory
+    against the checkpoint before it is renamed to ``save`` (:mod:`tools.hf_verify`)."""
     from pretrain.checkpoint.reshard import check_output_dir
-    from tools.hf_io import export_hf
+    from tools.hf_io import check_exportable, export_hf
 
     check_output_dir(save, sources=(source.load,))
     reader = source.open()
+    check_exportable(reader.spec)  # an option the target lacks: refused before any tensor is read
     try:
         tok = source.tokenizer(reader, required=not weights_only)
     except UserError as exc:
@@ -416,9 +430,23 @@ def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
         bars.append(_progress(total, "to-hf", unit="tensor"))
         return lambda _name: bars[0].update(1)
 
+    def check(directory: Path) -> None:
+        from tools.hf_verify import verify_export
+
+        for bar in bars:
+            bar.close()
+        try:
+            result = verify_export(
+                reader, reader.spec, directory, mode=verify or "auto", tolerance=verify_tol
+            )
+        except UserError as exc:
+            raise UserError(f"{exc}; {save} not written (--no-verify skips the check)") from None
+        print(result.line())
+
     try:
         export_hf(reader, reader.spec, save, tokenizer=None if tok is None else tok.tokenizer, family=family,
-                  max_shard_size=max_shard_size, progress=start_bar)  # fmt: skip
+                  max_shard_size=max_shard_size, progress=start_bar,
+                  check=None if verify is None else check)  # fmt: skip
     finally:
         for bar in bars:
             bar.close()
@@ -496,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
         _check_tokenizer_flags(args)
         return run_inspect(_source(args), as_json=args.json)
     _check_outputs_and_flags(args)
-    if not args.verify:
+    if not args.verify or args.command == "to-hf":  # to-hf verifies inside its atomic write
         return _convert(args)
     announced = io.StringIO()  # "wrote ..." is printed only once the conversion is verified
     with contextlib.redirect_stdout(announced):
@@ -548,9 +576,8 @@ def _convert(args: argparse.Namespace) -> int:
                              ckpt_format=args.ckpt_format, module_names=args.module_names,
                              dist_optimizer=args.dist_optimizer)  # fmt: skip
     elif args.command == "to-hf":
-        rc = run_to_hf(
-            _source(args), args.save, weights_only=args.weights_only, max_shard_size=args.max_shard_size
-        )
+        rc = run_to_hf(_source(args), args.save, weights_only=args.weights_only,
+                       max_shard_size=args.max_shard_size, verify=args.verify, verify_tol=args.verify_tol)  # fmt: skip
     else:
         target = _layout(flags_from_namespace(ParallelFlags, args))
         rc = run_from_hf(args.load, args.save, target, divisible_by=args.make_vocab_size_divisible_by,

@@ -4,9 +4,11 @@ This is the edge of the toolkit: the only module that reads and writes Hugging F
 (the engine in ``pretrain/`` imports without ``transformers``).
 
 :func:`export_hf` writes (sharded) safetensors, streamed layer by layer, ``config.json`` and the tokenizer files of a
-checkpoint (GPT -> ``GPT2LMHeadModel``; pre-LN BERT -> ``MegatronBertForPreTraining``; post-LN
-BERT -> ``BertForPreTraining``; a checkpoint imported from a bare ``BertModel`` -> ``BertModel``
-again, its freshly initialised heads left out). :func:`import_hf` reads a local HF model directory into a
+checkpoint (GPT with RoPE -> the Llama family, other GPT -> ``GPT2LMHeadModel``; pre-LN BERT ->
+``MegatronBertForPreTraining``; post-LN BERT -> ``BertForPreTraining``; a checkpoint imported from a
+bare ``BertModel`` -> ``BertModel`` again, its freshly initialised heads left out). An option the
+chosen architecture cannot express is refused before anything is written (each mapping's
+``unsupported``); ``check`` (``to-hf``: :mod:`tools.hf_verify`) runs on the finished directory. :func:`import_hf` reads a local HF model directory into a
 :class:`~pretrain.checkpoint.types.DictSource` ready to be written at any layout.
 """
 
@@ -27,7 +29,7 @@ from pretrain.utils.atomic import atomic_directory
 from pretrain.utils.errors import UserError
 from tools.hf_shards import DEFAULT_MAX_SHARD_SIZE
 
-__all__ = ["export_hf", "hf_tokenizer_of", "import_hf", "read_hf_state"]
+__all__ = ["check_exportable", "export_hf", "hf_tokenizer_of", "import_hf", "read_hf_state"]
 
 
 @runtime_checkable
@@ -104,6 +106,20 @@ def _special_ids(tok: Tokenizer | None) -> dict[str, int | None]:
             "pad_token_id": tok.pad}  # fmt: skip
 
 
+def check_exportable(spec: ModelSpec) -> None:
+    """Raise :class:`UserError` (one line naming each option) unless the architecture ``spec`` exports
+    to holds it exactly: RoPE GPT -> the Llama family, other GPT -> GPT-2, BERT -> (Megatron)BERT.
+    From the config alone, so a refusal comes before any tensor is read."""
+    from pretrain.models import hf_bert, hf_gpt2, hf_llama
+
+    if spec.kind == "gpt" and spec.cfg.position_embedding_type == "rope":
+        hf_llama.check_supported(spec.cfg)
+    elif spec.kind == "gpt":
+        hf_gpt2.check_exportable(spec.cfg)
+    else:
+        hf_bert.check_exportable(spec.cfg)
+
+
 def hf_state_and_config(
     full: dict[str, torch.Tensor], spec: ModelSpec, tokenizer: Tokenizer | None = None, *,
     family: str | None = None,
@@ -156,6 +172,7 @@ def export_hf(
     family: str | None = None,
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     progress: Callable[[int], Callable[[str], object]] | None = None,
+    check: Callable[[Path], object] | None = None,
 ) -> Path:
     """Write a HF model directory at ``save`` (atomically) from canonical ``tensors``: weights,
     ``config.json``, ``generation_config.json`` and the complete tokenizer (``tokenizer.json``,
@@ -165,11 +182,14 @@ def export_hf(
     source with ``names()`` and ``tensor(name)`` (a checkpoint reader) is streamed one layer at a
     time (:mod:`tools.hf_shards`); an iterable of pairs is read into memory first. ``family``: see
     :func:`hf_state_and_config`. ``progress(total)`` (optional) is told the number of HF tensors and
-    returns a callback called with each tensor's name once it is written."""
+    returns a callback called with each tensor's name once it is written. ``check(directory)``
+    (optional; ``to-hf`` verifies the export with it) runs on the complete directory before it is
+    renamed to ``save``: when it raises, nothing is left at ``save``."""
     from transformers import GenerationConfig
 
     from tools.hf_shards import ShardWriter, meta_like, parse_shard_size, stream_hf_tensors
 
+    check_exportable(spec)
     if tokenizer is not None and tokenizer.vocab_size > spec.cfg.vocab_size:
         raise UserError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint only {spec.cfg.vocab_size}"
@@ -199,6 +219,8 @@ def export_hf(
             GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
         if hf_tok is not None:
             hf_tok.save_pretrained(str(tmp))  # tokenizer.json + tokenizer_config + special tokens map
+        if check is not None:
+            check(tmp)
     return save
 
 

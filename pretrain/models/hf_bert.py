@@ -22,6 +22,11 @@ names (``args.mlm_toolkit.fresh_heads``) and export back to the bare architectur
 HF's ``cls.predictions.decoder.{weight,bias}`` are tied to the word embeddings and to
 ``cls.predictions.bias``: they are written as copies and, on import, must equal their tie.
 Vocabulary tensors are unpadded ``[vocab_size, ...]`` on both sides.
+
+Export is exact or refused (:func:`check_exportable`): layer biases a checkpoint lacks
+(``add_bias_linear=False``) are written as zeros, a model without token types gets one zero
+token-type row, squared ReLU is HF's ``relu2``; RMSNorm, SwiGLU, RoPE, GQA, ``kv_channels`` other
+than ``hidden/heads``, QK-norm and an untied output layer are refused, naming the option.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ from pretrain.config import ModelConfig
 from pretrain.utils.errors import UserError
 
 LM = "language_model."
-_HF_ACT = {"gelu": "erf", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+_HF_ACT = {"gelu": "erf", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}  # relu2: squared ReLU
 _TIED = {  # HF key -> the HF key it is tied to
     "cls.predictions.decoder.weight": "bert.embeddings.word_embeddings.weight",
     "cls.predictions.decoder.bias": "cls.predictions.bias",
@@ -130,6 +135,60 @@ def _check_keys(what: str, given: Mapping[str, Any], expected: set[str], ignored
         raise UserError(f"{what}: {'; '.join(parts)}")
 
 
+def unsupported(cfg: ModelConfig) -> list[str]:
+    """The options of ``cfg`` that HF's BERT / MegatronBERT cannot express (empty: exportable)."""
+    out = []
+    if not cfg.bidirectional:
+        out.append("bidirectional=False (BERT is bidirectional)")
+    if cfg.normalization != "LayerNorm":
+        out.append(f"normalization={cfg.normalization} (BERT has LayerNorm only)")
+    if cfg.swiglu:
+        out.append("swiglu=True (BERT's MLP is not gated)")
+    if cfg.position_embedding_type != "learned_absolute":
+        out.append(f"position_embedding_type={cfg.position_embedding_type} (BERT has learned positions)")
+    if cfg.query_groups != cfg.num_attention_heads:
+        out.append(f"num_query_groups={cfg.query_groups} (BERT has no grouped-query attention)")
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        out.append(f"kv_channels={cfg.head_dim} with hidden_size {cfg.hidden_size} and "
+                   f"{cfg.num_attention_heads} heads (BERT's head size is hidden/heads)")  # fmt: skip
+    if cfg.qk_layernorm:
+        out.append("qk_layernorm=True (BERT has no QK-norm)")
+    if cfg.untie_embeddings_and_output_weights:
+        out.append("untie_embeddings_and_output_weights=True (BERT's decoder is tied to the embeddings)")
+    return out
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """Raise :class:`UserError` (one line naming each option) unless HF BERT holds ``cfg`` exactly."""
+    problems = unsupported(cfg)
+    if problems:
+        raise UserError(f"to-hf: {hf_architecture(cfg)} cannot express " + "; ".join(problems))
+
+
+def _with_written_zeros(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """``full`` plus the zeros HF BERT needs where the checkpoint has none: layer biases
+    (``add_bias_linear=False``; the QKV bias unless ``add_qkv_bias``) and, without token types, one
+    token-type row. Zeros take their weight's device, so ``meta`` stays ``meta`` when streaming."""
+    out = dict(full)
+
+    def zeros_like_rows(weight: str, *shape: int) -> torch.Tensor:
+        w = out[weight]
+        return torch.zeros(*(shape or (w.shape[0],)), dtype=w.dtype, device=w.device)
+
+    for i in range(cfg.num_layers):
+        pre = f"{LM}encoder.layers.{i}."
+        for part in ("self_attention.query_key_value", "self_attention.dense", "mlp.dense_h_to_4h",
+                     "mlp.dense_4h_to_h"):  # fmt: skip
+            if f"{pre}{part}.bias" not in out and f"{pre}{part}.weight" in out:
+                keep = cfg.qkv_bias if part.endswith("query_key_value") else cfg.add_bias_linear
+                if not keep:
+                    out[f"{pre}{part}.bias"] = zeros_like_rows(f"{pre}{part}.weight")
+    types, words = f"{LM}embedding.tokentype_embeddings.weight", f"{LM}embedding.word_embeddings.weight"
+    if cfg.num_tokentypes == 0 and types not in out and words in out:
+        out[types] = zeros_like_rows(words, 1, cfg.hidden_size)
+    return out
+
+
 def canonical_to_hf(
     full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, include_tied: bool = True,
     fresh_heads: tuple[str, ...] = (),
@@ -142,6 +201,8 @@ def canonical_to_hf(
     ``fresh_heads`` (see :func:`add_fresh_heads`) are left out; without the LM head the state dict
     is a bare ``(Megatron)BertModel``'s (no ``bert.`` prefix).
     """
+    check_exportable(cfg)
+    full = _with_written_zeros(full, cfg)
     bare = "lm_head" in fresh_heads
     pooler = f"{LM}pooler.dense.weight" in full
     binary = "binary_head.weight" in full and "binary_head" not in fresh_heads
@@ -218,7 +279,7 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     if model_type not in ("bert", "megatron-bert"):
         raise UserError(f"Hugging Face config: model_type {model_type!r} is not 'bert' or 'megatron-bert'")
     act = getattr(hf_config, "hidden_act", None)
-    if act not in _HF_ACT:
+    if act not in _HF_ACT and act != "relu2":
         raise UserError(f"Hugging Face config: hidden_act {act!r} is not one of {', '.join(_HF_ACT)}")
     pos = getattr(hf_config, "position_embedding_type", "absolute")
     if pos not in (None, "absolute"):
@@ -236,7 +297,8 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         attention_dropout=hf_config.attention_probs_dropout_prob,
         layernorm_epsilon=hf_config.layer_norm_eps,
         init_method_std=hf_config.initializer_range,
-        gelu=_HF_ACT[act],
+        gelu=_HF_ACT.get(act, "erf"),
+        squared_relu=act == "relu2",
         bidirectional=True,
         num_tokentypes=hf_config.type_vocab_size,
         post_layernorm=model_type == "bert",
@@ -247,19 +309,19 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
 
 def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     """Keyword arguments for HF ``BertConfig`` (post-LN) / ``MegatronBertConfig`` (pre-LN) of ``cfg``."""
-    if not cfg.bidirectional:
-        raise UserError("only bidirectional (BERT) model configs export to Hugging Face BERT")
+    check_exportable(cfg)
+    act = "relu2" if cfg.squared_relu else "gelu" if cfg.gelu == "erf" else "gelu_new"
     return dict(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.hidden_size,
         num_hidden_layers=cfg.num_layers,
         num_attention_heads=cfg.num_attention_heads,
         intermediate_size=cfg.ffn_size,
-        hidden_act="gelu" if cfg.gelu == "erf" else "gelu_new",
+        hidden_act=act,
         hidden_dropout_prob=cfg.hidden_dropout,
         attention_probs_dropout_prob=cfg.attention_dropout,
         max_position_embeddings=cfg.max_position_embeddings,
-        type_vocab_size=cfg.num_tokentypes,
+        type_vocab_size=max(cfg.num_tokentypes, 1),  # none: one zero row (see _with_written_zeros)
         initializer_range=cfg.init_method_std,
         layer_norm_eps=cfg.layernorm_epsilon,
     )

@@ -4,7 +4,13 @@ A pure tensor mapping (no model code), used by ``mlm-convert to-hf`` / ``from-hf
 
 * ``language_model.embedding.{word,position}_embeddings`` <-> ``transformer.{wte,wpe}``; the
   vocabulary is unpadded on both sides and may be trimmed to the tokenizer's size on export;
-  ``lm_head.weight`` is tied to ``wte`` (not written; on import it must equal ``wte``).
+  ``lm_head.weight`` is tied to ``wte`` (not written), or with
+  ``untie_embeddings_and_output_weights`` <-> ``language_model.output_layer`` (``tie_word_embeddings``
+  false); on import an ``lm_head`` equal to ``wte`` is the tied one.
+* GPT-2 always has linear biases: a checkpoint without them (``--disable-bias-linear``; QKV bias
+  kept with ``add_qkv_bias``) is written with zero biases, which computes the same function.
+* Everything else GPT-2 lacks is refused by :func:`check_exportable` with one line naming the
+  option (QK-norm, RMSNorm, SwiGLU, GQA, ``kv_channels`` other than ``hidden/heads``, RoPE, ...).
 * layer ``i``: ``input_layernorm`` <-> ``h.i.ln_1``, ``post_attention_layernorm`` <-> ``ln_2``,
   ``final_layernorm`` <-> ``ln_f``.
 * HF's ``Conv1D`` stores ``[in, out]``: every linear weight is transposed. ``c_attn`` holds
@@ -46,7 +52,7 @@ def _layer_pairs(i: int) -> list[tuple[str, str, bool]]:
 
 
 def name_pairs(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
-    """Every one-to-one (canonical, HF, transposed) triple (QKV excluded)."""
+    """Every one-to-one (canonical, HF, transposed) triple (QKV excluded; the untied head included)."""
     pairs = [
         (f"{LM}embedding.word_embeddings.weight", "transformer.wte.weight", False),
         (f"{LM}embedding.position_embeddings.weight", "transformer.wpe.weight", False),
@@ -57,7 +63,49 @@ def name_pairs(cfg: ModelConfig) -> list[tuple[str, str, bool]]:
         (f"{LM}encoder.final_layernorm.weight", "transformer.ln_f.weight", False),
         (f"{LM}encoder.final_layernorm.bias", "transformer.ln_f.bias", False),
     ]
+    if cfg.untie_embeddings_and_output_weights:
+        pairs.append((f"{LM}output_layer.weight", "lm_head.weight", False))
     return pairs
+
+
+def unsupported(cfg: ModelConfig) -> list[str]:
+    """The options of ``cfg`` that ``GPT2LMHeadModel`` cannot express (empty: exportable).
+
+    Every :class:`ModelConfig` field is exact (sizes, epsilon, GeLU kind, squared ReLU as
+    ``relu2``, dropout, init std), writable (untied head, missing linear biases as zeros) or listed
+    here. Rotary fields only matter with RoPE, which is listed itself."""
+    out = []
+    if cfg.bidirectional:
+        out.append("bidirectional=True (GPT-2 is causal)")
+    if cfg.post_layernorm:
+        out.append("post_layernorm=True (GPT-2 is pre-LN)")
+    if cfg.num_tokentypes:
+        out.append(f"num_tokentypes={cfg.num_tokentypes} (GPT-2 has no token-type embeddings)")
+    if cfg.normalization != "LayerNorm":
+        out.append(f"normalization={cfg.normalization} (GPT-2 has LayerNorm only)")
+    if cfg.swiglu:
+        out.append("swiglu=True (GPT-2's MLP is not gated)")
+    if cfg.position_embedding_type != "learned_absolute":
+        out.append(f"position_embedding_type={cfg.position_embedding_type} (GPT-2 has learned positions)")
+    if cfg.query_groups != cfg.num_attention_heads:
+        out.append(f"num_query_groups={cfg.query_groups} (GPT-2 has no grouped-query attention)")
+    if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
+        out.append(
+            f"kv_channels={cfg.head_dim} with hidden_size {cfg.hidden_size} and {cfg.num_attention_heads} heads "
+            "(GPT-2's head size is n_embd/n_head)"
+        )
+    if cfg.qk_layernorm:
+        out.append("qk_layernorm=True (GPT-2 has no QK-norm)")
+    return out
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    """Raise :class:`UserError` (one line naming each option) unless GPT-2 holds ``cfg`` exactly."""
+    problems = unsupported(cfg)
+    if problems:
+        llama_like = cfg.swiglu or cfg.normalization == "RMSNorm"
+        hint = " (the Llama-family export needs position_embedding_type=rope)" if llama_like else ""
+        raise UserError("to-hf: GPT2LMHeadModel cannot express " + "; ".join(problems) + hint)
 
 
 def _qkv(i: int, kind: str) -> tuple[str, str]:
@@ -92,45 +140,72 @@ def _strip_prefix(hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def canonical_to_hf(
     full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, vocab_size: int | None = None
 ) -> dict[str, torch.Tensor]:
-    """Canonical full GPT tensors -> ``GPT2LMHeadModel`` state dict (without the tied lm_head).
+    """Canonical full GPT tensors -> ``GPT2LMHeadModel`` state dict (``lm_head`` only when untied).
 
-    ``vocab_size`` trims the embedding rows to the tokenizer's size (default ``cfg.vocab_size``).
+    ``vocab_size`` trims the vocabulary rows to the tokenizer's size (default ``cfg.vocab_size``).
+    Linear biases the checkpoint lacks (``add_bias_linear=False``) are written as zeros.
     """
+    check_exportable(cfg)
     vocab = cfg.vocab_size if vocab_size is None else vocab_size
     out: dict[str, torch.Tensor] = {}
     for ours, hf, transposed in name_pairs(cfg):
+        if ours not in full and ours.endswith(".bias") and _zero_bias_allowed(ours, cfg):
+            weight = full[ours.removesuffix("bias") + "weight"]  # same device: meta stays meta
+            out[hf] = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
+            continue
         if ours not in full:
             raise UserError(f"GPT checkpoint -> Hugging Face: missing tensor {ours}")
         t = full[ours].detach()
         out[hf] = (t.t() if transposed else t).contiguous().clone()
-    wte = out["transformer.wte.weight"]
-    if vocab > wte.shape[0]:
-        raise UserError(f"vocab size {vocab} exceeds the checkpoint's {wte.shape[0]} embedding rows")
-    out["transformer.wte.weight"] = wte[:vocab].clone()
+    for hf in ("transformer.wte.weight", "lm_head.weight"):
+        if hf in out:
+            if vocab > out[hf].shape[0]:
+                raise UserError(
+                    f"vocab size {vocab} exceeds the checkpoint's {out[hf].shape[0]} rows of {hf}"
+                )
+            out[hf] = out[hf][:vocab].clone()
     for i in range(cfg.num_layers):
         for kind in ("weight", "bias"):
             ours, hf = _qkv(i, kind)
-            out[hf] = qkv_to_c_attn(full[ours].detach(), cfg.num_attention_heads).clone()
+            if kind == "bias" and not cfg.qkv_bias:
+                weight = full[_qkv(i, "weight")[0]]
+                t = torch.zeros(weight.shape[0], dtype=weight.dtype, device=weight.device)
+            else:
+                t = full[ours].detach()
+            out[hf] = qkv_to_c_attn(t, cfg.num_attention_heads).clone()
     return out
+
+
+def _zero_bias_allowed(name: str, cfg: ModelConfig) -> bool:
+    """Whether a missing canonical bias is one ``--disable-bias-linear`` removed (GPT-2 needs zeros)."""
+    return not cfg.add_bias_linear and ".layers." in name and (".self_attention." in name or ".mlp." in name)
 
 
 def hf_to_canonical(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """A ``GPT2LMHeadModel`` / ``GPT2Model`` state dict -> canonical full tensors.
 
-    Raises :class:`UserError` on missing or unexpected tensors and on an untied ``lm_head``.
+    Raises :class:`UserError` on missing or unexpected tensors; with a tied ``cfg`` an
+    ``lm_head`` in the file must equal ``wte``.
     """
     hf = _strip_prefix(hf)
     pairs = name_pairs(cfg)
     qkv = [_qkv(i, kind) for i in range(cfg.num_layers) for kind in ("weight", "bias")]
     expected = {h for _, h, _ in pairs} | {h for _, h in qkv}
-    given = {k for k in hf if not k.endswith(_IGNORED_SUFFIXES) and k != "lm_head.weight"}
+    tied = not cfg.untie_embeddings_and_output_weights
+    given = {k for k in hf if not k.endswith(_IGNORED_SUFFIXES) and not (tied and k == "lm_head.weight")}
     missing, unexpected = sorted(expected - given), sorted(given - expected)
     if missing or unexpected:
         raise UserError(
             f"Hugging Face GPT-2 -> checkpoint: missing {missing[:5]}, unexpected {unexpected[:5]}"
         )
-    if "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"], hf["transformer.wte.weight"]):
-        raise UserError("Hugging Face GPT-2: lm_head.weight differs from transformer.wte.weight (untied)")
+    if (
+        tied
+        and "lm_head.weight" in hf
+        and not torch.equal(hf["lm_head.weight"], hf["transformer.wte.weight"])
+    ):
+        raise UserError(
+            "Hugging Face GPT-2: tie_word_embeddings is set but lm_head.weight differs from transformer.wte.weight"
+        )
     out = {ours: (hf[h].t() if tr else hf[h]).contiguous().clone() for ours, h, tr in pairs}
     for ours, h in qkv:
         out[ours] = c_attn_to_qkv(hf[h], cfg.num_attention_heads).clone()
@@ -167,6 +242,7 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         init_method_std=hf_config.initializer_range,
         gelu=_HF_ACT.get(act, "erf"),
         squared_relu=squared,
+        untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", True),
     )
     kw.update(overrides)
     return ModelConfig(**kw)
@@ -180,8 +256,7 @@ def hf_config_kwargs(
 
     bos/eos are the tokenizer's ids, never guessed (``None`` when the tokenizer has none).
     """
-    if cfg.bidirectional or cfg.post_layernorm or cfg.num_tokentypes:
-        raise UserError("only GPT (causal, pre-LN, no token types) model configs export to GPT2LMHeadModel")
+    check_exportable(cfg)
     vocab = cfg.vocab_size if vocab_size is None else vocab_size
     return dict(
         vocab_size=vocab,
@@ -198,6 +273,6 @@ def hf_config_kwargs(
         initializer_range=cfg.init_method_std,
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
-        tie_word_embeddings=True,
+        tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
         architectures=["GPT2LMHeadModel"],
     )

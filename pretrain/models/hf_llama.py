@@ -98,25 +98,47 @@ def fused_names(cfg: ModelConfig) -> list[tuple[str, list[str], str]]:
     return out
 
 
-def check_supported(cfg: ModelConfig) -> None:
-    """Raise :class:`UserError` unless ``cfg`` is a Llama-family decoder HF can hold."""
-    problems = []
+def unsupported(cfg: ModelConfig) -> list[str]:
+    """The options of ``cfg`` that the Llama family (Llama, Mistral, Qwen2, Qwen3) cannot express.
+
+    Exact: sizes, GQA, ``kv_channels`` (``head_dim``), epsilon, RoPE base and scaling, untied head,
+    QKV bias (Qwen2), QK-norm (Qwen3). Refused: everything listed here (GeLU and squared ReLU
+    are excluded by SwiGLU in :class:`ModelConfig`)."""
+    out = []
+    if cfg.bidirectional:
+        out.append("bidirectional=True (the Llama family is causal)")
+    if cfg.post_layernorm:
+        out.append("post_layernorm=True (the Llama family is pre-norm)")
+    if cfg.num_tokentypes:
+        out.append(f"num_tokentypes={cfg.num_tokentypes} (the Llama family has no token-type embeddings)")
     if cfg.normalization != "RMSNorm":
-        problems.append("normalization must be RMSNorm")
+        out.append(f"normalization={cfg.normalization} (the Llama family has RMSNorm only)")
     if not cfg.swiglu:
-        problems.append("swiglu is required")
+        out.append("swiglu=False (the Llama family's MLP is SwiGLU)")
     if cfg.position_embedding_type != "rope":
-        problems.append("position_embedding_type must be rope")
+        out.append(f"position_embedding_type={cfg.position_embedding_type} (the Llama family has RoPE only)")
     if cfg.add_bias_linear:
-        problems.append("linear biases must be disabled (--disable-bias-linear)")
+        out.append(
+            "add_bias_linear=True (the Llama family has no o_proj or MLP biases; --disable-bias-linear)"
+        )
     if cfg.rotary_percent != 1.0:
-        problems.append("rotary_percent must be 1.0")
-    if cfg.bidirectional or cfg.post_layernorm or cfg.num_tokentypes:
-        problems.append("must be a causal pre-LN decoder")
+        out.append(f"rotary_percent={cfg.rotary_percent} (the Llama family rotates whole heads)")
     if cfg.use_rope_scaling and cfg.rotary_seq_len_interpolation_factor is not None:
-        problems.append("Llama-3 and linear RoPE scaling cannot both be set")
+        out.append("use_rope_scaling with rotary_seq_len_interpolation_factor (one RoPE scaling only)")
+    if cfg.qk_layernorm and cfg.add_qkv_bias:
+        out.append(
+            "qk_layernorm=True with add_qkv_bias=True (Qwen3 has QK-norm, Qwen2 the QKV bias, none both)"
+        )
+    return out
+
+
+def check_supported(cfg: ModelConfig) -> None:
+    """Raise :class:`UserError` (one line naming each option) unless the Llama family holds ``cfg``."""
+    problems = unsupported(cfg)
     if problems:
-        raise UserError("model -> Hugging Face Llama family: " + "; ".join(problems))
+        raise UserError(
+            "to-hf: the Llama family (Llama/Mistral/Qwen2/Qwen3) cannot express " + "; ".join(problems)
+        )
 
 
 def canonical_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -265,6 +287,7 @@ def _rope_config(cfg: ModelConfig) -> dict[str, Any]:
 
 def family_of(cfg: ModelConfig) -> Family:
     """The HF family that holds ``cfg``: Qwen3 (QK-norm), Qwen2 (QKV bias), else Llama."""
+    check_supported(cfg)
     if cfg.qk_layernorm:
         if cfg.add_qkv_bias:
             raise UserError("model -> Hugging Face: QK-norm together with a QKV bias has no HF family here")

@@ -1,0 +1,426 @@
+"""``to-hf``'s check of its own output: the written Hugging Face model computes the checkpoint's function.
+
+A probe batch (2 sequences of 16 random in-vocabulary tokens, seeded;
+:func:`pretrain.checkpoint.verify.probe_ids`) runs through the export, loaded by ``transformers``
+in float32, and through our own model built in float32 from the same canonical tensors. GPT
+compares logits, BERT the encoder's final hidden states (a bare ``BertModel`` export has no LM
+head). Both sides compute in float32 whatever the stored dtype, so one tolerance serves every
+dtype: a difference passes when it is at most ``tolerance * max(1, max |ours|)``.
+
+Two modes (``auto`` picks ``full`` for small models only: while its estimate, about 12 bytes a
+parameter, stays under :data:`FULL_MODE_MAX_BYTES` and half the available memory; conversions
+keep their peak memory near the model's size, which the full mode would not):
+
+* ``full``: both whole models, end to end. On a mismatch the layers are compared one by one on the
+  already loaded models to name the first that diverges.
+* ``per-layer``: peak memory about one transformer layer plus the embeddings and head. The
+  ``transformers`` model is built with its layers on the ``meta`` device; a forward pre-hook loads
+  each layer's tensors from the written safetensors and a forward hook compares that layer's
+  output with our layer's on the same input hidden states, then frees it. The embeddings (ours
+  vs. the first layer's input) and the head (ours on the last layer's output vs. the logits) are
+  compared too.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from pretrain.checkpoint.plan import ModelSpec
+from pretrain.checkpoint.verify import ours_probe, probe_ids
+from pretrain.models.base import ShardedModule
+from pretrain.models.sharding import load_full_state_dict
+from pretrain.parallel.state import ParallelState
+from pretrain.utils.errors import UserError
+from tools.hf_io import TensorSource
+from tools.hf_shards import INDEX_FILE
+
+VerifyMode = Literal["auto", "full", "per-layer"]
+MODES: tuple[VerifyMode, ...] = ("auto", "full", "per-layer")
+DEFAULT_TOLERANCE = 1e-4
+FULL_MODE_MEMORY_FRACTION = 0.5  # auto: full mode while its estimate fits in this much of MemAvailable
+FULL_MODE_MAX_BYTES = 1 << 30  # ... and in 1 GiB (about 90M parameters); above, per-layer
+_LAYER_PREFIX = "language_model.encoder.layers."
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Comparison:
+    """One compared stage: ``where`` (``logits``, ``embeddings``, ``layer 3``, ``output``)."""
+
+    where: str
+    diff: float
+    limit: float
+
+    @property
+    def ok(self) -> bool:
+        return self.diff <= self.limit  # NaN fails
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerifyResult:
+    """What :func:`verify_export` compared; ``worst`` is the stage closest to its limit."""
+
+    mode: str
+    what: str
+    batch: tuple[int, int]
+    comparisons: tuple[Comparison, ...]
+
+    @property
+    def worst(self) -> Comparison:
+        return max(self.comparisons, key=lambda c: c.diff / c.limit if c.limit else float("inf"))
+
+    def line(self) -> str:
+        w = self.worst
+        what, at = (self.what, "") if self.mode == "full" else ("stage", f" (largest at {w.where})")
+        return (
+            f"verify: max |{what} difference| = {w.diff:.3e} <= {w.limit:.3e}{at}, "
+            f"transformers vs. the checkpoint on a {self.batch[0]}x{self.batch[1]} probe batch ({self.mode})"
+        )
+
+
+def compare(where: str, ours: torch.Tensor, theirs: torch.Tensor, tolerance: float) -> Comparison:
+    """Max absolute difference over the shared last dimension; limit ``tolerance * max(1, max|ours|)``."""
+    width = min(ours.shape[-1], theirs.shape[-1])
+    a, b = ours[..., :width].float(), theirs[..., :width].float()
+    if a.shape != b.shape:
+        return Comparison(where=where, diff=float("inf"), limit=0.0)
+    return Comparison(where=where, diff=float((a - b).abs().max()),
+                      limit=tolerance * max(1.0, float(a.abs().max())))  # fmt: skip
+
+
+# --- our side, piece by piece ----------------------------------------------------------------------
+class OurPieces:
+    """Our model in float32 from ``source``, built one piece at a time (the embeddings and head once,
+    each layer on demand), so that at most one layer is in memory."""
+
+    def __init__(self, source: TensorSource, spec: ModelSpec) -> None:
+        self.source, self.spec = source, spec
+        self.cfg = dataclasses.replace(
+            spec.cfg, hidden_dropout=0.0, attention_dropout=0.0, params_dtype="float32"
+        )
+        self.ps = ParallelState.single()
+        names = source.names()
+        self.shell = self._model(())
+        self._load(self.shell, [n for n in names if not n.startswith(_LAYER_PREFIX)])
+        self._names = names
+
+    def _model(self, layers: tuple[int, ...], *, ends: bool = True) -> ShardedModule:
+        kw: dict[str, Any] = dict(pre_process=ends, post_process=ends, layer_numbers=layers)
+        if self.spec.kind == "gpt":
+            from pretrain.models.gpt import GPTModel
+
+            return GPTModel(self.cfg, self.ps, **kw).eval()
+        from pretrain.models.bert import BertModel
+
+        return BertModel(self.cfg, self.ps, add_binary_head=self.spec.add_binary_head and ends, **kw).eval()
+
+    def _load(self, model: ShardedModule, names: list[str]) -> None:
+        load_full_state_dict(model, {n: self.source.tensor(n).float() for n in names})
+
+    @torch.inference_mode()
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        lm: Any = self.shell.language_model
+        if self.spec.kind == "gpt":
+            return lm.embedding(ids)  # type: ignore[no-any-return]
+        return lm.embedding(ids, None, torch.zeros_like(ids))  # type: ignore[no-any-return]
+
+    @torch.inference_mode()
+    def layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        model = self._model((i,), ends=False)
+        self._load(model, [n for n in self._names if n.startswith(f"{_LAYER_PREFIX}{i}.")])
+        return model(hidden_states=x)  # type: ignore[no-any-return]
+
+    @torch.inference_mode()
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """GPT: the logits ``[b, s, V]`` of the last layer's output; BERT: the final hidden states."""
+        model: Any = self.shell
+        x = model.language_model.encoder(x)  # no layers: the final norm only
+        if self.spec.kind != "gpt":
+            return x
+        from pretrain.models.language_model import parallel_lm_logits
+
+        local = parallel_lm_logits(x, model.output_weight(), ps=self.ps, vocab_start=0,
+                                   true_vocab=self.cfg.vocab_size)  # fmt: skip
+        return model.full_logits(local)  # type: ignore[no-any-return]
+
+
+# --- the transformers side -------------------------------------------------------------------------
+class SafetensorsDir:
+    """Tensors of a written Hugging Face directory, read one at a time (``model.safetensors`` or shards)."""
+
+    def __init__(self, hf_dir: Path) -> None:
+        from safetensors import safe_open
+
+        index = hf_dir / INDEX_FILE
+        if index.is_file():
+            files = json.loads(index.read_text())["weight_map"]
+        else:
+            with safe_open(str(hf_dir / "model.safetensors"), "pt") as f:
+                files = dict.fromkeys(f.keys(), "model.safetensors")
+        self.dir, self.files = hf_dir, dict(files)
+
+    def get(self, key: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self.dir / self.files[key]), "pt") as f:
+            return f.get_tensor(key).float()
+
+    def numel(self) -> int:
+        from safetensors import safe_open
+
+        total = 0
+        for name in sorted(set(self.files.values())):
+            with safe_open(str(self.dir / name), "pt") as f:
+                for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    shape = f.get_slice(key).get_shape()
+                    total += int(torch.Size(shape).numel())
+        return total
+
+
+@contextmanager
+def _quiet_transformers() -> Iterator[None]:
+    """No "Loading weights" bars or load reports from ``transformers`` while verifying."""
+    from transformers.utils import logging as hf_logging
+
+    bars, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
+    hf_logging.disable_progress_bar()
+    hf_logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        hf_logging.set_verbosity(level)
+        if bars:
+            hf_logging.enable_progress_bar()
+
+
+def _auto_class(spec: ModelSpec) -> Any:
+    import transformers
+
+    return transformers.AutoModelForCausalLM if spec.kind == "gpt" else transformers.AutoModel
+
+
+def _layers_of(model: nn.Module) -> nn.ModuleList:
+    """The transformer layers of a GPT-2 / Llama-family / BERT model from ``transformers``."""
+    base: Any = model.base_model
+    for path in ("h", "layers", "encoder.layer"):
+        obj: Any = base
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+        if isinstance(obj, nn.ModuleList):
+            return obj
+    raise RuntimeError(f"verify: cannot find the layers of {type(model).__name__}")
+
+
+def _layer_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
+    """The state-dict prefix of ``layers`` in ``model`` (``transformer.h.`` ...)."""
+    for name, module in model.named_modules():
+        if module is layers:
+            return f"{name}."
+    raise RuntimeError("verify: layers not in the model")
+
+
+def _output(model: nn.Module, ids: torch.Tensor, gpt: bool) -> torch.Tensor:
+    out = model(input_ids=ids)
+    return out.logits if gpt else out.last_hidden_state  # type: ignore[no-any-return]
+
+
+@contextmanager
+def _layer_hooks(layers: nn.ModuleList, *, pre: Callable[[int], None] | None,
+                 post: Callable[[int, torch.Tensor, torch.Tensor], None]) -> Iterator[None]:  # fmt: skip
+    """``pre(i)`` before layer ``i`` runs, ``post(i, input hidden states, output hidden states)`` after."""
+    handles = []
+    for i, layer in enumerate(layers):
+        if pre is not None:
+            handles.append(layer.register_forward_pre_hook(lambda _m, _a, i=i: pre(i)))
+
+        def after(_m: nn.Module, args: Any, kwargs: Any, output: Any, i: int = i) -> None:
+            x = args[0] if args else kwargs["hidden_states"]
+            post(i, x, output[0] if isinstance(output, tuple) else output)
+
+        handles.append(layer.register_forward_hook(after, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@torch.inference_mode()
+def layer_by_layer(model: nn.Module, ours: OurPieces, ids: torch.Tensor, *, tolerance: float,
+                   materialize: Callable[[int], None] | None = None,
+                   release: Callable[[int], None] | None = None) -> list[Comparison]:  # fmt: skip
+    """Run ``model`` on ``ids`` comparing every stage with ours on the same inputs (see the module
+    docstring); ``materialize``/``release`` load and free each layer around its forward."""
+    layers, gpt = _layers_of(model), ours.spec.kind == "gpt"
+    found: list[Comparison] = []
+    last: list[torch.Tensor] = []
+
+    def post(i: int, x: torch.Tensor, y: torch.Tensor) -> None:
+        if i == 0:
+            found.append(compare("embeddings", ours.embed(ids), x, tolerance))
+        found.append(compare(f"layer {i}", ours.layer(i, x), y, tolerance))
+        last[:] = [y]
+        if release is not None:
+            release(i)
+
+    with _layer_hooks(layers, pre=materialize, post=post):
+        final = _output(model, ids, gpt)
+    found.append(compare("output", ours.head(last[0]), final, tolerance))
+    return found
+
+
+def _per_layer_model(hf_dir: Path, spec: ModelSpec) -> tuple[nn.Module, SafetensorsDir]:
+    """The ``transformers`` model of ``hf_dir`` with real embeddings and head and ``meta`` layers."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
+    auto = _auto_class(spec)
+    empty = copy.deepcopy(config)
+    empty.num_hidden_layers = 0
+    model = auto.from_config(empty, dtype=torch.float32).eval()
+    with torch.device("meta"):
+        skeleton = auto.from_config(config, dtype=torch.float32)
+    holder = _layers_of(model)
+    parent = next(m for m in model.modules() if any(c is holder for c in m.children()))
+    attr = next(n for n, c in parent.named_children() if c is holder)
+    setattr(parent, attr, _layers_of(skeleton))
+    for module in model.modules():  # the model now has the real number of layers
+        if getattr(module, "config", None) is empty:
+            module.config = config
+    files = SafetensorsDir(hf_dir)
+    _load_outside_layers(model, files, _layer_prefix(model, _layers_of(model)))
+    return model, files
+
+
+def _file_key(files: SafetensorsDir, key: str, model: nn.Module) -> str | None:
+    """The name of ``key`` (a state-dict key of ``model``) in the files: itself or with the base
+    model's prefix (a ``BertModel`` read from a ``BertForPreTraining`` export)."""
+    prefixed = f"{getattr(model, 'base_model_prefix', '')}.{key}"
+    return key if key in files.files else prefixed if prefixed in files.files else None
+
+
+def _load_outside_layers(model: nn.Module, files: SafetensorsDir, layer_prefix: str) -> None:
+    state = model.state_dict()
+    loaded: dict[str, torch.Tensor] = {}
+    for key in state:
+        if key.startswith(layer_prefix):
+            continue
+        name = _file_key(files, key, model)
+        if name is not None:
+            loaded[key] = files.get(name)
+    model.load_state_dict(loaded, strict=False)
+    ptrs = {state[k].data_ptr() for k in loaded}
+    for key, t in state.items():  # anything not loaded must be tied to something that was
+        if not key.startswith(layer_prefix) and key not in loaded and t.data_ptr() not in ptrs:
+            raise UserError(f"to-hf verify: the export has no tensor {key}")
+
+
+def _layer_loader(
+    model: nn.Module, files: SafetensorsDir
+) -> tuple[Callable[[int], None], Callable[[int], None]]:
+    layers = _layers_of(model)
+    prefix = _layer_prefix(model, layers)
+
+    def materialize(i: int) -> None:
+        layer = layers[i].to_empty(device="cpu")
+        state = {}
+        for key, param in layer.state_dict().items():
+            name = _file_key(files, f"{prefix}{i}.{key}", model)
+            if name is None:
+                raise UserError(f"to-hf verify: the export has no tensor {prefix}{i}.{key}")
+            state[key] = files.get(name)
+            if state[key].shape != param.shape:
+                raise UserError(f"to-hf verify: {name} has shape {tuple(state[key].shape)}, "
+                                f"transformers expects {tuple(param.shape)}")  # fmt: skip
+        layer.load_state_dict(state, strict=True)
+
+    def release(i: int) -> None:
+        layers[i].to("meta")
+
+    return materialize, release
+
+
+def _available_bytes() -> int:
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"))
+
+
+def choose_mode(mode: VerifyMode, files: SafetensorsDir) -> Literal["full", "per-layer"]:
+    """``auto``: full while about 12 bytes a parameter (two float32 models and our float32 copy
+    of the tensors) fit in :data:`FULL_MODE_MAX_BYTES` and :data:`FULL_MODE_MEMORY_FRACTION` of the
+    available memory; else per-layer."""
+    if mode != "auto":
+        return mode
+    need = 12 * files.numel()
+    limit = min(FULL_MODE_MAX_BYTES, FULL_MODE_MEMORY_FRACTION * _available_bytes())
+    return "full" if need <= limit else "per-layer"
+
+
+@torch.inference_mode()
+def verify_export(source: TensorSource, spec: ModelSpec, hf_dir: Path, *, mode: VerifyMode = "auto",
+                  tolerance: float = DEFAULT_TOLERANCE) -> VerifyResult:  # fmt: skip
+    """Compare the export in ``hf_dir`` with our model of ``source`` (see the module docstring).
+
+    Raises :class:`UserError` (one line: the max difference, its limit and the first stage that
+    diverges) on a mismatch or when ``transformers`` cannot load the export."""
+    files = SafetensorsDir(hf_dir)
+    chosen = choose_mode(mode, files)
+    ids = probe_ids(spec)
+    what = "logit" if spec.kind == "gpt" else "hidden-state"
+    try:
+        with _quiet_transformers():
+            found = _run(source, spec, hf_dir, ids, chosen, tolerance)
+    except UserError:
+        raise
+    except Exception as exc:  # transformers cannot load or run what we wrote: not an export
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise UserError(
+            f"to-hf verify: transformers cannot run the export ({type(exc).__name__}: {msg})"
+        ) from None
+    result = VerifyResult(mode=chosen, what=what, batch=(int(ids.shape[0]), int(ids.shape[1])),
+                          comparisons=tuple(found))  # fmt: skip
+    bad = [c for c in found if not c.ok]
+    if bad:
+        worst = max(found, key=lambda c: c.diff)
+        raise UserError(
+            f"to-hf verify: the export's {what}s differ from the checkpoint's by up to {worst.diff:.3e} "
+            f"(limit {bad[0].limit:.3e}); first divergence at {bad[0].where} ({chosen} comparison)"
+        )
+    return result
+
+
+def _run(source: TensorSource, spec: ModelSpec, hf_dir: Path, ids: torch.Tensor, chosen: str,
+         tolerance: float) -> list[Comparison]:  # fmt: skip
+    if chosen == "full":
+        return _full(source, spec, hf_dir, ids, tolerance)
+    model, files = _per_layer_model(hf_dir, spec)
+    materialize, release = _layer_loader(model, files)
+    return layer_by_layer(model, OurPieces(source, spec), ids, tolerance=tolerance,
+                          materialize=materialize, release=release)  # fmt: skip
+
+
+def _full(source: TensorSource, spec: ModelSpec, hf_dir: Path, ids: torch.Tensor,
+          tolerance: float) -> list[Comparison]:  # fmt: skip
+    """End to end; on a mismatch, the per-layer comparison on the loaded models names where."""
+    model = _auto_class(spec).from_pretrained(str(hf_dir), dtype=torch.float32, local_files_only=True).eval()
+    ours = ours_probe({n: source.tensor(n) for n in source.names()}, spec, ids)
+    end = compare("logits" if spec.kind == "gpt" else "hidden states", ours, _output(model, ids, spec.kind == "gpt"),
+                  tolerance)  # fmt: skip
+    if end.ok:
+        return [end]
+    stages = layer_by_layer(model, OurPieces(source, spec), ids, tolerance=tolerance)
+    return [*[c for c in stages if not c.ok], end]
