@@ -18,7 +18,6 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.args_semantics import architecture_args
 from pretrain.checkpoint.types import (
     METADATA_SCHEMA,
     CheckpointMetadata,
@@ -27,6 +26,7 @@ from pretrain.checkpoint.types import (
     TokenizerRecord,
 )
 from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.model_options import args_from_config
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.errors import UserError
 
@@ -56,15 +56,10 @@ def _megatron_fields(meta: CheckpointMetadata) -> dict[str, Any]:
         if arg is not None:
             files[arg] = f"tokenizer/{name}"  # relative to the checkpoint root
     return {
-        "num_layers": cfg.num_layers,
-        "hidden_size": cfg.hidden_size,
-        "ffn_hidden_size": cfg.ffn_size,
-        "num_attention_heads": cfg.num_attention_heads,
+        **args_from_config(cfg, mcore=meta.module_names == "mcore"),  # every model option
         "seq_length": cfg.max_position_embeddings,
-        "max_position_embeddings": cfg.max_position_embeddings,
         "vocab_size": cfg.vocab_size,
         "padded_vocab_size": padded,
-        "make_vocab_size_divisible_by": cfg.make_vocab_size_divisible_by,
         "tokenizer_type": tok.tokenizer_type if tok else None,
         **files,
         "tensor_model_parallel_size": par.tp,
@@ -74,10 +69,6 @@ def _megatron_fields(meta: CheckpointMetadata) -> dict[str, Any]:
         "decoder_last_pipeline_num_layers": par.num_layers_in_last_stage,
         "sequence_parallel": False,
         "apply_residual_connection_post_layernorm": False,
-        **architecture_args(cfg, mcore=meta.module_names == "mcore"),
-        "hidden_dropout": cfg.hidden_dropout,
-        "attention_dropout": cfg.attention_dropout,
-        "init_method_std": cfg.init_method_std,
         "apply_query_key_layer_scaling": False,
         "attention_softmax_in_fp32": True,
         "fp16": cfg.params_dtype == "float16",

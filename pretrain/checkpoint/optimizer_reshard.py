@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.args_semantics import is_mcore, untie_head_names
+from pretrain.checkpoint.args_semantics import untie_head_names
 from pretrain.checkpoint.layout import DISTRIB_OPTIM_FILE
 from pretrain.checkpoint.optimizer_state import (
     OPTIM_STATES,
@@ -37,6 +37,7 @@ from pretrain.checkpoint.safe_unpickle import load_untrusted
 from pretrain.checkpoint.upstream_names import to_local_name
 from pretrain.checkpoint.upstream_optimizer import UpstreamParam, upstream_full_state
 from pretrain.config import ParallelConfig
+from pretrain.model_options import is_mcore
 from pretrain.optim.distrib_optimizer import reassemble_full_state
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.errors import UserError

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.args_semantics import is_zero_centred_norm, layernorm_1p, untie_head_names
+from pretrain.checkpoint.args_semantics import is_zero_centred_norm, untie_head_names
 from pretrain.checkpoint.layout import MODEL_FILE, flatten, list_rank_dirs
 from pretrain.checkpoint.metadata import CheckpointMetadata, as_mapping, read_metadata
 from pretrain.checkpoint.pages import PageReleaser
@@ -28,6 +28,7 @@ from pretrain.checkpoint.safe_unpickle import load_untrusted
 from pretrain.checkpoint.types import CanonicalSource, CheckpointInfo
 from pretrain.checkpoint.upstream_args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
 from pretrain.checkpoint.upstream_names import is_qkv, qkv_to_canonical, to_local_name
+from pretrain.model_options import layernorm_1p
 from pretrain.models.sharding import row_layout, unshard_tensors
 from pretrain.utils.errors import UserError
 

@@ -9,7 +9,7 @@ their *global* shapes, so TP/PP of the writer do not matter: fused QKV rows are 
 layers (``decoder.layers.self_attention.linear_qkv.weight`` ``[L, ...]``) or per layer with
 global indices (``decoder.layers.5....``). :meth:`TorchDistReader.tensor` reads only the region
 of one layer (a custom load planner over the stored chunks), so memory stays near one tensor.
-The model's semantics come from ``args`` (:mod:`pretrain.checkpoint.args_semantics`), exactly as
+The model's semantics come from ``args`` (:mod:`pretrain.model_options`), exactly as
 for legacy files: norms stored zero-centred (``apply_layernorm_1p``) get 1 added, an untied
 ``output_layer`` is read as our ``output_layer``.
 """
@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from pretrain.checkpoint.args_semantics import OUTPUT_LAYER, is_zero_centred_norm, layernorm_1p
+from pretrain.checkpoint.args_semantics import OUTPUT_LAYER, is_zero_centred_norm
 from pretrain.checkpoint.dcp_failures import dcp_failures, first_line
 from pretrain.checkpoint.metadata import as_mapping, read_metadata
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
@@ -38,6 +38,7 @@ from pretrain.checkpoint.safe_unpickle import load_untrusted
 from pretrain.checkpoint.types import CheckpointInfo, CheckpointMetadata
 from pretrain.checkpoint.upstream_args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
 from pretrain.checkpoint.upstream_names import to_local_name
+from pretrain.model_options import layernorm_1p
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.utils.errors import UserError
 

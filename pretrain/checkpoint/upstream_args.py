@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.args_semantics import architecture_from_args, check_bert_gelu, need
+from pretrain.checkpoint.args_semantics import check_bert_gelu
 from pretrain.config import ModelConfig
+from pretrain.model_options import config_kwargs_from_args, need_int
 from pretrain.utils.errors import UserError
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
@@ -126,26 +127,25 @@ def upstream_model_config(
 
     ``shapes`` maps our local names of the first layer / embeddings (TP rank 0) to tensors.
     """
-    arch = architecture_from_args(args, source=source)
+    options = config_kwargs_from_args(args, source=source)
     if kind == "bert":
-        check_bert_gelu(args, arch, source)
+        check_bert_gelu(args, options["gelu"], source)
     lm = "language_model."
     pos = shapes.get(lm + "embedding.position_embeddings.weight")
-    hidden = int(need(args, "hidden_size", source))
-    heads = int(need(args, "num_attention_heads", source))
+    hidden = need_int(args, "hidden_size", source)
+    heads = need_int(args, "num_attention_heads", source)
     fc1 = shapes.get(lm + "encoder.layers.0.mlp.dense_h_to_4h.weight")
     ffn = args.get("ffn_hidden_size") or (
-        None if arch.swiglu else fc1.shape[0] * tp if fc1 is not None else 4 * hidden
+        None if options["swiglu"] else fc1.shape[0] * tp if fc1 is not None else 4 * hidden
     )
     if ffn is None:
-        ffn = need(args, "ffn_hidden_size", source)
+        ffn = need_int(args, "ffn_hidden_size", source)
     max_pos = args.get("max_position_embeddings") or (pos.shape[0] if pos is not None else None)
     if not max_pos:
-        max_pos = need(args, "max_position_embeddings", source)
+        max_pos = need_int(args, "max_position_embeddings", source)
     tokentypes = shapes.get(lm + "embedding.tokentype_embeddings.weight")
-    sample = next(iter(shapes.values()))
-    kv = arch.kv_channels if arch.kv_channels not in (None, hidden // heads) else None
-    groups = arch.num_query_groups if arch.num_query_groups != heads else None
+    if options["num_query_groups"] == heads:
+        options["num_query_groups"] = None  # one group per head: multi-head attention
     return ModelConfig(
         num_layers=num_layers,
         hidden_size=hidden,
@@ -153,29 +153,9 @@ def upstream_model_config(
         vocab_size=vocab_size,
         max_position_embeddings=int(max_pos),
         ffn_hidden_size=int(ffn),
-        make_vocab_size_divisible_by=int(args.get("make_vocab_size_divisible_by") or 128),
-        hidden_dropout=float(args.get("hidden_dropout", 0.1)),
-        attention_dropout=float(args.get("attention_dropout", 0.1)),
-        layernorm_epsilon=arch.layernorm_epsilon,
-        init_method_std=float(args.get("init_method_std", 0.02)),
-        gelu=arch.gelu,  # type: ignore[arg-type]
-        params_dtype=_dtype_name(args, sample),  # type: ignore[arg-type]
+        params_dtype=_dtype_name(args, next(iter(shapes.values()))),  # type: ignore[arg-type]
         bidirectional=kind == "bert",
         num_tokentypes=0 if tokentypes is None else int(tokentypes.shape[0]),
         post_layernorm=False,
-        normalization=arch.normalization,  # type: ignore[arg-type]
-        swiglu=arch.swiglu,
-        squared_relu=arch.squared_relu,
-        position_embedding_type=arch.position_embedding_type,  # type: ignore[arg-type]
-        rotary_base=arch.rotary_base,
-        rotary_percent=arch.rotary_percent,
-        rotary_seq_len_interpolation_factor=arch.rotary_seq_len_interpolation_factor,
-        use_rope_scaling=arch.use_rope_scaling,
-        rope_scaling_factor=arch.rope_scaling_factor,
-        num_query_groups=groups,
-        kv_channels=kv,
-        untie_embeddings_and_output_weights=arch.untie_embeddings_and_output_weights,
-        add_bias_linear=arch.add_bias_linear,
-        add_qkv_bias=arch.add_qkv_bias,
-        qk_layernorm=arch.qk_layernorm,
+        **options,  # type: ignore[arg-type]
     )

@@ -26,11 +26,11 @@ from typing import Any
 from pretrain.checkpoint.args import training_metadata
 from pretrain.config import DTypeName, ModelConfig, ParallelConfig
 from pretrain.data.gpt_dataset import GPTDatasetConfig, data_hash
+from pretrain.model_options import add_model_flags, config_kwargs_from_flags
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
 from pretrain.parallel.layout import check_sizes
 from pretrain.pipeline.partition import stage_layer_numbers
 from pretrain.tokenizer.factory import TokenizerConfig, add_tokenizer_arguments, build_tokenizer
-from pretrain.training.architecture_args import add_architecture_args, architecture_options
 from pretrain.training.config import TrainingConfig
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
@@ -40,20 +40,9 @@ from pretrain.utils.outputs import check_writable_output
 
 def add_model_args(p: OneLineParser) -> None:
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, required=True)
-    g.add_argument("--hidden-size", type=int, required=True)
-    g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--num-attention-heads", type=int, required=True)
-    g.add_argument("--max-position-embeddings", type=int, default=None, help="default: --seq-length")
-    g.add_argument("--hidden-dropout", type=float, default=0.1)
-    g.add_argument("--attention-dropout", type=float, default=0.1)
-    g.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
-    g.add_argument("--init-method-std", type=float, default=0.02)
-    g.add_argument("--gelu", choices=("tanh", "erf"), default="tanh")
-    g.add_argument("--recompute-activations", action="store_true")
+    add_model_flags(g)  # every model option's flag, from the one table (Megatron's names)
     g.add_argument("--apply-residual-connection-post-layernorm", "--post-layernorm", dest="post_layernorm",
                    action="store_true", help="BERT: original post-LN arrangement (paper figure 7a)")  # fmt: skip
-    add_architecture_args(g)  # Llama-family options (Megatron names)
 
 
 def add_parallel_args(p: OneLineParser) -> None:
@@ -158,15 +147,12 @@ def configs_from_args(args: Any, *, world_size: int) -> dict[str, Any]:
                               num_layers_in_last_stage=args.decoder_last_pipeline_num_layers)  # fmt: skip
     dtype: DTypeName = flags_from_namespace(DTypeFlags, args).dtype_name()
     bert = args.model == "bert"
-    model = ModelConfig(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
-        ffn_hidden_size=args.ffn_hidden_size, vocab_size=tokenizer.vocab_size,
-        max_position_embeddings=args.max_position_embeddings or args.seq_length,
-        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by, hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout, init_method_std=args.init_method_std, gelu=args.gelu,
-        recompute_activations=args.recompute_activations, params_dtype=dtype, bidirectional=bert,
-        num_tokentypes=2 if bert else 0, post_layernorm=args.post_layernorm, **architecture_options(args),
-    )  # fmt: skip
+    options = {
+        **config_kwargs_from_flags(args),
+        "max_position_embeddings": args.max_position_embeddings or args.seq_length,
+    }
+    model = ModelConfig(vocab_size=tokenizer.vocab_size, params_dtype=dtype, bidirectional=bert,
+                        num_tokentypes=2 if bert else 0, post_layernorm=args.post_layernorm, **options)  # type: ignore[arg-type]  # fmt: skip
     model.check_training_tensor_parallel(parallel.tp)
     if args.seq_length > model.max_position_embeddings:
         raise UserError(

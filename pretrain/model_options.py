@@ -1,0 +1,493 @@
+"""The one table of model options: each :class:`~pretrain.config.ModelConfig` field, its Megatron-LM
+``args`` name (and flag), its Hugging Face ``config.json`` key per family, and whether we implement,
+refuse or merely tolerate a Megatron field.
+
+Everything about an option's name outside the model code is derived from :data:`OPTIONS`:
+
+* :func:`config_kwargs_from_args` -- the ``ModelConfig`` fields a Megatron ``args`` sets (our files
+  and upstream Megatron-LM / megatron-core files alike), after :func:`check_refused`;
+* :func:`args_from_config` -- its inverse: the Megatron-named ``args`` our checkpoints write;
+* :func:`add_model_flags` / :func:`config_kwargs_from_flags` -- ``mlm-pretrain``'s architecture flags
+  (Megatron's spellings) and the fields they give;
+* :func:`hf_kwargs` / :func:`config_kwargs_from_hf` -- the plain one-to-one ``config.json`` keys of a
+  Hugging Face family group (``gpt2``, ``llama`` for Llama/Mistral/Qwen2/Qwen3, ``bert`` for BERT and
+  Megatron-BERT); what is not one key to one field (activation names, RoPE scaling dictionaries)
+  stays with the family's converter.
+
+A row whose Megatron meaning is not one field to one field (GQA's two fields, the GeLU flavour, QKV
+bias, RoPE's older spelling) names a *codec*: a reader from ``args`` and a writer to ``args``, both
+beside the table. Megatron's GeLU differs between its two model families (see :func:`gelu_kind`):
+legacy models run tanh GeLU for ``openai_gelu`` and for the fused bias-GeLU kernel; megatron-core
+ignores ``openai_gelu`` and runs exact ``F.gelu`` unless the fused bias-GeLU kernel (tanh) is on.
+
+``tests/test_model_options.py`` walks the table and round-trips every field through each direction.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pretrain.config import ModelConfig
+from pretrain.utils.errors import UserError
+
+Status = Literal["implemented", "refused", "numerics"]
+Args = Mapping[str, object]
+ArgsReader = Callable[[Args, str], object]  # (args, source) -> our field's value
+ArgsWriter = Callable[[ModelConfig, bool], dict[str, object]]  # (cfg, mcore) -> Megatron fields
+
+
+@dataclass(frozen=True, kw_only=True)
+class Flag:
+    """An ``mlm-pretrain`` flag of an option: Megatron's spelling, its argparse behaviour."""
+
+    names: tuple[str, ...]
+    kind: Literal["value", "store_true", "store_false"] = "value"
+    choices: tuple[str, ...] | None = None
+    required: bool = False
+    help: str = ""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Option:
+    """One row of :data:`OPTIONS` (see the module docstring).
+
+    ``field``: our ``ModelConfig`` field (None for a Megatron field we only refuse or tolerate);
+    ``megatron``: the ``args`` name Megatron writes (``aliases``: older spellings, read too);
+    ``hf``: family group -> ``config.json`` key, one to one; ``flag``: the ``mlm-pretrain`` flag;
+    ``status``: ``implemented``, ``refused`` (any value outside ``harmless`` stops with one line)
+    or ``numerics`` (changes precision or speed, never the function); ``read``/``write``: codecs
+    for a Megatron meaning that is not one field to one field.
+    """
+
+    field: str | None
+    megatron: str | None = None
+    aliases: tuple[str, ...] = ()
+    hf: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    flag: Flag | None = None
+    status: Status = "implemented"
+    harmless: tuple[object, ...] = ()
+    meaning: str = ""
+    read: ArgsReader | None = None
+    write: ArgsWriter | None = None
+
+
+# --- codecs (Megatron meanings that are not one field to one field) -------------------------------
+
+
+def is_mcore(args: Args) -> bool:
+    """Whether ``args`` describe a megatron-core model (``use_legacy_models`` false).
+
+    megatron-core 0.18 removed the legacy models and ``use_legacy_models`` with them; its args keep
+    ``deprecated_use_mcore_models`` (the dead ``--use-mcore-models`` flag), so they are megatron-core.
+    """
+    if "use_legacy_models" in args:
+        return not args["use_legacy_models"]
+    if "use_mcore_models" in args:
+        return bool(args["use_mcore_models"])
+    return "deprecated_use_mcore_models" in args
+
+
+def gelu_kind(args: Args, *, mcore: bool) -> str:
+    """``tanh`` or ``erf``: what GeLU the model ran (see the module docstring)."""
+    fused = bool(args.get("bias_gelu_fusion")) and bool(args.get("add_bias_linear", True))
+    if mcore:
+        return "tanh" if fused else "erf"
+    if args.get("openai_gelu"):
+        return "tanh"
+    if args.get("onnx_safe"):
+        return "erf"
+    return "tanh" if fused else "erf"
+
+
+def _read_gelu(args: Args, source: str) -> object:
+    return gelu_kind(args, mcore=is_mcore(args))
+
+
+def _write_gelu(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
+    # megatron-core runs exact GeLU unless the fused bias-GeLU kernel (tanh) is on; legacy takes openai_gelu.
+    tanh = cfg.gelu == "tanh"
+    return {"openai_gelu": tanh, "bias_gelu_fusion": mcore and tanh and cfg.add_bias_linear}
+
+
+def need_int(args: Args, key: str, source: str) -> int:
+    """``int(args[key])``, or one line naming the field and the Megatron-LM flag that sets it."""
+    value = args.get(key)
+    if not isinstance(value, int | float | str) or isinstance(value, bool):
+        raise UserError(
+            f"{source}: args lack {key} (Megatron-LM's --{key.replace('_', '-')}), needed to read this checkpoint"
+        )
+    return int(value)
+
+
+def _read_groups(args: Args, source: str) -> object:
+    if not args.get("group_query_attention"):
+        return None
+    return need_int(args, "num_query_groups", source)
+
+
+def _write_groups(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
+    gqa = cfg.num_query_groups
+    return {"group_query_attention": bool(gqa) and gqa != cfg.num_attention_heads,
+            "num_query_groups": gqa or cfg.num_attention_heads}  # fmt: skip
+
+
+def _read_position(args: Args, source: str) -> object:
+    pos = str(args.get("position_embedding_type") or "learned_absolute")
+    if args.get("use_rotary_position_embeddings"):
+        pos = "rope"
+    if pos not in ("learned_absolute", "rope"):
+        raise UserError(
+            f"{source}: args.position_embedding_type={pos}: only learned_absolute and rope are supported"
+        )
+    if pos == "learned_absolute" and args.get("add_position_embedding") is False:
+        raise UserError(f"{source}: args.add_position_embedding=False without rope: no position information")
+    return pos
+
+
+def _write_position(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
+    rope = cfg.position_embedding_type == "rope"
+    return {"position_embedding_type": cfg.position_embedding_type, "add_position_embedding": not rope,
+            "use_rotary_position_embeddings": False}  # fmt: skip
+
+
+def _read_qkv_bias(args: Args, source: str) -> object:
+    # Megatron adds a QKV bias for add_bias_linear or add_qkv_bias; ours is the QKV-only extra.
+    return bool(args.get("add_qkv_bias")) and args.get("add_bias_linear", True) is False
+
+
+def _write_qkv_bias(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
+    return {"add_qkv_bias": cfg.qkv_bias}
+
+
+def _read_bias(args: Args, source: str) -> object:
+    return args.get("add_bias_linear", True) is not False
+
+
+def _read_kv_channels(args: Args, source: str) -> object:
+    kv = args.get("kv_channels")
+    hidden, heads = args.get("hidden_size"), args.get("num_attention_heads")
+    if not kv or (isinstance(hidden, int) and isinstance(heads, int) and heads and kv == hidden // heads):
+        return None
+    return int(kv)  # type: ignore[call-overload]
+
+
+def _write_kv_channels(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
+    return {"kv_channels": cfg.head_dim}
+
+
+def _read_normalization(args: Args, source: str) -> object:
+    norm = str(args.get("normalization") or "LayerNorm")
+    if norm not in ("LayerNorm", "RMSNorm"):
+        raise UserError(f"{source}: args.normalization={norm}: only LayerNorm and RMSNorm are supported")
+    return norm
+
+
+def _read_epsilon(args: Args, source: str) -> object:
+    return float(args.get("layernorm_epsilon", args.get("norm_epsilon", 1e-5)) or 1e-5)  # type: ignore[arg-type]
+
+
+def _write_epsilon(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
+    return {"layernorm_epsilon": cfg.layernorm_epsilon, "norm_epsilon": cfg.layernorm_epsilon}
+
+
+def _read_interpolation(args: Args, source: str) -> object:
+    factor = args.get("rotary_seq_len_interpolation_factor")
+    return None if factor in (None, 1, 1.0) else float(factor)  # type: ignore[arg-type]
+
+
+def _value(name: str, *, default: object, cast: Callable[[Any], object]) -> ArgsReader:
+    """Reader of a plain field: ``args[name]`` (a falsy value or absence gives ``default``)."""
+    return lambda args, source: cast(args[name]) if args.get(name) else default
+
+
+def _flag(*names: str, kind: Literal["value", "store_true", "store_false"] = "value",
+          choices: tuple[str, ...] | None = None, required: bool = False, help: str = "") -> Flag:  # fmt: skip
+    return Flag(names=names, kind=kind, choices=choices, required=required, help=help)
+
+
+def _write_ffn(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
+    return {"ffn_hidden_size": cfg.ffn_size}  # Megatron records the width it ran
+
+
+# --- the table -------------------------------------------------------------------------------------
+
+_G, _L, _B = "gpt2", "llama", "bert"
+OPTIONS: tuple[Option, ...] = (
+    # sizes
+    Option(field="num_layers", megatron="num_layers", hf={_G: "n_layer", _L: "num_hidden_layers", _B: "num_hidden_layers"},
+           flag=_flag("--num-layers", required=True), meaning="layers"),
+    Option(field="hidden_size", megatron="hidden_size", hf={_G: "n_embd", _L: "hidden_size", _B: "hidden_size"},
+           flag=_flag("--hidden-size", required=True), meaning="hidden size"),
+    Option(field="num_attention_heads", megatron="num_attention_heads",
+           hf={_G: "n_head", _L: "num_attention_heads", _B: "num_attention_heads"},
+           flag=_flag("--num-attention-heads", required=True), meaning="query heads"),
+    Option(field="vocab_size", hf={_G: "vocab_size", _L: "vocab_size", _B: "vocab_size"},
+           meaning="the tokenizer's true vocabulary (Megatron records it only as padded_vocab_size)"),
+    Option(field="max_position_embeddings", megatron="max_position_embeddings",
+           hf={_G: "n_positions", _L: "max_position_embeddings", _B: "max_position_embeddings"},
+           flag=_flag("--max-position-embeddings", help="default: --seq-length"), meaning="positions"),
+    Option(field="ffn_hidden_size", megatron="ffn_hidden_size", hf={_L: "intermediate_size", _B: "intermediate_size"},
+           write=_write_ffn, flag=_flag("--ffn-hidden-size"), meaning="MLP width"),
+    Option(field="make_vocab_size_divisible_by", megatron="make_vocab_size_divisible_by",
+           read=_value("make_vocab_size_divisible_by", default=128, cast=int),
+           flag=_flag("--make-vocab-size-divisible-by"), meaning="vocabulary padding multiple (x TP)"),
+    # regularisation and initialisation (training only)
+    Option(field="hidden_dropout", megatron="hidden_dropout", hf={_G: "resid_pdrop", _B: "hidden_dropout_prob"},
+           read=lambda args, source: float(args.get("hidden_dropout", 0.1)),  # type: ignore[arg-type]
+           flag=_flag("--hidden-dropout"), meaning="hidden dropout"),
+    Option(field="attention_dropout", megatron="attention_dropout",
+           hf={_G: "attn_pdrop", _L: "attention_dropout", _B: "attention_probs_dropout_prob"},
+           read=lambda args, source: float(args.get("attention_dropout", 0.1)),  # type: ignore[arg-type]
+           flag=_flag("--attention-dropout"), meaning="attention dropout"),
+    Option(field="init_method_std", megatron="init_method_std",
+           hf={_G: "initializer_range", _L: "initializer_range", _B: "initializer_range"},
+           read=lambda args, source: float(args.get("init_method_std", 0.02)),  # type: ignore[arg-type]
+           flag=_flag("--init-method-std"), meaning="initialisation std"),
+    Option(field="recompute_activations", megatron="recompute_activations", status="numerics",
+           flag=_flag("--recompute-activations", kind="store_true"), meaning="activation recomputation"),
+    Option(field="params_dtype", megatron="params_dtype", status="numerics", meaning="parameter dtype"),
+    # the layer
+    Option(field="layernorm_epsilon", megatron="norm_epsilon", aliases=("layernorm_epsilon",),
+           hf={_G: "layer_norm_epsilon", _L: "rms_norm_eps", _B: "layer_norm_eps"},
+           read=_read_epsilon, write=_write_epsilon,
+           flag=_flag("--norm-epsilon", "--layernorm-epsilon"), meaning="norm epsilon"),
+    Option(field="gelu", megatron="openai_gelu", aliases=("bias_gelu_fusion", "onnx_safe", "use_legacy_models",
+           "use_mcore_models"), read=_read_gelu, write=_write_gelu,
+           flag=_flag("--gelu", choices=("tanh", "erf"), help="GeLU flavour (mlm-toolkit's flag)"),
+           meaning="tanh or erf GeLU (from openai_gelu, bias_gelu_fusion and the model family)"),
+    Option(field="normalization", megatron="normalization", read=_read_normalization,
+           flag=_flag("--normalization", choices=("LayerNorm", "RMSNorm")), meaning="LayerNorm or RMSNorm"),
+    Option(field="swiglu", megatron="swiglu", flag=_flag("--swiglu", kind="store_true",
+           help="gated SiLU MLP (fc1 holds gate and up)"), meaning="SwiGLU MLP"),
+    Option(field="squared_relu", megatron="squared_relu", flag=_flag("--squared-relu", kind="store_true"),
+           meaning="relu(x)^2 MLP"),
+    Option(field="position_embedding_type", megatron="position_embedding_type",
+           aliases=("use_rotary_position_embeddings", "add_position_embedding"), read=_read_position,
+           write=_write_position, flag=_flag("--position-embedding-type", choices=("learned_absolute", "rope")),
+           meaning="learned_absolute or rope"),
+    Option(field="rotary_base", megatron="rotary_base", read=_value("rotary_base", default=10000.0, cast=float),
+           flag=_flag("--rotary-base"), meaning="RoPE base"),
+    Option(field="rotary_percent", megatron="rotary_percent", read=_value("rotary_percent", default=1.0, cast=float),
+           flag=_flag("--rotary-percent"), meaning="partial rotary"),
+    Option(field="rotary_seq_len_interpolation_factor", megatron="rotary_seq_len_interpolation_factor",
+           read=_read_interpolation, flag=_flag("--rotary-seq-len-interpolation-factor",
+           help="linear RoPE scaling: positions divided by this factor"), meaning="linear RoPE scaling"),
+    Option(field="use_rope_scaling", megatron="use_rope_scaling",
+           flag=_flag("--use-rope-scaling", kind="store_true", help="Llama-3.1 RoPE frequency scaling"),
+           meaning="Llama-3.1 RoPE scaling"),
+    Option(field="rope_scaling_factor", megatron="rope_scaling_factor",
+           read=_value("rope_scaling_factor", default=8.0, cast=float), flag=_flag("--rope-scaling-factor"),
+           meaning="Llama-3.1 RoPE scaling factor"),
+    Option(field="rope_low_freq_factor", meaning="Llama-3.1 RoPE low-frequency factor (fixed 1 in Megatron)"),
+    Option(field="rope_high_freq_factor", meaning="Llama-3.1 RoPE high-frequency factor (fixed 4 in Megatron)"),
+    Option(field="rope_original_max_position_embeddings",
+           meaning="Llama-3.1 RoPE original context (fixed 8192 in Megatron)"),
+    Option(field="num_query_groups", megatron="num_query_groups", aliases=("group_query_attention",),
+           read=_read_groups, write=_write_groups, meaning="key-value heads (GQA)"),
+    Option(field="kv_channels", megatron="kv_channels", read=_read_kv_channels, write=_write_kv_channels,
+           flag=_flag("--kv-channels", help="per-head size (default hidden/heads)"), meaning="per-head channels"),
+    Option(field="untie_embeddings_and_output_weights", megatron="untie_embeddings_and_output_weights",
+           flag=_flag("--untie-embeddings-and-output-weights", kind="store_true"), meaning="untied output layer"),
+    Option(field="add_bias_linear", megatron="add_bias_linear", read=_read_bias,
+           flag=_flag("--disable-bias-linear", kind="store_false"), meaning="linear biases"),
+    Option(field="add_qkv_bias", megatron="add_qkv_bias", read=_read_qkv_bias, write=_write_qkv_bias,
+           flag=_flag("--add-qkv-bias", kind="store_true"), meaning="QKV bias without other biases (Qwen2)"),
+    Option(field="qk_layernorm", megatron="qk_layernorm", flag=_flag("--qk-layernorm", kind="store_true"),
+           meaning="per-head query/key norms (Qwen3)"),
+    # BERT's arrangement (from the model kind and shapes, never from Megatron args)
+    Option(field="bidirectional", meaning="bidirectional attention (BERT)"),
+    Option(field="num_tokentypes", hf={_B: "type_vocab_size"}, meaning="token types (BERT)"),
+    Option(field="post_layernorm", meaning="post-LN arrangement (original BERT)"),
+    # zero-centred norm weights: a tensor transform of the readers, never a ModelConfig field
+    Option(field=None, megatron="apply_layernorm_1p", aliases=("layernorm_zero_centered_gamma",),
+           meaning="zero-centred gamma (weight + 1), undone on reading"),
+    # refused: any value outside `harmless` stops with one line naming the field
+    *(Option(field=None, megatron=name, status="refused", harmless=ok, meaning=what) for name, (ok, what) in {
+        "apply_residual_connection_post_layernorm": ((False, None), "residual from the norm output"),
+        "rotary_interleaved": ((False, None), "interleaved RoPE"),
+        "num_experts": ((None, 0, 1), "mixture of experts"),
+        "multi_latent_attention": ((False, None), "multi-latent attention"),
+        "qk_l2_norm": ((False, None), "L2 query/key norm"),
+        "window_size": ((None,), "sliding-window attention"),
+        "softmax_type": (("vanilla", None), "attention softmax variant"),
+        "attention_output_gate": ((False, None), "gated attention output"),
+        "quick_geglu": ((False, None), "quick GeGLU"),
+        "mtp_num_layers": ((None, 0), "multi-token prediction layers"),
+        "heterogeneous_layers_config_path": ((None,), "heterogeneous layers"),
+        "hybrid_override_pattern": ((None,), "hybrid Mamba layers"),
+        "is_hybrid_model": ((False, None), "hybrid Mamba model"),
+        "no_rope_freq": ((None,), "layers without RoPE"),
+        "mrope_section": ((None,), "multimodal RoPE"),
+        "experimental_attention_variant": ((None,), "experimental attention"),
+        "glu_linear_offset": ((0.0, 0, None), "GLU linear offset"),
+        "activation_func_clamp_value": ((None,), "clamped activation"),
+        # added after core_v0.16 (docs/megatron-core-versions.md)
+        "use_mup": ((False, None), "muP scaling (attention 1/d, logit multiplier)"),
+        "mup_embedding_mult": ((1.0, None), "muP embedding multiplier"),
+        "mup_output_mult": ((1.0, None), "muP logit multiplier"),
+        "softmax_scale": ((None,), "custom attention softmax scale"),
+        "hybrid_layer_pattern": ((None,), "hybrid Mamba layers"),
+        "mtp_hybrid_override_pattern": ((None,), "hybrid multi-token prediction layers"),
+        "use_grouped_gemm_for_dense_mlp": ((False, None), "dense MLP as one grouped GEMM (TE op-fuser layout)"),
+        "gtp_weight_remat_size": ((1, None), "weights sharded beyond TP (GTP)"),
+    }.items()),
+    # tolerated: precision and speed only
+    *(Option(field=None, megatron=name, status="numerics", meaning="precision or speed only") for name in (
+        "apply_query_key_layer_scaling", "attention_softmax_in_fp32", "fp32_residual_connection",
+        "masked_softmax_fusion", "bias_dropout_fusion", "bias_swiglu_fusion", "gradient_accumulation_fusion",
+        "fp16", "bf16", "transformer_impl", "attention_backend",
+        # added after core_v0.16: fusions and low-precision paths of the same function
+        "fused_residual_rmsnorm", "use_transformer_engine_op_fuser", "flash_attention_version", "fp8_output_proj",
+        "fp4_param_gather", "mlp_chunks_for_training",
+    )),
+)  # fmt: skip
+BY_FIELD: dict[str, Option] = {o.field: o for o in OPTIONS if o.field is not None}
+REFUSED: dict[str, Option] = {o.megatron: o for o in OPTIONS if o.status == "refused" and o.megatron}
+# The fields config_kwargs_from_args reads (the rest come from shapes, the tokenizer and the kind).
+ARGS_FIELDS = tuple(
+    o.field for o in OPTIONS
+    if o.field and o.status == "implemented" and (o.megatron or o.read)
+    and o.field not in ("num_layers", "hidden_size", "num_attention_heads", "max_position_embeddings",
+                        "ffn_hidden_size")
+)  # fmt: skip
+
+
+# --- Megatron args ---------------------------------------------------------------------------------
+
+
+def check_refused(args: Args, source: str) -> None:
+    """Stop on the first field we do not implement set to a value that changes the function."""
+    for key, option in REFUSED.items():
+        if key in args and args[key] not in option.harmless:
+            raise UserError(
+                f"{source}: args.{key}={args[key]!r}: {option.meaning} is not supported by mlm-toolkit models"
+            )
+
+
+def config_kwargs_from_args(args: Args, *, source: str) -> dict[str, object]:
+    """The ``ModelConfig`` fields of :data:`ARGS_FIELDS` that ``args`` imply (refusals first).
+
+    The sizes (layers, hidden, heads, positions, MLP width) are left to the caller, which may take
+    them from tensor shapes where old files lack them.
+    """
+    check_refused(args, source)
+    out: dict[str, object] = {}
+    for name in ARGS_FIELDS:
+        option = BY_FIELD[name]
+        if option.read is not None:
+            out[name] = option.read(args, source)
+        elif option.megatron is not None:
+            out[name] = bool(args.get(option.megatron))  # a plain switch
+    if out["swiglu"] and out["squared_relu"]:
+        raise UserError(f"{source}: args set both swiglu and squared_relu")
+    return out
+
+
+def args_from_config(cfg: ModelConfig, *, mcore: bool) -> dict[str, object]:
+    """The Megatron ``args`` fields (both spellings where Megatron has two) that make upstream
+    Megatron-LM -- and :func:`config_kwargs_from_args` -- build ``cfg``'s architecture. ``mcore``:
+    the file's module names are megatron-core's (its GeLU rule differs)."""
+    out: dict[str, object] = {"apply_layernorm_1p": False}
+    for option in OPTIONS:
+        if option.field is None or option.status != "implemented" or option.megatron is None:
+            continue
+        if option.write is not None:
+            out.update(option.write(cfg, mcore))
+        else:
+            out[option.megatron] = getattr(cfg, option.field)
+    return out
+
+
+def layernorm_1p(args: Args) -> bool:
+    """Whether the file's norm weights are zero-centred (Megatron ``apply_layernorm_1p``)."""
+    return bool(args.get("apply_layernorm_1p") or args.get("layernorm_zero_centered_gamma"))
+
+
+# --- mlm-pretrain flags ----------------------------------------------------------------------------
+
+FLAG_FIELDS = tuple(o.field for o in OPTIONS if o.field and o.flag is not None)
+
+
+def add_model_flags(group: argparse._ArgumentGroup) -> None:
+    """Every option's ``mlm-pretrain`` flag (Megatron's names), plus ``--group-query-attention`` /
+    ``--num-query-groups`` (Megatron's two-flag GQA). Defaults are ``ModelConfig``'s."""
+    for name in FLAG_FIELDS:
+        option, default = BY_FIELD[name], _default(name)
+        flag = option.flag
+        assert flag is not None
+        if flag.kind != "value":
+            group.add_argument(*flag.names, dest=name, action=flag.kind, help=flag.help or None)
+        elif flag.required:
+            group.add_argument(*flag.names, dest=name, type=_field_type(name), required=True)
+        else:
+            group.add_argument(*flag.names, dest=name, type=_field_type(name), choices=flag.choices,
+                               default=default, help=flag.help or None)  # fmt: skip
+    group.add_argument("--group-query-attention", action="store_true")
+    group.add_argument("--num-query-groups", type=int, default=None,
+                       help="key-value heads (with --group-query-attention)")  # fmt: skip
+
+
+def config_kwargs_from_flags(ns: argparse.Namespace) -> dict[str, object]:
+    """The ``ModelConfig`` fields of the flags of :func:`add_model_flags` (``ModelConfig`` validates)."""
+    if ns.num_query_groups is not None and not ns.group_query_attention:
+        raise UserError("--num-query-groups needs --group-query-attention (as in Megatron-LM)")
+    if ns.position_embedding_type != "rope" and (ns.use_rope_scaling or ns.rotary_percent != 1.0):
+        raise UserError("--use-rope-scaling / --rotary-percent need --position-embedding-type rope")
+    out: dict[str, object] = {name: getattr(ns, name) for name in FLAG_FIELDS}
+    out["num_query_groups"] = (ns.num_query_groups or 1) if ns.group_query_attention else None
+    return out
+
+
+def _default(name: str) -> object:
+    default = next(f.default for f in dataclasses.fields(ModelConfig) if f.name == name)
+    return None if default is dataclasses.MISSING else default
+
+
+def _field_type(name: str) -> Callable[[str], object]:
+    annotation = str(next(f.type for f in dataclasses.fields(ModelConfig) if f.name == name))
+    if annotation.startswith("int"):
+        return int
+    if annotation.startswith("float"):
+        return float
+    return str
+
+
+# --- Hugging Face config.json ----------------------------------------------------------------------
+
+
+def hf_kwargs(cfg: ModelConfig, group: str) -> dict[str, object]:
+    """The one-to-one ``config.json`` keys of family ``group`` for ``cfg``."""
+    return {o.hf[group]: getattr(cfg, o.field) for o in OPTIONS if o.field and group in o.hf}
+
+
+def config_kwargs_from_hf(hf_config: object, group: str) -> dict[str, object]:
+    """The ``ModelConfig`` fields of family ``group``'s one-to-one keys present in ``hf_config``."""
+    out: dict[str, object] = {}
+    for option in OPTIONS:
+        if option.field and group in option.hf and hasattr(hf_config, option.hf[group]):
+            out[option.field] = getattr(hf_config, option.hf[group])
+    return out
+
+
+__all__ = [
+    "BY_FIELD",
+    "OPTIONS",
+    "REFUSED",
+    "Flag",
+    "Option",
+    "add_model_flags",
+    "args_from_config",
+    "check_refused",
+    "config_kwargs_from_args",
+    "config_kwargs_from_flags",
+    "config_kwargs_from_hf",
+    "gelu_kind",
+    "hf_kwargs",
+    "is_mcore",
+    "layernorm_1p",
+    "need_int",
+]
