@@ -9,9 +9,10 @@ streamed; the streamed output must keep them, and must be byte for byte the in-m
 from __future__ import annotations
 
 import hashlib
-import json
-import threading
-import time
+import os
+import subprocess
+import sys
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -51,12 +52,12 @@ def _config(case: str) -> dict[str, object]:
             "intermediate_size": 48, "max_position_embeddings": 32, "layer_norm_eps": 1e-12}  # fmt: skip
 
 
-def write_hf(directory: Path, case: str) -> Path:
+def write_hf(directory: Path, case: str, **overrides: object) -> Path:
     """A Hugging Face directory of ``case``: config.json and model.safetensors of seeded values
     (shapes from transformers' model on the meta device; tied copies equal to their tie)."""
     import transformers
 
-    config = transformers.AutoConfig.for_model(**_config(case))  # type: ignore[attr-defined]
+    config = transformers.AutoConfig.for_model(**{**_config(case), **overrides})  # type: ignore[attr-defined]
     arch = getattr(transformers, config.architectures[0])
     with torch.device("meta"):
         model = arch(config)
@@ -111,3 +112,84 @@ def _from_hf(src: Path, save: Path, *extra: str) -> None:
 def test_from_hf_output_keeps_the_in_memory_golden_digest(tmp_path: Path, case: str) -> None:
     _from_hf(write_hf(tmp_path / "hf", case), tmp_path / "ck")
     assert checkpoint_digest(tmp_path / "ck") == GOLDEN[case]
+
+
+# (a post-LN BERT has no torch_dist form)
+@pytest.mark.parametrize(("case", "fmt"), [("gpt2", "torch"), ("llama_gqa", "torch"), ("bert_bare", "torch"),
+                                           ("gpt2", "torch_dist"), ("llama_gqa", "torch_dist")])  # fmt: skip
+def test_streamed_files_equal_the_in_memory_import_byte_for_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, case: str, fmt: str
+) -> None:
+    import tools.hf_io
+
+    src = write_hf(tmp_path / "hf", case)
+    _from_hf(src, tmp_path / "streamed", "--ckpt-format", fmt)
+    monkeypatch.setattr(tools.hf_io, "open_hf", tools.hf_io.import_hf)  # the whole model in memory
+    _from_hf(src, tmp_path / "in_memory", "--ckpt-format", fmt)
+    files = sorted(p.relative_to(tmp_path / "in_memory") for p in (tmp_path / "in_memory").rglob("*"))
+    assert files == sorted(p.relative_to(tmp_path / "streamed") for p in (tmp_path / "streamed").rglob("*"))
+    for f in files:
+        a, b = tmp_path / "in_memory" / f, tmp_path / "streamed" / f
+        if f.name == ".metadata":  # torch_dist's index: all but its save id and temporary path
+            assert _dcp_index(a) == _dcp_index(b)
+        elif a.is_file():
+            assert a.read_bytes() == b.read_bytes(), f
+
+
+def _dcp_index(path: Path) -> dict[str, object]:
+    """A torch_dist ``.metadata`` without ``storage_meta`` (a random save id and the temporary
+    directory's name, different on every save)."""
+    import pickle
+
+    with open(path, "rb") as fh:
+        meta = pickle.load(fh)  # our own test output
+    return {k: v for k, v in vars(meta).items() if k != "storage_meta"}
+
+
+_MEMORY_SCRIPT = textwrap.dedent(
+    """
+    import sys, threading, time
+    from transformers import AutoConfig
+    from tools.convert_cli import main
+
+    def anon_kb():
+        for line in open("/proc/self/status"):
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1])
+        raise RuntimeError("no RssAnon")
+
+    AutoConfig.from_pretrained(sys.argv[1])  # transformers' lazy imports, before the baseline
+    peak, done = [0], threading.Event()
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], anon_kb())
+            time.sleep(0.0005)
+    base = anon_kb()
+    t = threading.Thread(target=sample)
+    t.start()
+    rc = main(["from-hf", "--weights-only", "--load", sys.argv[1], "--save", sys.argv[2], "--tp", "1", "--pp", "4"])
+    done.set()
+    t.join()
+    print(rc, (peak[0] - base) * 1024)
+    """
+)
+
+
+@pytest.mark.slow  # ~10 s
+def test_from_hf_peak_memory_is_one_rank_file_not_the_model(tmp_path: Path) -> None:
+    """A 110 MB model in 4 pipeline stages: from-hf holds one stage's file (~28 MB) and the tensor
+    being built, never the model (the in-memory import held all of it, and twice)."""
+    src = write_hf(tmp_path / "hf", "llama_gqa", hidden_size=384, intermediate_size=1024, num_hidden_layers=16,
+                   num_attention_heads=6, num_key_value_heads=6)  # fmt: skip
+    model_bytes = (src / "model.safetensors").stat().st_size
+    script = tmp_path / "mem.py"
+    script.write_text(_MEMORY_SCRIPT)
+    out = subprocess.run(
+        [sys.executable, str(script), str(src), str(tmp_path / "ck")],
+        capture_output=True, text=True, check=True, cwd=Path(__file__).parents[1],
+        # Freed tensors go back to the OS at once, so RssAnon tracks live memory, not glibc's cache.
+        env={**os.environ, "MALLOC_MMAP_THRESHOLD_": "131072"},
+    )  # fmt: skip
+    rc, peak = (int(x) for x in out.stdout.strip().splitlines()[-1].split())
+    assert rc == 0 and model_bytes > 100e6
+    assert peak < 0.5 * model_bytes, (peak, model_bytes)
