@@ -114,6 +114,20 @@ def test_from_hf_output_keeps_the_in_memory_golden_digest(tmp_path: Path, case: 
     assert checkpoint_digest(tmp_path / "ck") == GOLDEN[case]
 
 
+@pytest.mark.parametrize("zipfile", [True, False], ids=["zip", "legacy"])
+def test_from_hf_reads_pytorch_model_bin_mapped_or_whole(tmp_path: Path, zipfile: bool) -> None:
+    """A ``pytorch_model.bin`` imports as its safetensors twin: memory-mapped when it is a zip
+    file, read whole when it is the pre-1.6 format (which cannot be mapped)."""
+    from safetensors.torch import load_file
+
+    src = write_hf(tmp_path / "hf", "llama_gqa")
+    state = load_file(str(src / "model.safetensors"))
+    torch.save(state, src / "pytorch_model.bin", _use_new_zipfile_serialization=zipfile)
+    (src / "model.safetensors").unlink()
+    _from_hf(src, tmp_path / "ck")
+    assert checkpoint_digest(tmp_path / "ck") == GOLDEN["llama_gqa"]
+
+
 # (a post-LN BERT has no torch_dist form)
 @pytest.mark.parametrize(("case", "fmt"), [("gpt2", "torch"), ("llama_gqa", "torch"), ("bert_bare", "torch"),
                                            ("gpt2", "torch_dist"), ("llama_gqa", "torch_dist")])  # fmt: skip
@@ -193,3 +207,18 @@ def test_from_hf_peak_memory_is_one_rank_file_not_the_model(tmp_path: Path) -> N
     rc, peak = (int(x) for x in out.stdout.strip().splitlines()[-1].split())
     assert rc == 0 and model_bytes > 100e6
     assert peak < 0.5 * model_bytes, (peak, model_bytes)
+
+
+@pytest.mark.parametrize("dim", [None, 0, 1])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_padded_vocabulary_shards_equal_a_split_of_the_padded_tensor(dim: int | None, tp: int) -> None:
+    """shard_tensor cuts a rank's rows of the zero-padded vocabulary without building the padded
+    whole (the largest copy from-hf made): the same values as padding first, then splitting."""
+    from pretrain.models.sharding import shard_tensor
+
+    full = torch.randn(301, 8, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    padded = torch.cat([full, full.new_zeros(211, 8)])
+    for rank in range(tp):
+        want = padded if dim is None else padded.chunk(tp, dim=dim)[rank]
+        got = shard_tensor(full, dim=dim, tp_rank=rank, tp=tp, pad_rows_to=512)
+        assert got.dtype == want.dtype and got.is_contiguous() and torch.equal(got, want)
