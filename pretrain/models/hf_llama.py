@@ -179,9 +179,7 @@ def lazy_hf_to_canonical(
     missing, unexpected = sorted(expected - given), sorted(given - expected)
     if missing or unexpected:
         raise UserError(f"Hugging Face -> checkpoint: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    out: dict[str, Callable[[], torch.Tensor]] = {
-        ours: functools.partial(_copy, hf[h]) for ours, h in pairs
-    }
+    out: dict[str, Callable[[], torch.Tensor]] = {ours: functools.partial(_copy, hf[h]) for ours, h in pairs}
     for ours, parts, kind in fused:
         ts = [hf[p] for p in parts]
         if kind == "qkv":
