@@ -3,17 +3,20 @@
 A GPT (24 layers, hidden 1024, 16 heads, vocab 50257, 1024 positions, fp32) of random weights is
 written at tp=2, pp=2 with :func:`pretrain.checkpoint.reshard.write_layout` from a source that
 generates each canonical tensor on demand (deterministically, so repeated reads agree) and never
-holds the model. Then, each in its own subprocess, ``mlm-convert reshard`` to tp=4, pp=1 and
-``mlm-convert to-hf`` of the result run while this process (stdlib only, so a forked child
-starts small) waits for them with ``os.wait4``, which returns that child's ``getrusage``
-(``ru_maxrss``: peak resident set, file-backed pages of the mmap'd source included).
+holds the model. Then, each in its own subprocess, ``mlm-convert reshard`` to tp=4, pp=1,
+``mlm-convert to-hf`` of the result and ``mlm-convert from-hf`` of that export back to tp=2, pp=2
+run while this process (stdlib only, so a forked child starts small) waits for them with
+``os.wait4``, which returns that child's ``getrusage`` (``ru_maxrss``: peak resident set,
+file-backed pages of the mmap'd source included).
 
 Reported per phase: wall seconds, MB/s (model bytes / seconds) and peak RSS over the model's
-bytes. Target: the reshard's and the to-hf export's peak RSS <= 1.5x the model bytes (to-hf
-streams sharded safetensors, ``--max-shard-size``). The last line is one JSON object with
-``peak_rss_over_model`` and ``seconds`` (both for the reshard), ``to_hf_peak_rss_over_model`` and
-every phase's numbers. ``--layers/--hidden`` pick other sizes (``benchmarks/scaling.py``).
-Needs about 3x the model (~4.3 GB) of free disk under ``--workdir``; everything is deleted at the
+bytes. Target: the reshard's, the to-hf export's and the from-hf import's peak RSS <= 1.5x the
+model bytes (to-hf streams sharded safetensors, ``--max-shard-size``; from-hf builds each tensor
+from the memory-mapped export while writing the rank file that holds it). The last line is one
+JSON object with ``peak_rss_over_model`` and ``seconds`` (both for the reshard),
+``to_hf_peak_rss_over_model``, ``from_hf_peak_rss_over_model`` and every phase's numbers.
+``--layers/--hidden`` pick other sizes (``benchmarks/scaling.py``).
+Needs about 4x the model (~5.7 GB) of free disk under ``--workdir``; everything is deleted at the
 end unless ``--keep``.
 """
 
@@ -120,9 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     work = Path(tempfile.mkdtemp(prefix="bench_reshard_", dir=args.workdir))
     free = shutil.disk_usage(work).free
-    if free < 5e9:
+    if free < 6e9:
         shutil.rmtree(work)
-        raise SystemExit(f"{work}: {free / 1e9:.1f} GB free, need ~5 GB")
+        raise SystemExit(f"{work}: {free / 1e9:.1f} GB free, need ~6 GB")
     py, cli = sys.executable, [sys.executable, "-m", "tools.convert_cli"]
     try:
         t0 = time.perf_counter()
@@ -135,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
                                      "--target-tp", "4", "--target-pp", "1"], model_bytes)  # fmt: skip
         to_hf = _phase("to-hf", [*cli, "to-hf", "--load", str(work / "tp4"), "--save", str(work / "hf"),
                                  "--max-shard-size", args.max_shard_size, "--weights-only"], model_bytes)  # fmt: skip
+        from_hf = _phase("from-hf", [*cli, "from-hf", "--load", str(work / "hf"), "--save", str(work / "back"),
+                                     "--tp", "2", "--pp", "2", "--weights-only"], model_bytes)  # fmt: skip
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -148,9 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         "to_hf_peak_rss_over_model": to_hf["peak_rss_over_model"],
         "to_hf_seconds": to_hf["seconds"],
         "to_hf_meets_target": to_hf["peak_rss_over_model"] <= TARGET_RATIO,
+        "from_hf_peak_rss_over_model": from_hf["peak_rss_over_model"],
+        "from_hf_seconds": from_hf["seconds"],
+        "from_hf_meets_target": from_hf["peak_rss_over_model"] <= TARGET_RATIO,
         "layers": args.layers,
         "hidden": args.hidden,
-        "phases": [reshard, to_hf],
+        "phases": [reshard, to_hf, from_hf],
     }
     print(json.dumps(result))
     return 0

@@ -3,8 +3,8 @@
 Each curve runs one benchmark at several sizes and fits ``cost = a * work^slope`` on a log-log
 scale (least squares); slope 1 means linear, below 1 means fixed costs still dominate:
 
-* reshard and to-hf: seconds and peak RSS vs model bytes (``bench_reshard.py --layers --hidden``:
-  25M, 124M and 355M parameters; ``--quick``: 25M, 51M, 124M);
+* reshard, to-hf and from-hf: seconds and peak RSS vs model bytes (``bench_reshard.py --layers
+  --hidden``: 25M, 124M and 355M parameters; ``--quick``: 25M, 51M, 124M);
 * eval: seconds vs tokens of the WikiText paper method (a small GPT, :mod:`mlm_eval.wikitext`);
 * dedup: seconds and peak RSS vs documents (``bench_dedup.py --docs``: 10k, 50k, 200k;
   ``--quick``: 10k, 20k, 40k);
@@ -57,20 +57,16 @@ def convert_curves(quick: bool) -> list[Curve]:
     rows = []
     for layers, hidden in shapes:
         r = run_json(["-m", "benchmarks.bench_reshard", "--layers", str(layers), "--hidden", str(hidden)])
-        reshard, to_hf = r["phases"]
-        rows.append((r["model_bytes"], reshard, to_hf))
-        print(f"  convert {r['model_bytes'] / 1e6:8.1f} MB: reshard {reshard['seconds']:.1f} s, "
-              f"to-hf {to_hf['seconds']:.1f} s", flush=True)  # fmt: skip
+        phases = {p["phase"]: p for p in r["phases"]}  # reshard, to-hf, from-hf
+        rows.append((r["model_bytes"], phases))
+        print(f"  convert {r['model_bytes'] / 1e6:8.1f} MB: "
+              + ", ".join(f"{job} {p['seconds']:.1f} s" for job, p in phases.items()), flush=True)  # fmt: skip
     mb = "model MB"
     return [
-        {"job": "reshard", "x_label": mb, "y_label": "seconds",
-         "points": [(b / 1e6, rs["seconds"]) for b, rs, _ in rows]},
-        {"job": "reshard", "x_label": mb, "y_label": "peak RSS MB",
-         "points": [(b / 1e6, rs["peak_rss_mb"]) for b, rs, _ in rows]},
-        {"job": "to-hf", "x_label": mb, "y_label": "seconds", "points": [(b / 1e6, th["seconds"]) for b, _, th in rows]},
-        {"job": "to-hf", "x_label": mb, "y_label": "peak RSS MB",
-         "points": [(b / 1e6, th["peak_rss_mb"]) for b, _, th in rows]},
-    ]  # fmt: skip
+        {"job": job, "x_label": mb, "y_label": label, "points": [(b / 1e6, ph[job][key]) for b, ph in rows]}
+        for job in rows[0][1]
+        for label, key in (("seconds", "seconds"), ("peak RSS MB", "peak_rss_mb"))
+    ]
 
 
 def eval_curve(quick: bool) -> list[Curve]:

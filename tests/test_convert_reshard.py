@@ -92,7 +92,7 @@ def test_reshard_errors_leave_no_output(tmp_path: Path, full, capsys) -> None:
     src = write_ours(tmp_path / "a", CFG, full, tp=2, pp=1)
     with pytest.raises(SystemExit) as err:
         _reshard(src, tmp_path / "b", 3, 1)  # 8 heads over 3 ranks
-    assert err.value.code == 2 and "not divisible by --tp 3" in capsys.readouterr().err
+    assert err.value.code == 2 and "not divisible by --target-tp 3" in capsys.readouterr().err
     assert not (tmp_path / "b").exists() and not list(tmp_path.glob(".b.*"))
     (tmp_path / "c").mkdir()
     (tmp_path / "c" / "keep.txt").write_text("x")

@@ -479,7 +479,7 @@ def _hf_tokenizer(
 
 
 def _hf_model_type(hf_dir: Path) -> str | None:
-    """``model_type`` of a Hugging Face directory's config.json (already read by ``import_hf``)."""
+    """``model_type`` of a Hugging Face directory's config.json (already read by ``open_hf``)."""
     value = json.loads((hf_dir / "config.json").read_text(encoding="utf-8")).get("model_type")
     return value if isinstance(value, str) else None
 
@@ -491,10 +491,11 @@ def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_b
     from pretrain.checkpoint.fingerprint import weights_fingerprint
     from pretrain.checkpoint.reshard import WriteOptions, check_output_dir
     from pretrain.checkpoint.types import Provenance
-    from tools.hf_io import import_hf
+    from tools.hf_io import open_hf
 
     check_output_dir(save, sources=(hf_dir,))
-    source = import_hf(hf_dir, make_vocab_size_divisible_by=divisible_by)
+    # streamed: each canonical tensor is built from the memory-mapped HF files when written
+    source = open_hf(hf_dir, make_vocab_size_divisible_by=divisible_by)
     tok = _hf_tokenizer(hf_dir, tokenizer_dir, rows=source.spec.cfg.vocab_size, weights_only=weights_only,
                         divisible_by=divisible_by, force=force_tokenizer)  # fmt: skip
     bar = _progress(target.tp * target.pp, "from-hf")

@@ -9,11 +9,13 @@ checkpoint (GPT with RoPE -> the Llama family, other GPT -> ``GPT2LMHeadModel``;
 bare ``BertModel`` -> ``BertModel`` again, its freshly initialised heads left out). An option the
 chosen architecture cannot express is refused before anything is written (each mapping's
 ``unsupported``); ``check`` (``to-hf``: :mod:`tools.hf_verify`) runs on the finished directory. :func:`import_hf` reads a local HF model directory into a
-:class:`~pretrain.checkpoint.types.DictSource` ready to be written at any layout.
+:class:`~pretrain.checkpoint.types.DictSource` ready to be written at any layout; :func:`open_hf` is
+the same source streamed from the memory-mapped weight files, one canonical tensor at a time.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -22,14 +24,14 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from pretrain.checkpoint.plan import ModelSpec
-from pretrain.checkpoint.types import PROBE_TEXT, DictSource
+from pretrain.checkpoint.types import PROBE_TEXT, DictSource, LazySource
 from pretrain.models.hf_families import BERT_MODEL_TYPES, HF_MODEL_TYPES, supported_model_types
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.utils.atomic import atomic_directory
 from pretrain.utils.errors import UserError
 from tools.hf_shards import DEFAULT_MAX_SHARD_SIZE
 
-__all__ = ["check_exportable", "export_hf", "hf_tokenizer_of", "import_hf", "read_hf_state"]
+__all__ = ["check_exportable", "export_hf", "hf_tokenizer_of", "import_hf", "open_hf", "read_hf_state"]
 
 
 @runtime_checkable
@@ -224,7 +226,21 @@ def export_hf(
     return save
 
 
+def _weight_files(hf_dir: Path) -> list[Path]:
+    """The weight files :func:`read_hf_state` reads (safetensors, else ``pytorch_model.bin``)."""
+    if (hf_dir / "model.safetensors").is_file():
+        return [hf_dir / "model.safetensors"]
+    index = hf_dir / "model.safetensors.index.json"
+    if index.is_file():
+        return [hf_dir / f for f in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+    if (hf_dir / "pytorch_model.bin").is_file():
+        return [hf_dir / "pytorch_model.bin"]
+    raise UserError(f"--load {hf_dir}: no model.safetensors, safetensors index or pytorch_model.bin")
+
+
 def read_hf_state(hf_dir: Path) -> dict[str, torch.Tensor]:
+    """Every weight of a HF directory, memory-mapped (safetensors; a zip ``pytorch_model.bin``
+    too): tensors whose pages are read from the file when touched, not copies."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file as _load_file
 
@@ -236,22 +252,25 @@ def read_hf_state(hf_dir: Path) -> dict[str, torch.Tensor]:
                 f"--load {hf_dir}: cannot read {path} ({str(exc).strip() or type(exc).__name__})"
             ) from None
 
-    if (hf_dir / "model.safetensors").is_file():
-        return load_file(str(hf_dir / "model.safetensors"))
-    index = hf_dir / "model.safetensors.index.json"
-    if index.is_file():
-        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        out: dict[str, torch.Tensor] = {}
-        for f in files:
-            out.update(load_file(str(hf_dir / f)))
-        return out
-    if (hf_dir / "pytorch_model.bin").is_file():
-        return torch.load(hf_dir / "pytorch_model.bin", map_location="cpu", weights_only=True)
-    raise UserError(f"--load {hf_dir}: no model.safetensors, safetensors index or pytorch_model.bin")
+    files = _weight_files(hf_dir)
+    if files[0].suffix == ".bin":
+        try:  # a zip-format file maps; a legacy (pre-1.6) one cannot and is read whole
+            return torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:
+            return torch.load(files[0], map_location="cpu", weights_only=True)
+    out: dict[str, torch.Tensor] = {}
+    for f in files:
+        out.update(load_file(str(f)))
+    return out
 
 
-def import_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> DictSource:
-    """A local HF directory of one of ``HF_MODEL_TYPES`` -> canonical tensors and model spec."""
+Makers = dict[str, Callable[[], torch.Tensor]]
+
+
+def _hf_makers(hf_dir: Path, make_vocab_size_divisible_by: int) -> tuple[ModelSpec, Makers]:
+    """The model spec of a HF directory of one of ``HF_MODEL_TYPES`` and each canonical tensor's
+    maker over its (memory-mapped) weights; names, ties and the config are checked here, no
+    tensor is converted yet."""
     from transformers import AutoConfig
 
     if not (hf_dir / "config.json").is_file():
@@ -268,12 +287,12 @@ def import_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> DictS
         from pretrain.models import hf_gpt2
 
         cfg = hf_gpt2.model_config_from_hf(config, **over)
-        return DictSource(ModelSpec(kind="gpt", cfg=cfg), hf_gpt2.hf_to_canonical(state, cfg))
+        return ModelSpec(kind="gpt", cfg=cfg), hf_gpt2.lazy_hf_to_canonical(state, cfg)
     from pretrain.models import hf_llama
 
     if config.model_type in hf_llama.FAMILIES:  # Llama, Mistral, Qwen2, Qwen3
         cfg = hf_llama.model_config_from_hf(config, **over)
-        return DictSource(ModelSpec(kind="gpt", cfg=cfg), hf_llama.hf_to_canonical(state, cfg))
+        return ModelSpec(kind="gpt", cfg=cfg), hf_llama.lazy_hf_to_canonical(state, cfg)
     if config.model_type in BERT_MODEL_TYPES:
         from pretrain.models import hf_bert
 
@@ -281,8 +300,35 @@ def import_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> DictS
         if not any(k.startswith("bert.") for k in state):  # a bare BertModel / MegatronBertModel
             state = {f"bert.{k}": v for k, v in state.items()}
         bare = not any(k.startswith("cls.") for k in state)
-        full = hf_bert.hf_to_canonical(state, cfg, lm_head=not bare)
-        fresh = hf_bert.add_fresh_heads(full, cfg)  # our BertModel always has an LM head
-        binary = "binary_head.weight" in full
-        return DictSource(ModelSpec(kind="bert", cfg=cfg, add_binary_head=binary, fresh_heads=fresh), full)
+        makers = hf_bert.lazy_hf_to_canonical(state, cfg, lm_head=not bare)
+        # our BertModel always has an LM head: the fresh heads (small) are made once, here
+        names: dict[str, torch.Tensor] = {n: torch.empty(0, device="meta") for n in makers}
+        fresh = hf_bert.add_fresh_heads(names, cfg)
+        makers.update((n, functools.partial(_same, t)) for n, t in names.items() if n not in makers)
+        binary = "binary_head.weight" in makers
+        return ModelSpec(kind="bert", cfg=cfg, add_binary_head=binary, fresh_heads=fresh), makers
     raise AssertionError(f"HF_MODEL_TYPES lists {config.model_type!r} without an importer")
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def import_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> DictSource:
+    """A local HF directory of one of ``HF_MODEL_TYPES`` -> canonical tensors (all in memory) and
+    model spec. ``mlm-convert from-hf`` streams instead (:func:`open_hf`)."""
+    spec, makers = _hf_makers(hf_dir, make_vocab_size_divisible_by)
+    return DictSource(spec, {name: make() for name, make in makers.items()})
+
+
+def open_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> LazySource:
+    """A local HF directory as a streamed canonical source: its weight files stay memory-mapped
+    and each canonical full tensor is built when asked for (then the pages read are given back),
+    so writing a checkpoint holds one full tensor beside the file being written, not the model.
+    The same tensors, in the same order, as :func:`import_hf`."""
+    from pretrain.checkpoint.pages import PageReleaser
+
+    spec, makers = _hf_makers(hf_dir, make_vocab_size_divisible_by)
+    pages = PageReleaser(_weight_files(hf_dir))  # after the files are mapped (read_hf_state)
+    pages.release_all()  # the tie checks' reads
+    return LazySource(spec, makers, after=pages.release_all)

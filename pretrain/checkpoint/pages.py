@@ -43,6 +43,13 @@ class PageReleaser:
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
                 self.ranges.append((lo, hi))
 
+    def release_all(self) -> None:
+        """Drop every resident page of the mapped files (e.g. after building one tensor of many)."""
+        if self.libc is None:
+            return
+        for lo, hi in self.ranges:
+            self.libc.madvise(ctypes.c_void_p(lo), ctypes.c_size_t(hi - lo), _MADV_DONTNEED)
+
     def release(self, tensor: torch.Tensor) -> None:
         if self.libc is None or not self.ranges or tensor.device.type != "cpu":
             return

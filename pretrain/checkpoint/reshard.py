@@ -161,8 +161,11 @@ def write_layout(
                     "args": args,
                 }
                 for key, chunk_slots in zip(plan.chunk_keys(), slots, strict=True):
-                    flat = _chunk_state(source, chunk_slots, tp_rank=tp_rank, tp=target.tp, padded=padded)
-                    state[key] = chunk_to_file(flat, names=meta.module_names, kind=meta.kind)
+                    # one expression: no local keeps this file's tensors alive while the next is built
+                    state[key] = chunk_to_file(
+                        _chunk_state(source, chunk_slots, tp_rank=tp_rank, tp=target.tp, padded=padded),
+                        names=meta.module_names, kind=meta.kind,
+                    )  # fmt: skip
                 state["optimizer"] = optimizer(tp_rank, pp_rank, slots) if optimizer else None
                 state["opt_param_scheduler"] = options.opt_param_scheduler
                 rng = options.rng_state(tp_rank, pp_rank) if options.rng_state else None

@@ -6,13 +6,14 @@
   the tokenizer (:class:`TokenizerRecord`) and provenance (:class:`Provenance`).
 * :class:`CheckpointInfo` -- what a reader tells about a checkpoint on disk (``mlm-convert inspect``).
 * :class:`CanonicalSource` -- anything that yields canonical full tensors; :class:`DictSource`
-  holds them in memory (e.g. converted from Hugging Face).
+  holds them in memory, :class:`LazySource` makes each on demand (e.g. converted from Hugging Face).
 
 This module imports nothing from the readers or writers, so every one of them can import it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -151,3 +152,27 @@ class DictSource:
         if name not in self.full:
             raise UserError(f"source has no tensor {name!r}")
         return self.full[name]
+
+
+@dataclass
+class LazySource:
+    """Canonical full tensors made on demand (e.g. from memory-mapped Hugging Face files).
+
+    ``makers[name]()`` builds one full tensor; nothing is kept, so a writer that asks for one
+    tensor at a time holds one. ``after`` (optional) runs after each tensor is made: it gives back
+    the resident pages of the mapped input files (see :class:`~pretrain.checkpoint.pages.PageReleaser`)."""
+
+    spec: ModelSpec
+    makers: dict[str, Callable[[], torch.Tensor]]
+    after: Callable[[], None] | None = None
+
+    def names(self) -> list[str]:
+        return list(self.makers)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        if name not in self.makers:
+            raise UserError(f"source has no tensor {name!r}")
+        t = self.makers[name]()
+        if self.after is not None:
+            self.after()
+        return t

@@ -31,7 +31,8 @@ than ``hidden/heads``, QK-norm and an untied output layer are refused, naming th
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -243,15 +244,15 @@ def add_fresh_heads(full: dict[str, torch.Tensor], cfg: ModelConfig, *, seed: in
     return tuple(added)
 
 
-def hf_to_canonical(
+def lazy_hf_to_canonical(
     hf: Mapping[str, torch.Tensor], cfg: ModelConfig, *, lm_head: bool = True
-) -> dict[str, torch.Tensor]:
+) -> dict[str, Callable[[], torch.Tensor]]:
     """A ``BertForPreTraining`` (post-LN ``cfg``) or ``MegatronBertForPreTraining`` (pre-LN) state
-    dict -> canonical full tensors. ``*ForMaskedLM`` state dicts (no pooler or
-    ``cls.seq_relationship``) give a model without the binary head. ``lm_head=False`` reads a bare
-    ``(Megatron)BertModel`` (keys prefixed ``bert.``; no ``cls.*``; pooler optional) and returns no
-    heads (see :func:`add_fresh_heads`). Raises :class:`UserError` on missing or unexpected
-    tensors, and on an untied decoder."""
+    dict -> each canonical name's maker (builds that full tensor from its own HF tensors only when
+    called). ``*ForMaskedLM`` state dicts (no pooler or ``cls.seq_relationship``) give a model
+    without the binary head. ``lm_head=False`` reads a bare ``(Megatron)BertModel`` (keys prefixed
+    ``bert.``; no ``cls.*``; pooler optional) and returns no heads (see :func:`add_fresh_heads`).
+    Raises :class:`UserError` now on missing or unexpected tensors, and on an untied decoder."""
     binary = "cls.seq_relationship.weight" in hf
     pooler = binary or (not lm_head and "bert.pooler.dense.weight" in hf)
     pairs = name_pairs(cfg, binary_head=binary, lm_head=lm_head, pooler=pooler)
@@ -262,11 +263,24 @@ def hf_to_canonical(
     for key, tie in _TIED.items():
         if key in hf and not torch.equal(hf[key], hf[tie]):
             raise UserError(f"{what}: {key} differs from {tie}; only a tied decoder can be imported")
-    out = {ours: hf[name].detach().clone() for ours, name in pairs}
+    out: dict[str, Callable[[], torch.Tensor]] = {
+        ours: functools.partial(_copy, hf[name]) for ours, name in pairs
+    }
     for ours, hf_names in qkv:
         q, k, v = (hf[n].detach() for n in hf_names)
-        out[ours] = fuse_qkv(q, k, v, cfg.num_attention_heads)
+        out[ours] = functools.partial(fuse_qkv, q, k, v, cfg.num_attention_heads)
     return out
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().clone()
+
+
+def hf_to_canonical(
+    hf: Mapping[str, torch.Tensor], cfg: ModelConfig, *, lm_head: bool = True
+) -> dict[str, torch.Tensor]:
+    """A BERT state dict -> canonical full tensors (see :func:`lazy_hf_to_canonical`)."""
+    return {name: make() for name, make in lazy_hf_to_canonical(hf, cfg, lm_head=lm_head).items()}
 
 
 def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:

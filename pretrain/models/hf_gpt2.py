@@ -22,7 +22,8 @@ A pure tensor mapping (no model code), used by ``mlm-convert to-hf`` / ``from-hf
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -181,10 +182,13 @@ def _zero_bias_allowed(name: str, cfg: ModelConfig) -> bool:
     return not cfg.add_bias_linear and ".layers." in name and (".self_attention." in name or ".mlp." in name)
 
 
-def hf_to_canonical(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """A ``GPT2LMHeadModel`` / ``GPT2Model`` state dict -> canonical full tensors.
+def lazy_hf_to_canonical(
+    hf: Mapping[str, torch.Tensor], cfg: ModelConfig
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """A ``GPT2LMHeadModel`` / ``GPT2Model`` state dict -> each canonical name's maker (builds
+    that full tensor from its own HF tensor only when called).
 
-    Raises :class:`UserError` on missing or unexpected tensors; with a tied ``cfg`` an
+    Raises :class:`UserError` now on missing or unexpected tensors; with a tied ``cfg`` an
     ``lm_head`` in the file must equal ``wte``.
     """
     hf = _strip_prefix(hf)
@@ -206,10 +210,26 @@ def hf_to_canonical(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[st
         raise UserError(
             "Hugging Face GPT-2: tie_word_embeddings is set but lm_head.weight differs from transformer.wte.weight"
         )
-    out = {ours: (hf[h].t() if tr else hf[h]).contiguous().clone() for ours, h, tr in pairs}
+    out: dict[str, Callable[[], torch.Tensor]] = {
+        ours: functools.partial(_copy, hf[h], transposed=tr) for ours, h, tr in pairs
+    }
     for ours, h in qkv:
-        out[ours] = c_attn_to_qkv(hf[h], cfg.num_attention_heads).clone()
+        out[ours] = functools.partial(_qkv_copy, hf[h], cfg.num_attention_heads)
     return out
+
+
+def _copy(t: torch.Tensor, *, transposed: bool) -> torch.Tensor:
+    return (t.t() if transposed else t).contiguous().clone()
+
+
+def _qkv_copy(c_attn: torch.Tensor, heads: int) -> torch.Tensor:
+    return c_attn_to_qkv(c_attn, heads).clone()
+
+
+def hf_to_canonical(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A ``GPT2LMHeadModel`` / ``GPT2Model`` state dict -> canonical full tensors (see
+    :func:`lazy_hf_to_canonical`)."""
+    return {name: make() for name, make in lazy_hf_to_canonical(hf, cfg).items()}
 
 
 def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:

@@ -16,7 +16,8 @@ Megatron readers and the parity tests.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import functools
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -159,11 +160,14 @@ def canonical_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[
     return out
 
 
-def hf_to_canonical(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """A ``*ForCausalLM`` state dict -> canonical full tensors.
+def lazy_hf_to_canonical(
+    hf: Mapping[str, torch.Tensor], cfg: ModelConfig
+) -> dict[str, Callable[[], torch.Tensor]]:
+    """A ``*ForCausalLM`` state dict -> each canonical name's maker: called, it builds that full
+    tensor from its own HF tensors only (so a memory-mapped ``hf`` is read one tensor at a time).
 
-    Raises :class:`UserError` on missing or unexpected tensors; a tied ``lm_head`` present in the
-    file must equal the embeddings.
+    The names and the tied ``lm_head`` are checked now: :class:`UserError` on missing or
+    unexpected tensors, or a tied ``lm_head`` in the file that differs from the embeddings.
     """
     pairs, fused = name_pairs(cfg), fused_names(cfg)
     expected = {h for _, h in pairs} | {n for _, parts, _ in fused for n in parts}
@@ -175,14 +179,27 @@ def hf_to_canonical(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     missing, unexpected = sorted(expected - given), sorted(given - expected)
     if missing or unexpected:
         raise UserError(f"Hugging Face -> checkpoint: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    out = {ours: hf[h].contiguous().clone() for ours, h in pairs}
+    out: dict[str, Callable[[], torch.Tensor]] = {ours: functools.partial(_copy, hf[h]) for ours, h in pairs}
     for ours, parts, kind in fused:
         ts = [hf[p] for p in parts]
         if kind == "qkv":
-            out[ours] = fuse_qkv(*ts, groups=cfg.query_groups, head_dim=cfg.head_dim)
+            out[ours] = functools.partial(fuse_qkv, *ts, groups=cfg.query_groups, head_dim=cfg.head_dim)
         else:
-            out[ours] = torch.cat(ts).contiguous()
+            out[ours] = functools.partial(_cat, ts)
     return out
+
+
+def _copy(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().clone()
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(ts).contiguous()
+
+
+def hf_to_canonical(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """A ``*ForCausalLM`` state dict -> canonical full tensors (see :func:`lazy_hf_to_canonical`)."""
+    return {name: make() for name, make in lazy_hf_to_canonical(hf, cfg).items()}
 
 
 def _rope_parameters(hf_config: Any) -> dict[str, Any]:

@@ -102,6 +102,14 @@ def _unshard_qkv_replicated(parts: list[torch.Tensor], lay: RowLayout, replicas:
     return torch.stack(groups).reshape(-1, *rest)
 
 
+def _padded_rows(full: torch.Tensor, start: int, count: int) -> torch.Tensor:
+    """Rows ``[start, start + count)`` of ``full`` followed by zero rows (a new tensor)."""
+    out = full.new_zeros((count, *full.shape[1:]))
+    have = full[start : start + count]
+    out[: have.shape[0]] = have
+    return out
+
+
 def shard_tensor(
     full: torch.Tensor,
     *,
@@ -117,6 +125,12 @@ def shard_tensor(
     ``tp`` exceeds their number.
     """
     if pad_rows_to is not None and full.shape[0] < pad_rows_to:
+        if layout is None and pad_rows_to % tp == 0 and (dim in (None, 0) or tp == 1):
+            # the rank's rows of the padded tensor, without first building the padded whole
+            # (for the vocabulary tensors, the largest of a model, that copy was the peak)
+            per = pad_rows_to if dim is None or tp == 1 else pad_rows_to // tp
+            start = 0 if dim is None or tp == 1 else tp_rank * per
+            return _padded_rows(full, start, per)
         pad = full.new_zeros((pad_rows_to - full.shape[0], *full.shape[1:]))
         full = torch.cat([full, pad], dim=0)
     if dim is None or tp == 1:
