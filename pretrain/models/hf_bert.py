@@ -38,6 +38,7 @@ from typing import Any
 import torch
 
 from pretrain.config import ModelConfig
+from pretrain.model_options import config_kwargs_from_hf, hf_kwargs
 from pretrain.utils.errors import UserError
 
 LM = "language_model."
@@ -300,21 +301,13 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         raise UserError(
             f"Hugging Face config: position_embedding_type {pos!r} is not supported (absolute only)"
         )
-    kw: dict[str, Any] = dict(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        num_attention_heads=hf_config.num_attention_heads,
-        vocab_size=hf_config.vocab_size,
-        max_position_embeddings=hf_config.max_position_embeddings,
-        ffn_hidden_size=hf_config.intermediate_size,
-        hidden_dropout=hf_config.hidden_dropout_prob,
-        attention_dropout=hf_config.attention_probs_dropout_prob,
-        layernorm_epsilon=hf_config.layer_norm_eps,
-        init_method_std=hf_config.initializer_range,
+    kw: dict[str, Any] = config_kwargs_from_hf(
+        hf_config, "bert"
+    )  # the one-to-one keys (pretrain.model_options)
+    kw.update(
         gelu=_HF_ACT.get(act, "erf"),
         squared_relu=act == "relu2",
         bidirectional=True,
-        num_tokentypes=hf_config.type_vocab_size,
         post_layernorm=model_type == "bert",
     )
     kw.update(overrides)
@@ -325,17 +318,9 @@ def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
     """Keyword arguments for HF ``BertConfig`` (post-LN) / ``MegatronBertConfig`` (pre-LN) of ``cfg``."""
     check_exportable(cfg)
     act = "relu2" if cfg.squared_relu else "gelu" if cfg.gelu == "erf" else "gelu_new"
-    return dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        intermediate_size=cfg.ffn_size,
-        hidden_act=act,
-        hidden_dropout_prob=cfg.hidden_dropout,
-        attention_probs_dropout_prob=cfg.attention_dropout,
-        max_position_embeddings=cfg.max_position_embeddings,
-        type_vocab_size=max(cfg.num_tokentypes, 1),  # none: one zero row (see _with_written_zeros)
-        initializer_range=cfg.init_method_std,
-        layer_norm_eps=cfg.layernorm_epsilon,
-    )
+    return {
+        **hf_kwargs(cfg, "bert"),  # the one-to-one keys (pretrain.model_options)
+        "intermediate_size": cfg.ffn_size,
+        "hidden_act": act,
+        "type_vocab_size": max(cfg.num_tokentypes, 1),  # none: one zero row (see _with_written_zeros)
+    }

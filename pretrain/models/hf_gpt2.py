@@ -29,6 +29,7 @@ from typing import Any
 import torch
 
 from pretrain.config import ModelConfig
+from pretrain.model_options import config_kwargs_from_hf, hf_kwargs
 from pretrain.utils.errors import UserError
 
 LM = "language_model."
@@ -249,17 +250,11 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
             raise UserError(f"Hugging Face config: {flag}=True is not supported")
     if not getattr(hf_config, "scale_attn_weights", True):
         raise UserError("Hugging Face config: scale_attn_weights=False is not supported")
-    kw: dict[str, Any] = dict(
-        num_layers=hf_config.n_layer,
-        hidden_size=hf_config.n_embd,
-        num_attention_heads=hf_config.n_head,
-        vocab_size=hf_config.vocab_size,
-        max_position_embeddings=hf_config.n_positions,
+    kw: dict[str, Any] = config_kwargs_from_hf(
+        hf_config, "gpt2"
+    )  # the one-to-one keys (pretrain.model_options)
+    kw.update(
         ffn_hidden_size=hf_config.n_inner,  # None: 4h
-        hidden_dropout=hf_config.resid_pdrop,
-        attention_dropout=hf_config.attn_pdrop,
-        layernorm_epsilon=hf_config.layer_norm_epsilon,
-        init_method_std=hf_config.initializer_range,
         gelu=_HF_ACT.get(act, "erf"),
         squared_relu=squared,
         untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", True),
@@ -277,20 +272,15 @@ def hf_config_kwargs(
     bos/eos are the tokenizer's ids, never guessed (``None`` when the tokenizer has none).
     """
     check_exportable(cfg)
-    vocab = cfg.vocab_size if vocab_size is None else vocab_size
-    return dict(
-        vocab_size=vocab,
-        n_positions=cfg.max_position_embeddings,
-        n_embd=cfg.hidden_size,
-        n_layer=cfg.num_layers,
-        n_head=cfg.num_attention_heads,
-        n_inner=None if cfg.ffn_size == 4 * cfg.hidden_size else cfg.ffn_size,
-        activation_function="relu2" if cfg.squared_relu else ("gelu_new" if cfg.gelu == "tanh" else "gelu"),
-        resid_pdrop=cfg.hidden_dropout,
-        embd_pdrop=cfg.hidden_dropout,
-        attn_pdrop=cfg.attention_dropout,
-        layer_norm_epsilon=cfg.layernorm_epsilon,
-        initializer_range=cfg.init_method_std,
+    return {
+        **hf_kwargs(cfg, "gpt2"),  # the one-to-one keys (pretrain.model_options)
+        "vocab_size": cfg.vocab_size if vocab_size is None else vocab_size,
+        "n_inner": None if cfg.ffn_size == 4 * cfg.hidden_size else cfg.ffn_size,
+        "activation_function": "relu2"
+        if cfg.squared_relu
+        else ("gelu_new" if cfg.gelu == "tanh" else "gelu"),
+        "embd_pdrop": cfg.hidden_dropout,
+    } | dict(
         bos_token_id=bos_token_id,
         eos_token_id=eos_token_id,
         tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from pretrain.config import ModelConfig
+from pretrain.model_options import config_kwargs_from_hf, hf_kwargs
 from pretrain.models.hf_families import LLAMA_FAMILIES, Family
 from pretrain.utils.errors import UserError
 
@@ -261,17 +262,12 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
-    kw: dict[str, Any] = dict(
-        num_layers=hf_config.num_hidden_layers,
-        hidden_size=hf_config.hidden_size,
-        num_attention_heads=heads,
-        vocab_size=hf_config.vocab_size,
-        max_position_embeddings=hf_config.max_position_embeddings,
-        ffn_hidden_size=hf_config.intermediate_size,
+    kw: dict[str, Any] = config_kwargs_from_hf(
+        hf_config, "llama"
+    )  # the one-to-one keys (pretrain.model_options)
+    kw.update(
         hidden_dropout=0.0,
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
-        layernorm_epsilon=hf_config.rms_norm_eps,
-        init_method_std=hf_config.initializer_range,
         normalization="RMSNorm",
         swiglu=True,
         position_embedding_type="rope",
@@ -323,26 +319,20 @@ def hf_config_kwargs(
         raise UserError(
             f"model -> Hugging Face {fam.architecture}: QKV bias / QK-norm do not match the family"
         )
-    kw: dict[str, Any] = dict(
-        model_type=fam.model_type,
-        architectures=[fam.architecture],
-        vocab_size=cfg.vocab_size if vocab_size is None else vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.ffn_size,
-        num_hidden_layers=cfg.num_layers,
-        num_attention_heads=cfg.num_attention_heads,
-        num_key_value_heads=cfg.query_groups,
-        head_dim=cfg.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=cfg.max_position_embeddings,
-        initializer_range=cfg.init_method_std,
-        rms_norm_eps=cfg.layernorm_epsilon,
-        tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
-        rope_parameters=_rope_config(cfg),
-        attention_dropout=cfg.attention_dropout,
-        bos_token_id=bos_token_id,
-        eos_token_id=eos_token_id,
-    )
+    kw: dict[str, Any] = {
+        **hf_kwargs(cfg, "llama"),  # the one-to-one keys (pretrain.model_options)
+        "model_type": fam.model_type,
+        "architectures": [fam.architecture],
+        "vocab_size": cfg.vocab_size if vocab_size is None else vocab_size,
+        "intermediate_size": cfg.ffn_size,
+        "num_key_value_heads": cfg.query_groups,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
+        "rope_parameters": _rope_config(cfg),
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+    }
     if fam.model_type in ("llama", "qwen3"):
         kw.update(attention_bias=False)
     if fam.model_type == "llama":
