@@ -19,8 +19,9 @@ from __future__ import annotations
 import dataclasses
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -136,6 +137,7 @@ class TorchDistReader:
     head: _Ref | None = None
     metadata: CheckpointMetadata | None = None  # our record (None for upstream checkpoints)
     norm_1p: bool = False  # upstream apply_layernorm_1p: norm weights are stored minus 1
+    args: dict[str, Any] = field(default_factory=dict)  # common.pt's args (names the tokenizer)
 
     def names(self) -> list[str]:
         return list(self.refs)
@@ -276,5 +278,5 @@ def open_torch_dist(
     ordered = {s.canonical: refs[s.local] for s in slots}
     return TorchDistReader(
         spec=spec, info=info, path=it_dir, meta=meta, refs=ordered, head=head, metadata=ours,
-        norm_1p=ours is None and layernorm_1p(args),
+        norm_1p=ours is None and layernorm_1p(args), args=args,
     )  # fmt: skip
