@@ -20,7 +20,6 @@ import pytest
 import torch
 
 from pretrain.checkpoint.upstream_args import VocabOptions, true_vocab_size
-from pretrain.tensor_parallel.vocab import padding_tp
 from pretrain.utils.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,6 +31,8 @@ _MEGATRON_ARGS = dict(tensor_model_parallel_size=2, make_vocab_size_divisible_by
 
 def test_padding_follows_the_saving_runs_tp() -> None:
     """The issue's case: 8000 tokens saved at tp 2 are 8192 rows (8064 at tp 1)."""
+    from pretrain.tensor_parallel.vocab import padding_tp
+
     args = dict(_MEGATRON_ARGS, padded_vocab_size=8192, tokenizer_type="GPT2BPETokenizer")
     for layout_tp in (1, 2):  # torch_dist has no layout TP; legacy at tp 2
         got = true_vocab_size(args, 8192, tp=layout_tp, vocab=VocabOptions(size=8000), source="ck")

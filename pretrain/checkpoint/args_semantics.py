@@ -68,11 +68,23 @@ REFUSED: dict[str, tuple[tuple[Any, ...], str]] = {
     "experimental_attention_variant": ((None,), "experimental attention"),
     "glu_linear_offset": ((0.0, 0, None), "GLU linear offset"),
     "activation_func_clamp_value": ((None,), "clamped activation"),
+    # added after core_v0.16 (docs/megatron-core-versions.md)
+    "use_mup": ((False, None), "muP scaling (attention 1/d, logit multiplier)"),
+    "mup_embedding_mult": ((1.0, None), "muP embedding multiplier"),
+    "mup_output_mult": ((1.0, None), "muP logit multiplier"),
+    "softmax_scale": ((None,), "custom attention softmax scale"),
+    "hybrid_layer_pattern": ((None,), "hybrid Mamba layers"),
+    "mtp_hybrid_override_pattern": ((None,), "hybrid multi-token prediction layers"),
+    "use_grouped_gemm_for_dense_mlp": ((False, None), "dense MLP as one grouped GEMM (TE op-fuser layout)"),
+    "gtp_weight_remat_size": ((1, None), "weights sharded beyond TP (GTP)"),
 }
 NUMERICS_ONLY = (
     "apply_query_key_layer_scaling", "attention_softmax_in_fp32", "fp32_residual_connection",
     "masked_softmax_fusion", "bias_dropout_fusion", "bias_swiglu_fusion", "gradient_accumulation_fusion",
     "fp16", "bf16", "params_dtype", "transformer_impl", "attention_backend",
+    # added after core_v0.16: fusions and low-precision paths of the same function
+    "fused_residual_rmsnorm", "use_transformer_engine_op_fuser", "flash_attention_version", "fp8_output_proj",
+    "fp4_param_gather", "mlp_chunks_for_training",
 )  # fmt: skip
 # Needed fields and the Megatron-LM training flag that sets each (named in the one-line refusal).
 FLAGS = {
@@ -116,10 +128,16 @@ def check_refused(args: Mapping[str, Any], source: str) -> None:
 
 
 def is_mcore(args: Mapping[str, Any]) -> bool:
-    """Whether ``args`` describe a megatron-core model (``use_legacy_models`` false)."""
+    """Whether ``args`` describe a megatron-core model (``use_legacy_models`` false).
+
+    megatron-core 0.17 removed the legacy models and ``use_legacy_models`` with them; its args keep
+    ``deprecated_use_mcore_models`` (the dead ``--use-mcore-models`` flag), so they are megatron-core.
+    """
     if "use_legacy_models" in args:
         return not args["use_legacy_models"]
-    return bool(args.get("use_mcore_models", False))
+    if "use_mcore_models" in args:
+        return bool(args["use_mcore_models"])
+    return "deprecated_use_mcore_models" in args
 
 
 def gelu_kind(args: Mapping[str, Any], *, mcore: bool) -> str:

@@ -100,6 +100,8 @@ def _check_padding(args: Mapping[str, Any], found: int, how: str, *, tp: int, so
     heads = args.get("num_attention_heads")
     padded = int(args["padded_vocab_size"])
     num_heads = int(heads) if isinstance(heads, int) and heads > 0 else None
+    if found == padded:  # no padding (megatron-core >= 0.18: --padded-vocab-size / --no-pad-vocab-size)
+        return
     if padding_tp(found, padded, divisible_by=divisible, saved_tp=saved_tp, num_heads=num_heads) is None:
         at_saved = padded_vocab_size(found, tp=saved_tp, divisible_by=divisible)
         others = f" nor at any TP dividing num_attention_heads {num_heads}" if num_heads else ""
