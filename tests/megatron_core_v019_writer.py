@@ -92,7 +92,9 @@ def _worker(rank: int, world: int, port: int, out: Path, changes: dict[str, Any]
     dist.barrier()
     if rank == 0:  # 0.19 writes neither common.pt nor the common_backend fields
         (it_dir / "common.pt").unlink()
-        (it_dir / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1}))
+        (it_dir / "metadata.json").write_text(
+            json.dumps({"sharded_backend": "torch_dist", "sharded_backend_version": 1})
+        )
         torch.save(logits, out / "logits.pt")
     d = out / "legacy" / "iter_0000001" / f"mp_rank_{rank:02d}"
     d.mkdir(parents=True, exist_ok=True)

@@ -51,7 +51,9 @@ def _worker(rank: int, world: int, port: int, a: argparse.Namespace) -> None:
     d = out / "legacy" / "iter_0000001" / name
     d.mkdir(parents=True, exist_ok=True)
     legacy = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
-    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 1, "model": legacy}, d / "model_optim_rng.pt")
+    torch.save(
+        {"args": args, "checkpoint_version": 3.0, "iteration": 1, "model": legacy}, d / "model_optim_rng.pt"
+    )
     if rank == 0:
         (out / "legacy" / "latest_checkpointed_iteration.txt").write_text("1")
     if a.pp == 1:

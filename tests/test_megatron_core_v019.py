@@ -88,7 +88,10 @@ def test_v019_fields_that_change_the_function_are_refused(field: str) -> None:
 def test_v019_unpadded_vocabulary_is_accepted() -> None:
     """``--padded-vocab-size 100`` / ``--no-pad-vocab-size`` (0.18+): rows = tokens, no padding."""
     args = v019_args(vocab_size=None, padded_vocab_size=100, pad_vocab_size=False)
-    assert true_vocab_size(args, 100, tp=2, vocab=VocabOptions(size=100), source="ckpt") == (100, "--vocab-size")
+    assert true_vocab_size(args, 100, tp=2, vocab=VocabOptions(size=100), source="ckpt") == (
+        100,
+        "--vocab-size",
+    )
     with pytest.raises(UserError, match="args.padded_vocab_size 100"):
         true_vocab_size(args, 100, tp=2, vocab=VocabOptions(size=60), source="ckpt")
 
@@ -133,3 +136,22 @@ def test_v019_checkpoint_with_mup_is_refused_naming_it(tmp_path: Path) -> None:
                               text=True, timeout=300)  # fmt: skip
         lines = proc.stderr.strip().splitlines()
         assert proc.returncode == 2 and len(lines) == 1 and "args.use_mup=True" in lines[0], proc.stderr
+
+
+@pytest.mark.slow
+def test_our_torch_dist_of_it_loads_with_weights_only(written: Path, tmp_path: Path) -> None:
+    """megatron-core 0.19 loads a ``common.pt`` with ``torch.load(weights_only=True)`` and its
+    allow-list (``Namespace``, ``Signals``, its enums): ours needs nothing beyond ``Namespace``."""
+    import argparse
+
+    from pretrain.checkpoint.opener import load_canonical
+    from tools.convert_cli import main as convert
+
+    assert convert(["reshard", "--load", str(written / "dist"), "--save", str(tmp_path / "ours"), "--target-tp", "1",
+                    "--target-pp", "1", "--ckpt-format", "torch_dist"]) == 0  # fmt: skip
+    common = next((tmp_path / "ours").glob("*/common.pt"))
+    with torch.serialization.safe_globals([argparse.Namespace]):
+        assert torch.load(common, weights_only=True)["args"].tensor_model_parallel_size == 1
+    got, _, _ = load_canonical(tmp_path / "ours")
+    ref, _, _ = load_canonical(written / "dist")
+    assert all(torch.equal(got[n], ref[n]) for n in ref)

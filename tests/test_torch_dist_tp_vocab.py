@@ -44,7 +44,9 @@ def test_padding_follows_the_saving_runs_tp() -> None:
 def test_a_mismatched_tokenizer_is_still_refused() -> None:
     args = dict(_MEGATRON_ARGS, padded_vocab_size=8192)
     with pytest.raises(UserError) as err:
-        true_vocab_size(args, 8192, tp=1, vocab=VocabOptions(tokenizer_size=5000, tokenizer_source="tok"), source="ck")
+        true_vocab_size(
+            args, 8192, tp=1, vocab=VocabOptions(tokenizer_size=5000, tokenizer_source="tok"), source="ck"
+        )
     msg = str(err.value)
     assert "\n" not in msg and "tok gives 5000 tokens" in msg and "args.padded_vocab_size 8192" in msg
     assert "tensor_model_parallel_size 2" in msg

@@ -229,9 +229,13 @@ def load_untrusted_bytes(data: bytes, *, source: str) -> Any:
 
 def _torch_load(file: Path | IO[bytes], source: str, *, mmap: bool) -> Any:
     try:
-        return torch.load(file, map_location="cpu", weights_only=False, pickle_module=PICKLE_MODULE, mmap=mmap)
+        return torch.load(
+            file, map_location="cpu", weights_only=False, pickle_module=PICKLE_MODULE, mmap=mmap
+        )
     except UnsafePickleError as exc:
         raise UserError(f"{source}: unsafe checkpoint file: {exc}") from None
     except Exception as exc:  # truncated or foreign file: one clear line
         first = str(exc).splitlines()[0] if str(exc) else ""
-        raise UserError(f"{source}: cannot be read, truncated or corrupt? ({type(exc).__name__}: {first})") from None
+        raise UserError(
+            f"{source}: cannot be read, truncated or corrupt? ({type(exc).__name__}: {first})"
+        ) from None

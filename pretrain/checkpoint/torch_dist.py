@@ -2,7 +2,8 @@
 
 An iteration directory holds ``.metadata`` (the global shapes and the chunks each writer rank
 stored), ``__R_K.distcp`` data files, ``common.pt`` (args, iteration, checkpoint_version; an
-upstream pickle, read with the restricted unpickler) and ``metadata.json``. Tensors are stored with
+upstream pickle, read with the restricted unpickler; megatron-core >= 0.19 stores the same dict as
+the ``common_state`` object inside the ``.distcp`` files instead) and ``metadata.json``. Tensors are stored with
 their *global* shapes, so TP/PP of the writer do not matter: fused QKV rows are already
 ``[groups][q heads of the group, k, v][head_dim]`` and SwiGLU ``linear_fc1`` is ``[gate; up]``
 (megatron-core stores the two halves as separate shards). Layer tensors are either stacked over
