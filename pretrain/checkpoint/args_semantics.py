@@ -130,7 +130,7 @@ def check_refused(args: Mapping[str, Any], source: str) -> None:
 def is_mcore(args: Mapping[str, Any]) -> bool:
     """Whether ``args`` describe a megatron-core model (``use_legacy_models`` false).
 
-    megatron-core 0.17 removed the legacy models and ``use_legacy_models`` with them; its args keep
+    megatron-core 0.18 removed the legacy models and ``use_legacy_models`` with them; its args keep
     ``deprecated_use_mcore_models`` (the dead ``--use-mcore-models`` flag), so they are megatron-core.
     """
     if "use_legacy_models" in args:
