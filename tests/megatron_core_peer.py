@@ -100,8 +100,9 @@ def megatron_args(case: str, tp: int) -> argparse.Namespace:
     return ns
 
 
-def transformer_config(args: Any) -> Any:
-    """``TransformerConfig`` from args, as Megatron-LM's ``core_transformer_config_from_args``."""
+def transformer_config(args: Any, *, pp: int = 1) -> Any:
+    """``TransformerConfig`` from args, as Megatron-LM's ``core_transformer_config_from_args``
+    (``pp`` pipeline stages)."""
     import torch.nn.functional as F
     from megatron.core.activations import squared_relu
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -112,7 +113,7 @@ def transformer_config(args: Any) -> Any:
     kw.update(
         persist_layer_norm=False, masked_softmax_fusion=False, bias_dropout_fusion=False, apply_rope_fusion=False,
         gradient_accumulation_fusion=False, use_cpu_initialization=True, hidden_dropout=0.0, attention_dropout=0.0,
-        tensor_model_parallel_size=get("tensor_model_parallel_size"), pipeline_model_parallel_size=1,
+        tensor_model_parallel_size=get("tensor_model_parallel_size"), pipeline_model_parallel_size=pp,
         sequence_parallel=False, params_dtype=torch.float32, fp16=False, bf16=False,
         num_moe_experts=None, pipeline_dtype=torch.float32,
     )  # fmt: skip
@@ -127,12 +128,13 @@ def transformer_config(args: Any) -> Any:
     return TransformerConfig(**kw)
 
 
-def build_model(args: Any) -> Any:
+def build_model(args: Any, *, pp: int = 1, pre_process: bool = True, post_process: bool = True) -> Any:
+    """megatron-core's ``GPTModel`` (local spec) from args; one stage of ``pp`` when given."""
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     get = args.get if isinstance(args, dict) else lambda k, d=None: getattr(args, k, d)
-    config = transformer_config(args)
+    config = transformer_config(args, pp=pp)
     spec = get_gpt_layer_local_spec(
         normalization=get("normalization"), qk_layernorm=bool(get("qk_layernorm"))
     )
@@ -142,6 +144,7 @@ def build_model(args: Any) -> Any:
         position_embedding_type=get("position_embedding_type"),
         share_embeddings_and_output_weights=not get("untie_embeddings_and_output_weights"),
         rotary_percent=get("rotary_percent", 1.0), rotary_base=get("rotary_base", 10000),
+        pre_process=pre_process, post_process=post_process,
     ).eval()  # fmt: skip
 
 
@@ -241,9 +244,9 @@ def _load(ckpt: Path, out: Path, rank: int, tp: int) -> None:
         torch.save(logits, out / "logits.pt")
 
 
-def init_peer(rank: int, world: int, port: int) -> None:
+def init_peer(rank: int, world: int, port: int, *, pp: int = 1) -> None:
     """One gloo rank of a megatron-core peer: CPU shims, process group, model-parallel state
-    (tp = ``world``), and the CUDA RNG tracker's ``fork`` as a no-op (dropout is 0)."""
+    (tp = ``world // pp``, ``pp`` stages), and the CUDA RNG tracker's ``fork`` as a no-op (dropout is 0)."""
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -251,7 +254,7 @@ def init_peer(rank: int, world: int, port: int) -> None:
     _cpu_shims()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    ps.initialize_model_parallel(tensor_model_parallel_size=world)
+    ps.initialize_model_parallel(tensor_model_parallel_size=world // pp, pipeline_model_parallel_size=pp)
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
 
 

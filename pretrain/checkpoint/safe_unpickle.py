@@ -22,6 +22,7 @@ uses ``torch.load`` with a restricted ``pickle_module``:
 from __future__ import annotations
 
 import collections
+import io
 import pickle
 import signal
 import types
@@ -214,18 +215,27 @@ def load_untrusted(path: Path, *, mmap: bool = True) -> dict[str, Any]:
     """
     if not path.exists():
         raise UserError(f"missing checkpoint shard {path}")
-    use_mmap = mmap and zipfile.is_zipfile(path)
-    try:
-        state = torch.load(
-            path, map_location="cpu", weights_only=False, pickle_module=PICKLE_MODULE, mmap=use_mmap
-        )
-    except UnsafePickleError as exc:
-        raise UserError(f"{path}: unsafe checkpoint file: {exc}") from None
-    except Exception as exc:  # truncated or foreign file: one clear line
-        first = str(exc).splitlines()[0] if str(exc) else ""
-        raise UserError(
-            f"{path}: cannot be read, truncated or corrupt? ({type(exc).__name__}: {first})"
-        ) from None
+    state = _torch_load(path, str(path), mmap=mmap and zipfile.is_zipfile(path))
     if not isinstance(state, dict):
         raise UserError(f"{path}: expected a dict at the top level, found {type(state).__name__}")
     return plain(state)
+
+
+def load_untrusted_bytes(data: bytes, *, source: str) -> Any:
+    """``torch.save``'d ``data`` (e.g. a ``torch_dist`` sharded object) through the restricted
+    unpickler; failures are one line naming ``source``."""
+    return plain(_torch_load(io.BytesIO(data), source, mmap=False))
+
+
+def _torch_load(file: Path | IO[bytes], source: str, *, mmap: bool) -> Any:
+    try:
+        return torch.load(
+            file, map_location="cpu", weights_only=False, pickle_module=PICKLE_MODULE, mmap=mmap
+        )
+    except UnsafePickleError as exc:
+        raise UserError(f"{source}: unsafe checkpoint file: {exc}") from None
+    except Exception as exc:  # truncated or foreign file: one clear line
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        raise UserError(
+            f"{source}: cannot be read, truncated or corrupt? ({type(exc).__name__}: {first})"
+        ) from None

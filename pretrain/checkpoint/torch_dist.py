@@ -2,7 +2,8 @@
 
 An iteration directory holds ``.metadata`` (the global shapes and the chunks each writer rank
 stored), ``__R_K.distcp`` data files, ``common.pt`` (args, iteration, checkpoint_version; an
-upstream pickle, read with the restricted unpickler) and ``metadata.json``. Tensors are stored with
+upstream pickle, read with the restricted unpickler; megatron-core >= 0.19 stores the same dict as
+the ``common_state`` object inside the ``.distcp`` files instead) and ``metadata.json``. Tensors are stored with
 their *global* shapes, so TP/PP of the writer do not matter: fused QKV rows are already
 ``[groups][q heads of the group, k, v][head_dim]`` and SwiGLU ``linear_fc1`` is ``[gate; up]``
 (megatron-core stores the two halves as separate shards). Layer tensors are either stacked over
@@ -17,10 +18,12 @@ for legacy files: norms stored zero-centred (``apply_layernorm_1p``) get 1 added
 from __future__ import annotations
 
 import dataclasses
+import io
 import re
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -34,7 +37,7 @@ from pretrain.checkpoint.args_semantics import OUTPUT_LAYER, is_zero_centred_nor
 from pretrain.checkpoint.dcp_failures import dcp_failures, first_line
 from pretrain.checkpoint.metadata import as_mapping, read_metadata
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
-from pretrain.checkpoint.safe_unpickle import load_untrusted
+from pretrain.checkpoint.safe_unpickle import load_untrusted, load_untrusted_bytes
 from pretrain.checkpoint.types import CheckpointInfo, CheckpointMetadata
 from pretrain.checkpoint.upstream_args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
 from pretrain.checkpoint.upstream_names import to_local_name
@@ -46,6 +49,7 @@ _STACKED = re.compile(r"^(.*?\blayers)\.(?!\d)(.*)$")
 _GLOBAL_LAYER = re.compile(r"\.layers\.(\d+)\.")
 _HEAD = "word_embeddings_for_head.weight"
 _EMB = "language_model.embedding.word_embeddings.weight"
+_COMMON_STATE = "common_state/shard_0_1"  # ShardedObject("common_state", (1,), (0,)).unique_key
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,16 @@ class _RegionPlanner(DefaultLoadPlanner):
         pass
 
 
+class _BytesPlanner(DefaultLoadPlanner):
+    """Keep the raw bytes of a stored object: DCP's own ``load_bytes`` would
+    ``torch.load(weights_only=False)`` them, running whatever an untrusted file's pickle names."""
+
+    data: bytes = b""
+
+    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
+        self.data = value.read()
+
+
 def read_region(path: Path, md: TensorStorageMetadata, key: str, layer: int | None) -> torch.Tensor:
     """Tensor ``key`` (one ``layer`` of a stacked key) of the checkpoint at ``path``, into CPU memory."""
     size = tuple(md.size) if layer is None else (1, *md.size[1:])
@@ -137,6 +151,7 @@ class TorchDistReader:
     head: _Ref | None = None
     metadata: CheckpointMetadata | None = None  # our record (None for upstream checkpoints)
     norm_1p: bool = False  # upstream apply_layernorm_1p: norm weights are stored minus 1
+    args: dict[str, Any] = field(default_factory=dict)  # common.pt's args (names the tokenizer)
 
     def names(self) -> list[str]:
         return list(self.refs)
@@ -170,7 +185,8 @@ class TorchDistReader:
         return full[: self.spec.cfg.vocab_size] if is_vocab_tensor(name) else full
 
 
-def _read_metadata(it_dir: Path) -> dict[str, TensorStorageMetadata]:
+def _read_metadata(it_dir: Path) -> tuple[dict[str, TensorStorageMetadata], set[str]]:
+    """The tensors' metadata, and every key (tensors and byte objects)."""
     try:
         md = FileSystemReader(str(it_dir)).read_metadata()
         tensors = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
@@ -179,7 +195,7 @@ def _read_metadata(it_dir: Path) -> dict[str, TensorStorageMetadata]:
             f"{it_dir / '.metadata'}: cannot be read, truncated or corrupt? ({first_line(exc)})"
         ) from None
     _check_data_files(it_dir, md.storage_data)
-    return tensors
+    return tensors, set(md.state_dict_metadata)
 
 
 def _check_data_files(it_dir: Path, storage: object) -> None:
@@ -204,6 +220,42 @@ def _check_data_files(it_dir: Path, storage: object) -> None:
             )
 
 
+def read_common(it_dir: Path, keys: set[str] | None = None) -> dict[str, Any]:
+    """The non-sharded state (``args``, ``iteration``, ...): ``common.pt``, or (megatron-core >= 0.19,
+    which no longer writes ``common.pt``) the ``common_state`` sharded object in the ``.distcp``
+    files, a ``torch.save``d one-element list. Neither: one line (the model's args are gone)."""
+    if (it_dir / "common.pt").is_file():
+        return load_untrusted(it_dir / "common.pt", mmap=False)
+    if keys is None:
+        keys = _read_metadata(it_dir)[1]
+    if _COMMON_STATE not in keys:
+        raise UserError(
+            f"{it_dir}: common.pt is missing (it holds the args that describe the model; "
+            f"megatron-core >= 0.19 keeps them as {_COMMON_STATE} in the .distcp files, absent too)"
+        )
+    planner = _BytesPlanner()
+
+    def describe(exc: BaseException) -> str:
+        return f"{it_dir}: cannot read {_COMMON_STATE}, truncated or corrupt? ({first_line(exc)})"
+
+    try:
+        with dcp_failures(describe), warnings.catch_warnings():  # "assuming ... a single process": intended
+            warnings.simplefilter("ignore", UserWarning)
+            dcp.load(
+                {_COMMON_STATE: io.BytesIO()}, storage_reader=FileSystemReader(str(it_dir)), planner=planner,
+                no_dist=True,
+            )  # fmt: skip
+    except UserError:
+        raise
+    except Exception as exc:
+        raise UserError(describe(exc)) from None
+    loaded = load_untrusted_bytes(planner.data, source=f"{it_dir} {_COMMON_STATE}")
+    state = loaded[0] if isinstance(loaded, list | tuple) and len(loaded) == 1 else loaded
+    if not isinstance(state, dict):
+        raise UserError(f"{it_dir}: {_COMMON_STATE} holds a {type(state).__name__}, expected a dict")
+    return state
+
+
 def open_torch_dist(
     it_dir: Path,
     iteration: int | str | None,
@@ -212,12 +264,10 @@ def open_torch_dist(
     root: Path | None = None,
 ) -> TorchDistReader:
     """Open a ``torch_dist`` iteration directory (metadata only; tensors are read on demand)."""
-    if not (it_dir / "common.pt").is_file():  # megatron-core keeps the model's args only there
-        raise UserError(f"{it_dir}: common.pt is missing (it holds the args that describe the model)")
-    common = load_untrusted(it_dir / "common.pt", mmap=False)
+    meta, keys = _read_metadata(it_dir)
+    common = read_common(it_dir, keys)
     args = dict(as_mapping(common.get("args")))
     ours = read_metadata(args, source=str(it_dir))
-    meta = _read_metadata(it_dir)
     refs, shapes = _map_keys(meta)
     if _EMB not in refs:
         raise UserError(
@@ -277,5 +327,5 @@ def open_torch_dist(
     ordered = {s.canonical: refs[s.local] for s in slots}
     return TorchDistReader(
         spec=spec, info=info, path=it_dir, meta=meta, refs=ordered, head=head, metadata=ours,
-        norm_1p=ours is None and layernorm_1p(args),
+        norm_1p=ours is None and layernorm_1p(args), args=args,
     )  # fmt: skip

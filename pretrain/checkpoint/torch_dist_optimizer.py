@@ -34,8 +34,7 @@ from pretrain.checkpoint.optimizer_state import (
     to_mcore_distributed_common,
     to_mcore_scheduler,
 )
-from pretrain.checkpoint.safe_unpickle import load_untrusted
-from pretrain.checkpoint.torch_dist import TorchDistReader, read_region
+from pretrain.checkpoint.torch_dist import TorchDistReader, read_common, read_region
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.utils.errors import UserError
 
@@ -84,7 +83,7 @@ class TorchDistOptimizerSource:
 def open_optimizer(reader: TorchDistReader) -> TorchDistOptimizerSource:
     """The optimizer state of ``reader``'s checkpoint (one line and exit 2 when it has none)."""
     common_pt = reader.path / "common.pt"
-    common = load_untrusted(common_pt, mmap=False) if common_pt.exists() else {}
+    common = read_common(reader.path)
     if not any(k.startswith("optimizer.state.") for k in reader.meta):
         raise UserError(f"--with-optimizer: {reader.path} holds no optimizer state")
     args = dict(as_mapping(common.get("args")))

@@ -56,8 +56,10 @@ def true_vocab_size(
 ) -> tuple[int, str]:
     """The tokenizer's vocabulary size and where it came from; ``"padded ..."`` when unknown.
 
-    A size given by flag or tokenizer must fit the rows and agree with a size the checkpoint
-    records (``args.vocab_size``); otherwise :class:`UserError` naming both.
+    A size given by flag or tokenizer must fit the rows, agree with a size the checkpoint records
+    (``args.vocab_size``) and pad to ``args.padded_vocab_size`` under Megatron's rule; otherwise
+    :class:`UserError` naming both. ``tp`` is the stored layout's TP (1 for ``torch_dist``), used
+    only when ``args`` lack ``tensor_model_parallel_size``.
     """
     recorded = args.get("vocab_size") if isinstance(args.get("vocab_size"), int) else None
     if vocab.size is not None:
@@ -79,17 +81,36 @@ def true_vocab_size(
             f"{source}: {how} gives a vocabulary of {found} tokens but the checkpoint records "
             f"{recorded} (args.vocab_size); use the checkpoint's tokenizer"
         )
-    divisible = int(args.get("make_vocab_size_divisible_by") or 128)
     if recorded is None and isinstance(args.get("padded_vocab_size"), int) and found > 0:
-        from pretrain.tensor_parallel.vocab import padded_vocab_size
-
-        if padded_vocab_size(found, tp=tp, divisible_by=divisible) != int(args["padded_vocab_size"]):
-            raise UserError(
-                f"{source}: {how} gives {found} tokens, which pads to "
-                f"{padded_vocab_size(found, tp=tp, divisible_by=divisible)} rows, but the checkpoint "
-                f"has args.padded_vocab_size {args['padded_vocab_size']}"
-            )
+        _check_padding(args, found, how, tp=tp, source=source)
     return _fits(found, how, padded_rows, source)
+
+
+def _check_padding(args: Mapping[str, Any], found: int, how: str, *, tp: int, source: str) -> None:
+    """``args.padded_vocab_size`` must be Megatron's padding of ``found`` tokens.
+
+    Megatron pads to a multiple of ``make_vocab_size_divisible_by`` times the SAVING run's
+    ``args.tensor_model_parallel_size`` (``tp``, the stored layout's, only when args lack it: a
+    ``torch_dist`` file has no layout TP); a table kept through a reshard keeps an earlier run's.
+    """
+    from pretrain.tensor_parallel.vocab import padded_vocab_size, padding_tp
+
+    divisible = int(args.get("make_vocab_size_divisible_by") or 128)
+    saved = args.get("tensor_model_parallel_size")
+    saved_tp = int(saved) if isinstance(saved, int) and saved > 0 else tp
+    heads = args.get("num_attention_heads")
+    padded = int(args["padded_vocab_size"])
+    num_heads = int(heads) if isinstance(heads, int) and heads > 0 else None
+    if found == padded:  # no padding (megatron-core >= 0.18: --padded-vocab-size / --no-pad-vocab-size)
+        return
+    if padding_tp(found, padded, divisible_by=divisible, saved_tp=saved_tp, num_heads=num_heads) is None:
+        at_saved = padded_vocab_size(found, tp=saved_tp, divisible_by=divisible)
+        others = f" nor at any TP dividing num_attention_heads {num_heads}" if num_heads else ""
+        raise UserError(
+            f"{source}: {how} gives {found} tokens, which pads to {at_saved} rows at the saving run's "
+            f"tensor_model_parallel_size {saved_tp} (make_vocab_size_divisible_by {divisible}){others}, "
+            f"but the checkpoint has args.padded_vocab_size {padded}; use the checkpoint's tokenizer"
+        )
 
 
 def _fits(found: int, how: str, padded_rows: int, source: str) -> tuple[int, str]:

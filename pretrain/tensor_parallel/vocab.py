@@ -54,3 +54,24 @@ def vocab_range(padded_vocab: int, *, tp_rank: int, tp: int) -> tuple[int, int]:
     """The ``[start, end)`` rows of the padded vocabulary held by ``tp_rank``."""
     per_rank = padded_vocab // tp
     return tp_rank * per_rank, (tp_rank + 1) * per_rank
+
+
+def padding_tp(
+    vocab_size: int, padded: int, *, divisible_by: int, saved_tp: int, num_heads: int | None
+) -> int | None:
+    """The tensor-parallel size whose Megatron padding of ``vocab_size`` gives ``padded`` rows.
+
+    ``saved_tp`` (the saving run's ``tensor_model_parallel_size``) is tried first. Megatron's
+    checkpoint converter keeps the table of an earlier run when resharding without
+    ``--true-vocab-size``, so any TP that divides ``num_heads`` (Megatron requires it) also
+    explains the rows. ``None``: no TP Megatron could have run with pads ``vocab_size`` so.
+    """
+    if vocab_size <= 0 or divisible_by <= 0 or padded <= 0:
+        return None
+    candidates = [saved_tp] if saved_tp > 0 else []
+    if num_heads:
+        candidates += [t for t in range(1, num_heads + 1) if num_heads % t == 0]
+    for tp in candidates:
+        if padded_vocab_size(vocab_size, tp=tp, divisible_by=divisible_by) == padded:
+            return tp
+    return None
