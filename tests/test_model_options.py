@@ -18,13 +18,27 @@ LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope
              untie_embeddings_and_output_weights=True, num_query_groups=2, ffn_hidden_size=96)  # fmt: skip
 CONFIGS = {
     "gpt2": ModelConfig(**BASE),
-    "gpt2-erf-nodropout": ModelConfig(**BASE, gelu="erf", hidden_dropout=0.0, attention_dropout=0.0,
-                                      layernorm_epsilon=1e-6, init_method_std=0.01, ffn_hidden_size=200),  # fmt: skip
-    "squared-relu-kv": ModelConfig(**BASE, squared_relu=True, kv_channels=16, make_vocab_size_divisible_by=64),
-    "llama3": ModelConfig(**BASE, **LLAMA, rotary_base=500000.0, use_rope_scaling=True, rope_scaling_factor=4.0),
-    "qwen2": ModelConfig(**BASE, **{**LLAMA, "untie_embeddings_and_output_weights": False}, add_qkv_bias=True),
-    "qwen3-partial": ModelConfig(**BASE, **LLAMA, qk_layernorm=True, rotary_percent=0.5,
-                                 rotary_seq_len_interpolation_factor=2.0),  # fmt: skip
+    "gpt2-erf-nodropout": ModelConfig(
+        **BASE,
+        gelu="erf",
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        layernorm_epsilon=1e-6,
+        init_method_std=0.01,
+        ffn_hidden_size=200,
+    ),  # fmt: skip
+    "squared-relu-kv": ModelConfig(
+        **BASE, squared_relu=True, kv_channels=16, make_vocab_size_divisible_by=64
+    ),
+    "llama3": ModelConfig(
+        **BASE, **LLAMA, rotary_base=500000.0, use_rope_scaling=True, rope_scaling_factor=4.0
+    ),
+    "qwen2": ModelConfig(
+        **BASE, **{**LLAMA, "untie_embeddings_and_output_weights": False}, add_qkv_bias=True
+    ),
+    "qwen3-partial": ModelConfig(
+        **BASE, **LLAMA, qk_layernorm=True, rotary_percent=0.5, rotary_seq_len_interpolation_factor=2.0
+    ),  # fmt: skip
 }
 
 
