@@ -88,23 +88,20 @@ def test_flag_dataclasses_round_trip_through_argparse() -> None:
     import argparse
     from pathlib import Path
 
-    from pretrain.utils.flag_groups import (
-        DTypeFlags,
-        ParallelFlags,
-        TokenizerFlags,
-        add_flag_group,
-        flags_from_namespace,
-    )
+    from pretrain.config import DTypeFlags, ParallelConfig
+    from pretrain.tokenizer.flags import TokenizerFlags
+    from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace
 
     parser = argparse.ArgumentParser()
-    for cls in (TokenizerFlags, DTypeFlags, ParallelFlags):
+    for cls in (TokenizerFlags, DTypeFlags):
         add_flag_group(parser, cls, title=cls.__name__)
-    assert flags_from_namespace(ParallelFlags, parser.parse_args([])) == ParallelFlags()
+    add_flag_group(parser, ParallelConfig, title="layout", include=ParallelConfig.SIZES)
+    assert flags_from_namespace(ParallelConfig, parser.parse_args([])) == ParallelConfig()
     assert flags_from_namespace(TokenizerFlags, parser.parse_args([])) == TokenizerFlags()
     ns = parser.parse_args(["--tp", "2", "--pipeline-model-parallel-size", "4", "--vp", "3", "--dtype", "bf16",
                             "--bf16", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json",
                             "--merge-file", "m.txt", "--tokenizer-dir", "tok", "--force-tokenizer"])  # fmt: skip
-    assert flags_from_namespace(ParallelFlags, ns) == ParallelFlags(tp=2, pp=4, vp=3)
+    assert flags_from_namespace(ParallelConfig, ns) == ParallelConfig(tp=2, pp=4, vp=3)
     assert flags_from_namespace(DTypeFlags, ns) == DTypeFlags(dtype="bf16", bf16=True)
     tok = flags_from_namespace(TokenizerFlags, ns)
     assert tok == TokenizerFlags(tokenizer_type="GPT2BPETokenizer", vocab_file="v.json", merge_file="m.txt",
@@ -115,10 +112,16 @@ def test_flag_dataclasses_round_trip_through_argparse() -> None:
 
     target = argparse.ArgumentParser()
     add_flag_group(
-        target, ParallelFlags, title="t", flags=TARGET_FLAGS, dests=TARGET_DESTS, required=("tp", "pp")
+        target,
+        ParallelConfig,
+        title="t",
+        include=ParallelConfig.SIZES,
+        flags=TARGET_FLAGS,
+        dests=TARGET_DESTS,
+        required=("tp", "pp"),
     )
     ns = target.parse_args(["--target-tp", "4", "--target-pp", "2"])
-    assert flags_from_namespace(ParallelFlags, ns, dests=TARGET_DESTS) == ParallelFlags(tp=4, pp=2, vp=1)
+    assert flags_from_namespace(ParallelConfig, ns, dests=TARGET_DESTS) == ParallelConfig(tp=4, pp=2, vp=1)
 
 
 @pytest.mark.parametrize(
@@ -148,7 +151,7 @@ def test_a_bad_flag_value_is_one_line_and_exit_2(
 
 
 def test_dtype_flags_name_one_dtype() -> None:
-    from pretrain.utils.flag_groups import DTypeFlags
+    from pretrain.config import DTypeFlags
 
     assert DTypeFlags().dtype_name() == "float32"
     assert DTypeFlags(bf16=True).dtype_name() == "bfloat16" == DTypeFlags(dtype="bf16").dtype_name()

@@ -89,14 +89,6 @@ class TokenizerConfig:
         }
 
 
-def add_tokenizer_arguments(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
-    """Add ``--tokenizer-type``, ``--vocab-file``, ``--merge-file``, ``--tokenizer-model``."""
-    from pretrain.utils.flag_groups import TokenizerFlags, add_flag_group
-
-    add_flag_group(parser, TokenizerFlags, title="tokenizer", required=("tokenizer_type",) if required else (),
-                   include=("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"))  # fmt: skip
-
-
 def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
     """The tokenizer ``cfg`` names; :class:`UserError` (naming the file and flag) if a file is
     missing or invalid."""
