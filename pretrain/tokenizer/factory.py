@@ -70,7 +70,7 @@ class TokenizerConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TokenizerConfig:
-        """From a namespace parsed with :func:`add_tokenizer_arguments` (Megatron's flag names)."""
+        """From a namespace parsed with :func:`~pretrain.tokenizer.flags.add_tokenizer_arguments` (Megatron's flag names)."""
         if not getattr(args, "tokenizer_type", None):
             raise UserError("--tokenizer-type is required")
         return cls(
