@@ -25,6 +25,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from finetune.builtin import resolve_data_dir
 from finetune.init_from import Pretrained, load_pretrained, tokenizer_from_dir
 from finetune.presets import SIZES, TASK_NAMES, get_preset
 from finetune.task_data import check_task_files, load_task_data
@@ -33,14 +34,15 @@ from finetune.tokenization import PairEncoder
 from pretrain.checkpoint.args import training_metadata
 from pretrain.checkpoint.metadata import require_metadata
 from pretrain.checkpoint.types import FinetuneRecord
-from pretrain.config import DTypeName, ModelConfig, ParallelConfig
+from pretrain.config import DTypeFlags, DTypeName, ModelConfig, ParallelConfig
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
 from pretrain.parallel.layout import check_sizes
-from pretrain.training.cli import add_parallel_args
+from pretrain.tokenizer.flags import TokenizerFlags
+from pretrain.training.cli import add_parallel_args, parallel_from_args
 from pretrain.training.config import TrainingConfig
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
-from pretrain.utils.flag_groups import DTypeFlags, TokenizerFlags, add_flag_group, flags_from_namespace
+from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace
 from pretrain.utils.outputs import check_writable_output
 from pretrain.utils.results import TASK_METRICS, make_result, write_result
 
@@ -54,7 +56,8 @@ def build_parser() -> OneLineParser:
     src = g.add_mutually_exclusive_group(required=True)
     src.add_argument("--ckpt", help="our (any layout) or upstream Megatron BERT checkpoint directory")
     src.add_argument("--hf-model", help="local Hugging Face BERT directory (weights + tokenizer)")
-    g.add_argument("--data-dir", required=True, help="official task files (GLUE TSV, SQuAD JSON, RACE dirs)")
+    g.add_argument("--data-dir", required=True,
+                   help="official task files (GLUE TSV, SQuAD JSON, RACE dirs), or builtin:NAME (e.g. builtin:sst2_tiny)")  # fmt: skip
     tok = g.add_mutually_exclusive_group()
     add_flag_group(p, TokenizerFlags, title="tokenizer", group=tok, include=("tokenizer_dir", "vocab_file"))
     g.add_argument("--cased", action="store_true", help="--vocab-file is cased (default: lower case)")
@@ -198,11 +201,7 @@ def _model_cfg(args: Any, pre: Pretrained, seq_length: int) -> ModelConfig:
 
 
 def _parallel(args: Any, cfg: ModelConfig) -> tuple[ParallelConfig, int]:
-    from pretrain.utils.config_flags import virtual_pipeline_size  # the same rule as mlm-pretrain
-
-    vp = virtual_pipeline_size(cfg.num_layers, args.pp, args.num_layers_per_virtual_pipeline_stage)
-    parallel = ParallelConfig(tp=args.tp, pp=args.pp, vp=vp, num_layers_in_first_stage=args.decoder_first_pipeline_num_layers,
-                              num_layers_in_last_stage=args.decoder_last_pipeline_num_layers)  # fmt: skip
+    parallel = parallel_from_args(args, num_layers=cfg.num_layers)  # the same flags and rules as mlm-pretrain
     cfg.check_tensor_parallel(parallel.tp)
     return parallel, check_sizes(
         int(os.environ.get("WORLD_SIZE", "1")), parallel.tp, parallel.pp, parallel.vp
@@ -289,6 +288,7 @@ def _print_table(task: str, metrics: dict[str, float], runs: list[dict[str, Any]
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
+    args.data_dir = resolve_data_dir(args.data_dir)  # builtin:NAME -> the packaged directory
     flags_from_namespace(DTypeFlags, args).dtype_name()  # --bf16 with --fp16 is refused before any work
     check_task_files(args.task, args.data_dir)  # a missing directory first, not a flag it makes moot
     _check_outputs(args)

@@ -22,17 +22,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pretrain.config import DTypeFlags, ParallelConfig
 from pretrain.inference.generate import GenerationConfig
 from pretrain.inference.sampling import SamplingConfig
+from pretrain.tokenizer.flags import TokenizerFlags
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
-from pretrain.utils.flag_groups import (
-    DTypeFlags,
-    ParallelFlags,
-    TokenizerFlags,
-    add_flag_group,
-    flags_from_namespace,
-)
+from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace
 from pretrain.utils.jsonl import iter_json_objects
 
 if TYPE_CHECKING:
@@ -60,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="one JSON line per prompt instead of streaming text")
     p.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
     add_flag_group(p, DTypeFlags, title="dtype", include=("dtype",))
-    add_flag_group(p, ParallelFlags, title="parallel layout (torchrun)", include=("tp", "pp"))
+    add_flag_group(p, ParallelConfig, title="parallel layout (torchrun)", include=("tp", "pp"))
     tok = p.add_argument_group("tokenizer (default: the checkpoint's own)")
     add_flag_group(p, TokenizerFlags, title="tokenizer", group=tok)
     return p
@@ -114,9 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UserError("--max-new-tokens and --batch-size must be >= 1")
-    parallel = flags_from_namespace(ParallelFlags, args)
-    if min(parallel.tp, parallel.pp) < 1:
+    if min(args.tp, args.pp) < 1:  # mlm-generate's wording, before the layout's own checks
         raise UserError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+    parallel = flags_from_namespace(ParallelConfig, args)
     dtype = flags_from_namespace(DTypeFlags, args)
     tok_flags = flags_from_namespace(TokenizerFlags, args)
     tok_cfg = tokenizer_choice(tok_flags)
@@ -137,14 +133,14 @@ def _run_ckpt(
     prompts: list[str],
     sampling: SamplingConfig,
     *,
-    parallel: ParallelFlags,
+    parallel: ParallelConfig,
     dtype: DTypeFlags,
     tok_cfg: TokenizerChoice | None,
 ) -> int:
     from mlm_eval.harness.engine import EngineConfig, HarnessEngine
     from pretrain.inference.generate import generate
 
-    engine = HarnessEngine.load(EngineConfig(ckpt=args.ckpt, tp=parallel.tp, pp=parallel.pp, device=args.device,
+    engine = HarnessEngine.load(EngineConfig(ckpt=args.ckpt, parallel=parallel, device=args.device,
                                              dtype=dtype.dtype_name(), batch_size=args.batch_size, tokenizer=tok_cfg,
                                              progress=False))  # fmt: skip
     try:

@@ -9,9 +9,9 @@ from typing import Any
 
 import torch
 
+from pretrain.config import DTypeFlags, ParallelConfig
 from pretrain.inference.sampling import SamplingConfig
 from pretrain.utils.errors import UserError
-from pretrain.utils.flag_groups import DTypeFlags, ParallelFlags
 
 
 def run_hf(
@@ -19,7 +19,7 @@ def run_hf(
     prompts: list[str],
     sampling: SamplingConfig,
     *,
-    parallel: ParallelFlags,
+    parallel: ParallelConfig,
     dtype: DTypeFlags,
 ) -> int:
     """Generate for each prompt in one process; stream to stdout or print JSON lines."""
@@ -27,7 +27,7 @@ def run_hf(
 
     from mlm_eval.generate_cli import TextStream, cut_at_stop
 
-    if parallel.tp * parallel.pp > 1:
+    if parallel.model_parallel_size > 1:
         raise UserError("--hf-model runs in one process; TP/PP generation needs --ckpt DIR")
     path = Path(args.hf_model)
     if not path.is_dir():

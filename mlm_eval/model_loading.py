@@ -17,14 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from mlm_eval.scorer import DTYPE_FLAGS, HFCausalLMScorer, LMScorer
+from pretrain.config import DTypeFlags, ParallelConfig
+from pretrain.tokenizer.flags import TokenizerFlags
 from pretrain.utils.errors import UserError
-from pretrain.utils.flag_groups import (
-    DTypeFlags,
-    ParallelFlags,
-    TokenizerFlags,
-    add_flag_group,
-    flags_from_namespace,
-)
+from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace
 
 # mlm-eval keeps Megatron's attribute names for the parallel sizes (torchrun launch scripts read them)
 PARALLEL_DESTS = {"tp": "tensor_model_parallel_size", "pp": "pipeline_model_parallel_size"}
@@ -43,15 +39,13 @@ class ModelSpec:
     tokenizer_dir: str | None = None
     device: str = "cpu"
     dtype: str = "float32"  # a pretrain.models.transformer.DTYPES name
-    tp: int = 1
-    pp: int = 1
+    parallel: ParallelConfig = ParallelConfig()  # the TP/PP layout under torchrun
     force_tokenizer: bool = False  # use a flag's tokenizer that differs from the checkpoint's
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> ModelSpec:
         """Collect the model flags of a parsed namespace (see :func:`add_model_arguments`)."""
         tok = flags_from_namespace(TokenizerFlags, args)
-        par = flags_from_namespace(ParallelFlags, args, dests=PARALLEL_DESTS)
         return cls(
             hf_model=args.hf_model,
             ckpt=args.ckpt,
@@ -62,8 +56,7 @@ class ModelSpec:
             tokenizer_dir=None if tok.tokenizer_dir is None else str(tok.tokenizer_dir),
             device=args.device,
             dtype=DTYPE_FLAGS[flags_from_namespace(DTypeFlags, args).dtype],
-            tp=par.tp,
-            pp=par.pp,
+            parallel=flags_from_namespace(ParallelConfig, args, dests=PARALLEL_DESTS),
             force_tokenizer=tok.force_tokenizer,
         )
 
@@ -97,7 +90,7 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
     add_flag_group(parser, DTypeFlags, title="dtype", group=group, include=("dtype",))
     add_flag_group(
-        parser, ParallelFlags, title="parallel", group=group, include=("tp", "pp"), dests=PARALLEL_DESTS
+        parser, ParallelConfig, title="parallel", group=group, include=("tp", "pp"), dests=PARALLEL_DESTS
     )
     group.add_argument(
         "--name", default=None, help="model name in the result record (default: directory name)"
@@ -106,21 +99,18 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_scorer(args: argparse.Namespace) -> LoadedModel:
     """Build the scorer and tokenizer the flags select (in parallel under torchrun, see module doc)."""
+    check_device(args.device)
+    for dest in PARALLEL_DESTS.values():  # mlm-eval's wording, before the layout's own checks
+        if getattr(args, dest) < 1:
+            raise UserError(f"--{dest.replace('_', '-')} must be >= 1, got {getattr(args, dest)}")
     spec = ModelSpec.from_args(args)
-    check_device(spec.device)
-    for flag, value in (
-        ("--tensor-model-parallel-size", spec.tp),
-        ("--pipeline-model-parallel-size", spec.pp),
-    ):
-        if value < 1:
-            raise UserError(f"{flag} must be >= 1, got {value}")
     if spec.ckpt is not None:
         return _load_ckpt(spec, args)
     if spec.hf_model is None:
         raise UserError("one of --hf-model DIR or --ckpt DIR is required")
     from mlm_eval.parallel_scorer import launched_distributed
 
-    if spec.tp * spec.pp > 1 or launched_distributed():
+    if spec.parallel.model_parallel_size > 1 or launched_distributed():
         raise UserError("--hf-model runs in one process; TP/PP/DP evaluation (torchrun) needs --ckpt DIR")
     megatron_flags = {"--tokenizer-type": spec.tokenizer_type, "--vocab-file": spec.vocab_file}
     megatron_flags["--merge-file"] = spec.merge_file
@@ -151,7 +141,7 @@ def _load_ckpt(spec: ModelSpec, args: argparse.Namespace) -> LoadedModel:
         )
     tok_cfg = TokenizerChoice(megatron=megatron, directory=None if megatron else spec.tokenizer_dir,
                               force=spec.force_tokenizer)  # fmt: skip
-    if spec.tp * spec.pp > 1 or launched_distributed():
+    if spec.parallel.model_parallel_size > 1 or launched_distributed():
         return _load_ckpt_parallel(spec, args, tok_cfg)
     scorer, encoder, info = load_megatron_gpt(str(spec.ckpt), tokenizer_cfg=tok_cfg, batch_size=args.batch_size,
                                               device=spec.device, dtype=spec.dtype)  # fmt: skip
@@ -164,10 +154,10 @@ def _load_ckpt_parallel(spec: ModelSpec, args: argparse.Namespace, tok_cfg: Any)
     """This rank's stage/shard of ``--ckpt`` under torchrun (TP x PP x DP)."""
     import torch.distributed as dist
 
-    from mlm_eval.parallel_scorer import EvalParallelConfig, load_parallel_gpt
+    from mlm_eval.parallel_scorer import load_parallel_gpt
 
-    parallel = EvalParallelConfig(tp=spec.tp, pp=spec.pp, device=spec.device)
-    scorer, encoder, info, ps = load_parallel_gpt(str(spec.ckpt), parallel=parallel, tokenizer_cfg=tok_cfg,
+    scorer, encoder, info, ps = load_parallel_gpt(str(spec.ckpt), parallel=spec.parallel, device=spec.device,
+                                                  tokenizer_cfg=tok_cfg,
                                                   batch_size=args.batch_size, dtype=spec.dtype)  # fmt: skip
     if getattr(args, "name", None):
         info["name"] = args.name

@@ -22,7 +22,6 @@ position and the output layer on zero-padded rows, so a row's scores do not depe
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -53,22 +52,14 @@ from pretrain.tokenizer.factory import TokenizerConfig
 from pretrain.utils.errors import UserError
 
 
-@dataclass(frozen=True, kw_only=True)
-class EvalParallelConfig:
-    """The evaluation's model-parallel sizes and where it runs."""
-
-    tp: int = 1
-    pp: int = 1
-    device: str = "cpu"  # "cpu" (gloo) or "cuda" (NCCL, one GPU per local rank)
-
-
 def launched_distributed() -> bool:
     """True under ``torchrun`` with more than one process (or an initialised process group)."""
     return int(os.environ.get("WORLD_SIZE", "1")) > 1 or dist.is_initialized()
 
 
-def setup_eval_parallel(cfg: EvalParallelConfig) -> ParallelState:
-    """Initialise ``torch.distributed`` (gloo on CPU, NCCL on CUDA) and build the groups.
+def setup_eval_parallel(cfg: ParallelConfig, *, device: str = "cpu") -> ParallelState:
+    """Initialise ``torch.distributed`` (gloo on ``device`` ``cpu``, NCCL on ``cuda``: one GPU per
+    local rank) and build the groups of the layout ``cfg``.
 
     Collective: ``init_process_group`` and every group's ``new_group`` on all ranks.
     """
@@ -76,20 +67,16 @@ def setup_eval_parallel(cfg: EvalParallelConfig) -> ParallelState:
     if not dist.is_initialized() and world == 1:
         raise UserError(
             f"--tensor-model-parallel-size {cfg.tp} x --pipeline-model-parallel-size {cfg.pp} needs "
-            f"{cfg.tp * cfg.pp} processes: launch with torchrun --nproc-per-node {cfg.tp * cfg.pp}"
+            f"{cfg.model_parallel_size} processes: launch with torchrun --nproc-per-node {cfg.model_parallel_size}"
         )
-    cuda = cfg.device.startswith("cuda")
+    cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
-    size = dist.get_world_size()
-    if size % (cfg.tp * cfg.pp):
-        raise UserError(
-            f"world size {size} is not divisible by TP {cfg.tp} x PP {cfg.pp} (DP = world / (TP x PP))"
-        )
-    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-    return ParallelState.from_distributed(ParallelConfig(tp=cfg.tp, pp=cfg.pp), device=device)
+    cfg.data_parallel_size(dist.get_world_size())  # the world splits into whole replicas
+    here = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    return ParallelState.from_distributed(cfg, device=here)
 
 
 class ParallelGPTScorer:
@@ -225,18 +212,20 @@ def _invariant_forward_step(
 def load_parallel_gpt(
     ckpt: str,
     *,
-    parallel: EvalParallelConfig,
+    parallel: ParallelConfig,
+    device: str = "cpu",
     tokenizer_cfg: TokenizerChoice | TokenizerConfig | None,
     batch_size: int,
     dtype: str = "float32",
     batch_invariant: bool = False,
 ) -> tuple[ParallelGPTScorer, PretrainTextEncoder, dict[str, Any], ParallelState]:
-    """This rank's scorer, the text encoder, the model info and the parallel state.
+    """This rank's scorer, the text encoder, the model info and the parallel state (``parallel``'s
+    layout on ``device``).
 
     Collectives: :func:`setup_eval_parallel`; loading itself needs none (each rank shards the
     canonical tensors it read).
     """
-    ps = setup_eval_parallel(parallel)
+    ps = setup_eval_parallel(parallel, device=device)
     read = read_gpt_checkpoint(ckpt, tokenizer_cfg=tokenizer_cfg)
     cfg = eval_model_config(read.cfg, dtype)
     if cfg.num_layers % ps.pp_size:

@@ -1,11 +1,16 @@
-"""Model and parallelism configuration: frozen, keyword-only dataclasses validated on creation."""
+"""Model, parallel layout and dtype configuration: frozen, keyword-only dataclasses validated on creation.
+
+:class:`ParallelConfig` and :class:`DTypeFlags` are also the shared command-line flag groups (their
+fields' ``metadata``).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, field
+from typing import ClassVar, Literal
 
 from pretrain.utils.errors import UserError
+from pretrain.utils.flag_groups import flag_meta
 
 GeluKind = Literal["tanh", "erf"]
 Normalization = Literal["LayerNorm", "RMSNorm"]
@@ -197,18 +202,89 @@ class ModelConfig:
 
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
-    """Tensor (t), pipeline (p) and virtual-pipeline (V) sizes; data parallel d = world / (t * p)."""
+    """The parallel layout, one object for every command (torchtitan's ``ParallelDims``).
 
-    tp: int = 1
-    pp: int = 1
-    vp: int = 1
+    Tensor (t), pipeline (p) and virtual-pipeline (V) sizes; data parallel d = world / (t * p).
+    The shared command-line flags are these fields (``metadata`` names the flags and the help,
+    :func:`pretrain.utils.flag_groups.add_flag_group` turns them into an argument group and
+    :func:`~pretrain.utils.flag_groups.flags_from_namespace` builds this object back), so a new
+    parallel dimension is one field here plus its name in :attr:`SIZES` (the sizes every layout
+    command takes, each checked positive). Where a run executes (``--device``) is not part of it.
+    """
+
+    SIZES: ClassVar[tuple[str, ...]] = ("tp", "pp", "vp")
+
+    tp: int = field(
+        default=1,
+        metadata=flag_meta(
+            "tensor-parallel size (TP)", flags=("--tensor-model-parallel-size", "--tp"), metavar="N"
+        ),
+    )
+    pp: int = field(
+        default=1,
+        metadata=flag_meta(
+            "pipeline-parallel size (PP); DP = world / (TP x PP)",
+            flags=("--pipeline-model-parallel-size", "--pp"),
+            metavar="N",
+        ),
+    )
+    vp: int = field(
+        default=1, metadata=flag_meta("virtual pipeline chunks per stage (VP)", flags=("--vp",), metavar="N")
+    )
     # Optional uneven pipeline split: layers on the first / last stage (None = even split).
-    num_layers_in_first_stage: int | None = None
-    num_layers_in_last_stage: int | None = None
+    num_layers_in_first_stage: int | None = field(
+        default=None,
+        metadata=flag_meta(
+            "layers on the first pipeline stage (default: an even split)",
+            flags=("--decoder-first-pipeline-num-layers",),
+            metavar="N",
+        ),
+    )
+    num_layers_in_last_stage: int | None = field(
+        default=None,
+        metadata=flag_meta(
+            "layers on the last pipeline stage (default: an even split)",
+            flags=("--decoder-last-pipeline-num-layers",),
+            metavar="N",
+        ),
+    )
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "vp"):
+        for name in self.SIZES:
             if int(getattr(self, name)) <= 0:
                 raise UserError(f"--{name} must be a positive integer, got {getattr(self, name)}")
         if self.vp > 1 and self.pp < 2:
             raise UserError(f"--vp {self.vp} needs --pp >= 2 (virtual stages interleave real ones)")
+
+    @property
+    def model_parallel_size(self) -> int:
+        """Ranks holding one copy of the model: ``tp * pp``."""
+        return self.tp * self.pp
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """Model replicas among ``world_size`` ranks: ``world / (tp * pp)`` (:class:`UserError` if uneven)."""
+        if world_size <= 0 or world_size % self.model_parallel_size:
+            raise UserError(
+                f"world size {world_size} is not divisible by TP {self.tp} x PP {self.pp} (DP = world / (TP x PP))"
+            )
+        return world_size // self.model_parallel_size
+
+
+@dataclass(frozen=True, kw_only=True)
+class DTypeFlags:
+    """The dtype of a model's weights: ``--dtype`` (evaluation) or Megatron's ``--bf16``/``--fp16``."""
+
+    dtype: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata=flag_meta("model weights' dtype"))
+    bf16: bool = field(
+        default=False, metadata=flag_meta("bfloat16 weights and compute (fp32 master weights)")
+    )
+    fp16: bool = field(default=False, metadata=flag_meta("float16 weights and compute with loss scaling"))
+
+    def dtype_name(self) -> DTypeName:
+        """The torch dtype's name: ``--bf16``/``--fp16`` where given, else ``--dtype``."""
+        if self.bf16 and self.fp16:
+            raise UserError("--bf16 and --fp16 are mutually exclusive")
+        if self.bf16 or self.fp16:
+            return "bfloat16" if self.bf16 else "float16"
+        names: dict[str, DTypeName] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+        return names[self.dtype]

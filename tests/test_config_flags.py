@@ -4,10 +4,15 @@ and mlm-layout."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import ClassVar
+
 import pytest
 
+from pretrain.config import ParallelConfig
 from pretrain.utils.config_flags import virtual_pipeline_size
 from pretrain.utils.errors import UserError
+from pretrain.utils.flag_groups import flag_meta
 
 
 def test_virtual_pipeline_size_divides_or_refuses() -> None:
@@ -88,23 +93,20 @@ def test_flag_dataclasses_round_trip_through_argparse() -> None:
     import argparse
     from pathlib import Path
 
-    from pretrain.utils.flag_groups import (
-        DTypeFlags,
-        ParallelFlags,
-        TokenizerFlags,
-        add_flag_group,
-        flags_from_namespace,
-    )
+    from pretrain.config import DTypeFlags, ParallelConfig
+    from pretrain.tokenizer.flags import TokenizerFlags
+    from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace
 
     parser = argparse.ArgumentParser()
-    for cls in (TokenizerFlags, DTypeFlags, ParallelFlags):
+    for cls in (TokenizerFlags, DTypeFlags):
         add_flag_group(parser, cls, title=cls.__name__)
-    assert flags_from_namespace(ParallelFlags, parser.parse_args([])) == ParallelFlags()
+    add_flag_group(parser, ParallelConfig, title="layout", include=ParallelConfig.SIZES)
+    assert flags_from_namespace(ParallelConfig, parser.parse_args([])) == ParallelConfig()
     assert flags_from_namespace(TokenizerFlags, parser.parse_args([])) == TokenizerFlags()
     ns = parser.parse_args(["--tp", "2", "--pipeline-model-parallel-size", "4", "--vp", "3", "--dtype", "bf16",
                             "--bf16", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v.json",
                             "--merge-file", "m.txt", "--tokenizer-dir", "tok", "--force-tokenizer"])  # fmt: skip
-    assert flags_from_namespace(ParallelFlags, ns) == ParallelFlags(tp=2, pp=4, vp=3)
+    assert flags_from_namespace(ParallelConfig, ns) == ParallelConfig(tp=2, pp=4, vp=3)
     assert flags_from_namespace(DTypeFlags, ns) == DTypeFlags(dtype="bf16", bf16=True)
     tok = flags_from_namespace(TokenizerFlags, ns)
     assert tok == TokenizerFlags(tokenizer_type="GPT2BPETokenizer", vocab_file="v.json", merge_file="m.txt",
@@ -115,10 +117,16 @@ def test_flag_dataclasses_round_trip_through_argparse() -> None:
 
     target = argparse.ArgumentParser()
     add_flag_group(
-        target, ParallelFlags, title="t", flags=TARGET_FLAGS, dests=TARGET_DESTS, required=("tp", "pp")
+        target,
+        ParallelConfig,
+        title="t",
+        include=ParallelConfig.SIZES,
+        flags=TARGET_FLAGS,
+        dests=TARGET_DESTS,
+        required=("tp", "pp"),
     )
     ns = target.parse_args(["--target-tp", "4", "--target-pp", "2"])
-    assert flags_from_namespace(ParallelFlags, ns, dests=TARGET_DESTS) == ParallelFlags(tp=4, pp=2, vp=1)
+    assert flags_from_namespace(ParallelConfig, ns, dests=TARGET_DESTS) == ParallelConfig(tp=4, pp=2, vp=1)
 
 
 @pytest.mark.parametrize(
@@ -148,7 +156,7 @@ def test_a_bad_flag_value_is_one_line_and_exit_2(
 
 
 def test_dtype_flags_name_one_dtype() -> None:
-    from pretrain.utils.flag_groups import DTypeFlags
+    from pretrain.config import DTypeFlags
 
     assert DTypeFlags().dtype_name() == "float32"
     assert DTypeFlags(bf16=True).dtype_name() == "bfloat16" == DTypeFlags(dtype="bf16").dtype_name()
@@ -192,3 +200,54 @@ def test_mlm_generate_acts_on_the_typed_flags_before_loading(
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and message in err[0], err
+
+
+@dataclass(frozen=True, kw_only=True)
+class _WithExperts(ParallelConfig):
+    """Expert parallelism as the next issue adds it to ParallelConfig: one field, its name in SIZES."""
+
+    SIZES: ClassVar[tuple[str, ...]] = (*ParallelConfig.SIZES, "ep")
+    ep: int = field(
+        default=1,
+        metadata=flag_meta(
+            "expert-parallel size (EP)", flags=("--expert-model-parallel-size", "--ep"), metavar="N"
+        ),
+    )
+
+
+def test_a_new_parallel_size_is_one_field_of_the_layout() -> None:
+    """The flags, their parsing and the positive-size check all follow from the layout dataclass."""
+    import argparse
+
+    from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace
+
+    parser = argparse.ArgumentParser()
+    add_flag_group(parser, _WithExperts, title="layout", include=_WithExperts.SIZES)
+    assert "--expert-model-parallel-size N, --ep N" in parser.format_help()
+    assert "--decoder-first-pipeline-num-layers" not in parser.format_help()  # not a size
+    ns = parser.parse_args(["--ep", "4", "--tp", "2"])
+    assert flags_from_namespace(_WithExperts, ns) == _WithExperts(tp=2, ep=4)
+    with pytest.raises(UserError, match="--ep must be a positive integer, got 0"):
+        flags_from_namespace(_WithExperts, parser.parse_args(["--ep", "0"]))
+
+
+def test_the_layout_derives_its_sizes() -> None:
+    layout = ParallelConfig(tp=2, pp=4)
+    assert layout.model_parallel_size == 8 and layout.data_parallel_size(16) == 2
+    with pytest.raises(
+        UserError, match=r"world size 12 is not divisible by TP 2 x PP 4 \(DP = world / \(TP x PP\)\)"
+    ):
+        layout.data_parallel_size(12)
+    with pytest.raises(UserError, match="--vp 2 needs --pp >= 2"):
+        ParallelConfig(vp=2)
+
+
+def test_pretrain_and_finetune_read_the_uneven_pipeline_split_into_the_layout() -> None:
+    from pretrain.training.cli import add_parallel_args, parallel_from_args
+    from pretrain.utils.cli import OneLineParser
+
+    parser = OneLineParser()
+    add_parallel_args(parser)
+    args = parser.parse_args(["--pp", "2", "--decoder-first-pipeline-num-layers", "3",
+                              "--num-layers-per-virtual-pipeline-stage", "1"])  # fmt: skip
+    assert parallel_from_args(args, num_layers=6) == ParallelConfig(pp=2, vp=3, num_layers_in_first_stage=3)

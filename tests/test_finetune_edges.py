@@ -96,3 +96,16 @@ def test_non_utf8_tsv_is_one_line(
     argv = ["sst2", "--data-dir", str(data), "--hf-model", str(tiny_bert_dir), "--seq-length", "32"]
     err = _fails(argv, capsys)
     assert f"{train}: line 4:" in err and "not UTF-8" in err
+
+
+def test_data_dir_names_a_built_in_data_set(tiny_bert_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--data-dir builtin:NAME`` is the packaged directory (how tools/demo.py names it without importing
+    finetune); an unknown name is one line naming the flag."""
+    err = _fails(["sst2", "--data-dir", "builtin:nope", "--hf-model", str(tiny_bert_dir)], capsys)
+    assert (
+        err
+        == "error: --data-dir builtin:nope: no such built-in data set (one of sst2_tiny, squad_tiny, squad2_tiny, race_tiny)"
+    )
+    # the built-in directory passes the task-file check: the next error is about the model, not the data
+    err = _fails(["sst2", "--data-dir", "builtin:sst2_tiny", "--hf-model", "nowhere"], capsys)
+    assert "--data-dir" not in err and "nowhere" in err

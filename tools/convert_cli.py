@@ -31,15 +31,10 @@ from typing import TYPE_CHECKING, Any
 
 from pretrain.config import ParallelConfig
 from pretrain.models.hf_families import supported_architectures, supported_model_types
+from pretrain.tokenizer.flags import TokenizerFlags
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
-from pretrain.utils.flag_groups import (
-    ParallelFlags,
-    TokenizerFlags,
-    add_flag_group,
-    flags_from_namespace,
-    renamed_flag_errors,
-)
+from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace, renamed_flag_errors
 from pretrain.utils.outputs import check_writable_output
 
 if TYPE_CHECKING:
@@ -145,9 +140,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("reshard", help="rewrite a checkpoint at another TP/PP/VP layout")
     _add_source(p)
     p.add_argument("--save", type=Path, required=True, help="new output directory")
-    add_flag_group(
-        p, ParallelFlags, title="target layout", flags=TARGET_FLAGS, dests=TARGET_DESTS, required=("tp", "pp")
-    )
+    add_flag_group(p, ParallelConfig, title="target layout", include=ParallelConfig.SIZES, flags=TARGET_FLAGS,
+                   dests=TARGET_DESTS, required=("tp", "pp"))  # fmt: skip
     p.add_argument("--with-optimizer", action="store_true", help="reshard the optimizer state too")
     p.add_argument("--dist-optimizer", action="store_true",
                    help="with --ckpt-format torch_dist --with-optimizer: write the state as megatron-core's "
@@ -167,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", type=Path, required=True,
                    help=f"Hugging Face model directory (config.json model_type {supported_model_types()})")  # fmt: skip
     p.add_argument("--save", type=Path, required=True, help="new checkpoint directory")
-    add_flag_group(p, ParallelFlags, title="parallel layout")
+    add_flag_group(p, ParallelConfig, title="parallel layout", include=ParallelConfig.SIZES)
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     _add_module_names(p)
     add_flag_group(p, TokenizerFlags, title="tokenizer", include=("tokenizer_dir", "force_tokenizer"))
@@ -565,14 +559,10 @@ def _check_tokenizer_flags(args: argparse.Namespace) -> None:
             raise UserError(f"--{name.replace('_', '-')} {value}: no such file")
 
 
-def _layout(flags: ParallelFlags) -> ParallelConfig:
-    return ParallelConfig(tp=flags.tp, pp=flags.pp, vp=flags.vp)
-
-
 def _convert(args: argparse.Namespace) -> int:
     if args.command == "reshard":
-        with renamed_flag_errors(ParallelFlags, TARGET_FLAGS):  # the user typed --target-tp, not --tp
-            target = _layout(flags_from_namespace(ParallelFlags, args, dests=TARGET_DESTS))
+        with renamed_flag_errors(ParallelConfig, TARGET_FLAGS):  # the user typed --target-tp, not --tp
+            target = flags_from_namespace(ParallelConfig, args, dests=TARGET_DESTS)
             rc = run_reshard(_source(args), args.save, target, with_optimizer=args.with_optimizer,
                              ckpt_format=args.ckpt_format, module_names=args.module_names,
                              dist_optimizer=args.dist_optimizer)  # fmt: skip
@@ -580,7 +570,7 @@ def _convert(args: argparse.Namespace) -> int:
         rc = run_to_hf(_source(args), args.save, weights_only=args.weights_only,
                        max_shard_size=args.max_shard_size, verify=args.verify, verify_tol=args.verify_tol)  # fmt: skip
     else:
-        target = _layout(flags_from_namespace(ParallelFlags, args))
+        target = flags_from_namespace(ParallelConfig, args)
         rc = run_from_hf(args.load, args.save, target, divisible_by=args.make_vocab_size_divisible_by,
                          tokenizer_dir=args.tokenizer_dir, weights_only=args.weights_only,
                          ckpt_format=args.ckpt_format, module_names=args.module_names,

@@ -129,8 +129,6 @@ def _harness(out: Path, ckpt: Path) -> None:
 
 
 def _finetune(out: Path, results: Path, iters: int) -> None:
-    from finetune.builtin import builtin_task_dir
-
     wp = train_tiny_wordpiece(out / "bert_tokenizer", vocab_size=1024)
     tok_flags = ["--tokenizer-type", "BertWordPieceLowerCase", "--vocab-file", str(wp / "vocab.txt")]
     run("preprocess the built-in corpus for BERT (one sequence per sentence)", [tool("mlm-preprocess"),
@@ -144,7 +142,7 @@ def _finetune(out: Path, results: Path, iters: int) -> None:
         "--split", "100,0,0", "--log-interval", "25", "--save", str(bert), "--no-progress", *tok_flags,
     ])  # fmt: skip
     run("finetune the tiny BERT on the built-in GLUE-format task (SST-2 format)", [
-        tool("mlm-finetune"), "sst2", "--ckpt", str(bert), "--data-dir", str(builtin_task_dir("sst2_tiny")),
+        tool("mlm-finetune"), "sst2", "--ckpt", str(bert), "--data-dir", "builtin:sst2_tiny",
         "--vocab-file", str(wp / "vocab.txt"), "--epochs", "10", "--seq-length", "32", "--micro-batch-size", "16",
         "--global-batch-size", "16", "--lr", "1e-3", "--results-dir", str(results / "finetune_sst2"), "--no-progress",
     ])  # fmt: skip

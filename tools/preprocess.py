@@ -57,7 +57,8 @@ from typing import Any
 
 from pretrain.data.indexed_dataset import optimal_dtype
 from pretrain.data.indexed_dataset_builder import IndexedDatasetBuilder
-from pretrain.tokenizer.factory import TokenizerConfig, add_tokenizer_arguments, build_tokenizer
+from pretrain.tokenizer.factory import TokenizerConfig, build_tokenizer
+from pretrain.tokenizer.flags import add_tokenizer_arguments
 from pretrain.utils.errors import UserError, cli_entry
 from pretrain.utils.outputs import check_writable_output
 from tools.preprocess_records import (

@@ -5,7 +5,8 @@
 * ``squad_tiny`` / ``squad2_tiny``: SQuAD 1.1 / 2.0 ``train.json`` / ``dev.json``.
 * ``race_tiny``: RACE ``{train,dev,test}/{high,middle}/*.txt``.
 
-All are generated deterministically by :mod:`finetune.builtin.generate` (``python -m
+``mlm-finetune --data-dir builtin:NAME`` names one without knowing where the package lies (how
+``tools/demo.py`` runs it, without importing this package). All are generated deterministically by :mod:`finetune.builtin.generate` (``python -m
 finetune.builtin.generate`` rewrites them).
 """
 
@@ -26,3 +27,14 @@ def builtin_task_dir(name: str) -> Path:
     if not path.is_dir():
         raise UserError(f"built-in data set {name} is missing from the installation ({path})")
     return path
+
+
+def resolve_data_dir(value: str) -> str:
+    """``--data-dir`` as a directory: ``builtin:NAME`` is :func:`builtin_task_dir` ``(NAME)``, any other
+    value is returned unchanged."""
+    if not value.startswith("builtin:"):
+        return value
+    name = value.removeprefix("builtin:")
+    if name not in BUILTIN_TASKS:
+        raise UserError(f"--data-dir {value}: no such built-in data set (one of {', '.join(BUILTIN_TASKS)})")
+    return str(builtin_task_dir(name))

@@ -40,7 +40,8 @@ from tqdm import tqdm
 
 from mlm_eval.contamination.ngrams import EvalNgramSet, NgramHasher, TrainScanner
 from mlm_eval.contamination.readers import EVAL_TASKS, iter_train_segments, read_eval_examples
-from pretrain.tokenizer.factory import TokenizerConfig, add_tokenizer_arguments
+from pretrain.tokenizer.factory import TokenizerConfig
+from pretrain.tokenizer.flags import add_tokenizer_arguments
 from pretrain.utils.errors import UserError
 from pretrain.utils.outputs import check_writable_output
 from pretrain.utils.results import make_result, write_result

@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from mlm_eval.harness.engine import EngineConfig, HarnessEngine
 from mlm_eval.harness.requests import Row, loglikelihood_row, rolling_rows
+from pretrain.config import ParallelConfig
 from pretrain.inference.generate import GenerationConfig
 from pretrain.inference.sampling import SamplingConfig
 from pretrain.tokenizer.factory import TokenizerConfig
@@ -75,8 +76,7 @@ class MLMHarnessLM(TemplateLM):
             engine = HarnessEngine.load(
                 EngineConfig(
                     ckpt=str(ckpt),
-                    tp=int(tp),
-                    pp=int(pp),
+                    parallel=_layout(tp=int(tp), pp=int(pp)),
                     device=device or "cpu",
                     dtype=str(dtype),
                     batch_size=size,
@@ -234,6 +234,14 @@ def model_arg_names() -> set[str]:
         "self",
         "engine",
     }
+
+
+def _layout(*, tp: int, pp: int) -> ParallelConfig:
+    """``model_args`` ``tp``/``pp`` as the layout (the harness's wording for a size below 1)."""
+    for name, value in (("tp", tp), ("pp", pp)):
+        if value < 1:
+            raise UserError(f"model_args {name}={value}: must be >= 1")
+    return ParallelConfig(tp=tp, pp=pp)
 
 
 def _batch_size(value: int | str | None) -> int:

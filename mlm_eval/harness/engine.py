@@ -42,6 +42,7 @@ import torch.distributed as dist
 
 from mlm_eval.harness.requests import Row, deal, length_order
 from mlm_eval.scorer import DTYPE_FLAGS, LMScorer, ScoredRow, ScoreOutput, score_rows
+from pretrain.config import ParallelConfig
 from pretrain.inference.generate import GenerationConfig, StopFn, generate
 from pretrain.models.gpt import GPTModel
 from pretrain.parallel.state import ParallelState
@@ -57,11 +58,10 @@ T = TypeVar("T")
 
 @dataclass(frozen=True, kw_only=True)
 class EngineConfig:
-    """Which checkpoint, how it is split and run."""
+    """Which checkpoint, how it is split (``parallel``) and where it runs."""
 
     ckpt: str
-    tp: int = 1
-    pp: int = 1
+    parallel: ParallelConfig = ParallelConfig()
     device: str = "cpu"
     dtype: str = "float32"  # a pretrain.models.transformer.DTYPES name (or an mlm-eval flag: bf16)
     batch_size: int = 16  # rows per forward (per pipeline microbatch under PP)
@@ -69,9 +69,8 @@ class EngineConfig:
     progress: bool = True
 
     def __post_init__(self) -> None:
-        for name in ("tp", "pp", "batch_size"):
-            if int(getattr(self, name)) < 1:
-                raise UserError(f"model_args {name}={getattr(self, name)}: must be >= 1")
+        if int(self.batch_size) < 1:
+            raise UserError(f"model_args batch_size={self.batch_size}: must be >= 1")
 
 
 class _ModelParallelOnly:
@@ -156,14 +155,14 @@ class HarnessEngine:
     def load(cls, cfg: EngineConfig) -> HarnessEngine:
         """Load ``cfg.ckpt`` (one process, or this rank's shard under torchrun)."""
         from mlm_eval.megatron_scorer import MegatronGPTScorer, load_megatron_gpt
-        from mlm_eval.parallel_scorer import EvalParallelConfig, launched_distributed, load_parallel_gpt
+        from mlm_eval.parallel_scorer import launched_distributed, load_parallel_gpt
 
         dtype = DTYPE_FLAGS.get(cfg.dtype, cfg.dtype)
-        if cfg.tp * cfg.pp > 1 or launched_distributed():
-            parallel = EvalParallelConfig(tp=cfg.tp, pp=cfg.pp, device=cfg.device)
+        if cfg.parallel.model_parallel_size > 1 or launched_distributed():
             scorer, encoder, info, _ = load_parallel_gpt(
                 cfg.ckpt,
-                parallel=parallel,
+                parallel=cfg.parallel,
+                device=cfg.device,
                 tokenizer_cfg=cfg.tokenizer,
                 batch_size=cfg.batch_size,
                 dtype=dtype,

@@ -15,16 +15,17 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
+from pretrain.config import ParallelConfig
 from pretrain.parallel.layout import RankLayout, compute_layout
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import cli_entry
-from pretrain.utils.flag_groups import ParallelFlags, add_flag_group, flags_from_namespace
+from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace
 
 
 def _parser() -> argparse.ArgumentParser:
     p = OneLineParser(prog="mlm-layout", description="Print Megatron's process groups.")
     p.add_argument("--world-size", type=int, required=True, metavar="N", help="number of ranks")
-    add_flag_group(p, ParallelFlags, title="parallel layout")
+    add_flag_group(p, ParallelConfig, title="parallel layout", include=ParallelConfig.SIZES)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     return p
 
@@ -53,7 +54,7 @@ def _render(layout: RankLayout, console: Console) -> None:
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    par = flags_from_namespace(ParallelFlags, args)
+    par = flags_from_namespace(ParallelConfig, args)
     layout = compute_layout(world_size=args.world_size, tp=par.tp, pp=par.pp, vp=par.vp)
     if args.json:
         print(json.dumps(layout.as_dict()))

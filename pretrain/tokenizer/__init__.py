@@ -7,11 +7,7 @@
 """
 
 from pretrain.tokenizer.base import Tokenizer
-from pretrain.tokenizer.factory import (
-    TOKENIZER_TYPES,
-    TokenizerConfig,
-    add_tokenizer_arguments,
-    build_tokenizer,
-)
+from pretrain.tokenizer.factory import TOKENIZER_TYPES, TokenizerConfig, build_tokenizer
+from pretrain.tokenizer.flags import add_tokenizer_arguments
 
 __all__ = ["TOKENIZER_TYPES", "Tokenizer", "TokenizerConfig", "add_tokenizer_arguments", "build_tokenizer"]

@@ -70,7 +70,7 @@ class TokenizerConfig:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> TokenizerConfig:
-        """From a namespace parsed with :func:`add_tokenizer_arguments` (Megatron's flag names)."""
+        """From a namespace parsed with :func:`~pretrain.tokenizer.flags.add_tokenizer_arguments` (Megatron's flag names)."""
         if not getattr(args, "tokenizer_type", None):
             raise UserError("--tokenizer-type is required")
         return cls(
@@ -87,14 +87,6 @@ class TokenizerConfig:
             "merge_file": self.merge_file,
             "model_path": self.model_path,
         }
-
-
-def add_tokenizer_arguments(parser: argparse.ArgumentParser, *, required: bool = True) -> None:
-    """Add ``--tokenizer-type``, ``--vocab-file``, ``--merge-file``, ``--tokenizer-model``."""
-    from pretrain.utils.flag_groups import TokenizerFlags, add_flag_group
-
-    add_flag_group(parser, TokenizerFlags, title="tokenizer", required=("tokenizer_type",) if required else (),
-                   include=("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model"))  # fmt: skip
 
 
 def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:

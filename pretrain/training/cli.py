@@ -17,6 +17,7 @@ Every flag is validated before any process group starts; bad input gives one lin
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
@@ -24,17 +25,18 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.checkpoint.args import training_metadata
-from pretrain.config import DTypeName, ModelConfig, ParallelConfig
+from pretrain.config import DTypeFlags, DTypeName, ModelConfig, ParallelConfig
 from pretrain.data.gpt_dataset import GPTDatasetConfig, data_hash
 from pretrain.model_options import add_model_flags, config_kwargs_from_flags
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
 from pretrain.parallel.layout import check_sizes
 from pretrain.pipeline.partition import stage_layer_numbers
-from pretrain.tokenizer.factory import TokenizerConfig, add_tokenizer_arguments, build_tokenizer
+from pretrain.tokenizer.factory import TokenizerConfig, build_tokenizer
+from pretrain.tokenizer.flags import add_tokenizer_arguments
 from pretrain.training.config import TrainingConfig
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
-from pretrain.utils.flag_groups import DTypeFlags, ParallelFlags, add_flag_group, flags_from_namespace
+from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace
 from pretrain.utils.outputs import check_writable_output
 
 
@@ -47,10 +49,12 @@ def add_model_args(p: OneLineParser) -> None:
 
 def add_parallel_args(p: OneLineParser) -> None:
     g = p.add_argument_group("parallelism")
-    add_flag_group(p, ParallelFlags, title="parallelism", group=g, include=("tp", "pp"))
-    g.add_argument("--num-layers-per-virtual-pipeline-stage", type=int, default=None)
-    g.add_argument("--decoder-first-pipeline-num-layers", type=int, default=None)
-    g.add_argument("--decoder-last-pipeline-num-layers", type=int, default=None)
+    add_flag_group(p, ParallelConfig, title="parallelism", group=g, include=("tp", "pp"))
+    g.add_argument(
+        "--num-layers-per-virtual-pipeline-stage", type=int, default=None
+    )  # sets ParallelConfig.vp
+    add_flag_group(p, ParallelConfig, title="parallelism", group=g,
+                   include=("num_layers_in_first_stage", "num_layers_in_last_stage"))  # fmt: skip
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--pipeline-schedule", choices=("1f1b", "fthenb"), default="1f1b")
@@ -131,20 +135,20 @@ def build_parser() -> OneLineParser:
     return parser
 
 
-def _virtual_size(args: Any) -> int:
+def parallel_from_args(args: Any, *, num_layers: int) -> ParallelConfig:
+    """The layout of :func:`add_parallel_args`' flags; ``vp`` from Megatron's
+    ``--num-layers-per-virtual-pipeline-stage`` (checked against ``num_layers`` first)."""
     from pretrain.utils.config_flags import virtual_pipeline_size
 
-    return virtual_pipeline_size(args.num_layers, args.pp, args.num_layers_per_virtual_pipeline_stage)
+    vp = virtual_pipeline_size(num_layers, args.pp, args.num_layers_per_virtual_pipeline_stage)
+    return dataclasses.replace(flags_from_namespace(ParallelConfig, args), vp=vp)
 
 
 def configs_from_args(args: Any, *, world_size: int) -> dict[str, Any]:
     """Every config of a run, validated (no process group needed)."""
     tok_cfg = TokenizerConfig.from_args(args)
     tokenizer = build_tokenizer(tok_cfg)
-    flags = flags_from_namespace(ParallelFlags, args)  # the typed run objects of the shared flags
-    parallel = ParallelConfig(tp=flags.tp, pp=flags.pp, vp=_virtual_size(args),
-                              num_layers_in_first_stage=args.decoder_first_pipeline_num_layers,
-                              num_layers_in_last_stage=args.decoder_last_pipeline_num_layers)  # fmt: skip
+    parallel = parallel_from_args(args, num_layers=args.num_layers)
     dtype: DTypeName = flags_from_namespace(DTypeFlags, args).dtype_name()
     bert = args.model == "bert"
     options = {

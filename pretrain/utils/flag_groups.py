@@ -10,10 +10,12 @@ Per field: the flag is ``--field-name`` (or ``metadata["flags"]``, e.g. Megatron
 ``store_true`` switch), the help from ``metadata["help"]`` with the default appended
 (``(default: 1)``), and a bad value is argparse's one-line error with exit 2.
 
-The shared groups: :class:`TokenizerFlags`, :class:`DTypeFlags`, :class:`ParallelFlags`
-(``mlm-pretrain``, ``mlm-eval``, ``mlm-finetune``, ``mlm-convert``, ``mlm-generate`` and
-``mlm-layout`` use the fields they need:
-``include`` picks them, ``dests`` keeps a command's existing attribute names).
+Each shared group lives with the component that owns it: the parallel layout is
+:class:`pretrain.config.ParallelConfig` itself, the weights' dtype :class:`pretrain.config.DTypeFlags`,
+the tokenizer :class:`pretrain.tokenizer.flags.TokenizerFlags` (``mlm-pretrain``, ``mlm-eval``,
+``mlm-finetune``, ``mlm-convert``, ``mlm-generate`` and ``mlm-layout`` use the fields they need:
+``include`` picks them, ``dests`` keeps a command's existing attribute names). This module is only the
+machinery and imports nothing above ``pretrain.utils``.
 """
 
 from __future__ import annotations
@@ -25,117 +27,16 @@ import re
 import types
 import typing
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal, TypeVar
 
-from pretrain.config import DTypeName
-from pretrain.tokenizer.factory import TOKENIZER_TYPES, TokenizerConfig
 from pretrain.utils.errors import UserError
 
 T = TypeVar("T")
 
 
-def _help(text: str, **extra: Any) -> dict[str, Any]:
-    return {"help": text, **extra}
-
-
-@dataclass(frozen=True, kw_only=True)
-class TokenizerFlags:
-    """Which tokenizer a command uses (Megatron's flags, or a tokenizer directory)."""
-
-    tokenizer_type: str | None = field(
-        default=None, metadata=_help("which tokenizer (Megatron's names)", choices=TOKENIZER_TYPES)
-    )
-    vocab_file: str | None = field(
-        default=None, metadata=_help("vocab.json (GPT-2 BPE) or vocab.txt (BERT WordPiece)", metavar="PATH")
-    )
-    merge_file: str | None = field(default=None, metadata=_help("merges.txt (GPT-2 BPE)", metavar="PATH"))
-    tokenizer_model: str | None = field(
-        default=None, metadata=_help("SentencePiece .model file or Hugging Face tokenizer directory")
-    )
-    tokenizer_dir: Path | None = field(
-        default=None,
-        metadata=_help(
-            "a tokenizer directory to use instead of the model's own (checked against the checkpoint's)",
-            metavar="DIR",
-        ),
-    )
-    force_tokenizer: bool = field(
-        default=False,
-        metadata=_help(
-            "use the given tokenizer even if it differs from the checkpoint's (the result says so)"
-        ),
-    )
-
-    def megatron_config(self, *, default_type: str | None = None) -> TokenizerConfig | None:
-        """The tokenizer Megatron's flags name (``--tokenizer-type`` and its files), or ``None``.
-
-        Files given without ``--tokenizer-type`` take ``default_type`` (a checkpoint's
-        ``args.tokenizer_type``: local copies of the files its training cluster named); with none,
-        :class:`UserError`. ``--tokenizer-dir`` is the other way to name a tokenizer, not both."""
-        files = [n for n in MEGATRON_TOKENIZER_FIELDS[1:] if getattr(self, n) is not None]
-        kind = self.tokenizer_type or (default_type if files else None)
-        if files and self.tokenizer_dir is not None:
-            raise UserError(f"--tokenizer-dir and {_flag(files[0])} name two tokenizers; give one")
-        if kind is None:
-            if files:
-                raise UserError(f"{_flag(files[0])} needs --tokenizer-type")
-            return None
-        if self.tokenizer_dir is not None:
-            return None  # --tokenizer-type picks the type of the --tokenizer-dir files
-        return TokenizerConfig(tokenizer_type=kind, vocab_file=self.vocab_file, merge_file=self.merge_file,
-                               model_path=self.tokenizer_model)  # fmt: skip
-
-
-# Megatron-LM's tokenizer flags (TokenizerFlags fields), type first
-MEGATRON_TOKENIZER_FIELDS = ("tokenizer_type", "vocab_file", "merge_file", "tokenizer_model")
-
-
-def _flag(field_name: str) -> str:
-    return "--" + field_name.replace("_", "-")
-
-
-@dataclass(frozen=True, kw_only=True)
-class DTypeFlags:
-    """The dtype of a model's weights: ``--dtype`` (evaluation) or Megatron's ``--bf16``/``--fp16``."""
-
-    dtype: Literal["fp32", "bf16", "fp16"] = field(default="fp32", metadata=_help("model weights' dtype"))
-    bf16: bool = field(default=False, metadata=_help("bfloat16 weights and compute (fp32 master weights)"))
-    fp16: bool = field(default=False, metadata=_help("float16 weights and compute with loss scaling"))
-
-    def dtype_name(self) -> DTypeName:
-        """The torch dtype's name: ``--bf16``/``--fp16`` where given, else ``--dtype``."""
-        if self.bf16 and self.fp16:
-            raise UserError("--bf16 and --fp16 are mutually exclusive")
-        if self.bf16 or self.fp16:
-            return "bfloat16" if self.bf16 else "float16"
-        names: dict[str, DTypeName] = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-        return names[self.dtype]
-
-
-@dataclass(frozen=True, kw_only=True)
-class ParallelFlags:
-    """The parallel layout: tensor (TP), pipeline (PP) and virtual pipeline (VP) sizes."""
-
-    tp: int = field(
-        default=1,
-        metadata=_help(
-            "tensor-parallel size (TP)", flags=("--tensor-model-parallel-size", "--tp"), metavar="N"
-        ),
-    )
-    pp: int = field(
-        default=1,
-        metadata=_help(
-            "pipeline-parallel size (PP); DP = world / (TP x PP)",
-            flags=("--pipeline-model-parallel-size", "--pp"),
-            metavar="N",
-        ),
-    )
-    vp: int = field(
-        default=1,
-        metadata=_help("virtual pipeline chunks per stage (VP)", flags=("--vp",), metavar="N"),
-    )
+def flag_meta(help_text: str, **extra: Any) -> dict[str, Any]:
+    """A field's ``metadata``: its help, and optionally ``flags`` (option strings), ``metavar``, ``choices``."""
+    return {"help": help_text, **extra}
 
 
 def _strip_optional(tp: Any) -> Any:
