@@ -22,10 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlm_eval.data_sources import DataSource, add_data_arguments, load_wikitext_data
-from mlm_eval.model_loading import LoadedModel, add_model_arguments, load_scorer
-from mlm_eval.scorer import as_text_encoder, document_prefix
-from mlm_eval.wikitext import evaluate_wikitext_lm_eval, evaluate_wikitext_paper
+from mlm_eval.scoring.model_loading import LoadedModel, add_model_arguments, load_scorer
+from mlm_eval.scoring.scorer import as_text_encoder, document_prefix
+from mlm_eval.tasks.data_sources import DataSource, add_data_arguments, load_wikitext_data
+from mlm_eval.tasks.wikitext import evaluate_wikitext_lm_eval, evaluate_wikitext_paper
 from pretrain.utils.errors import UserError
 from pretrain.utils.outputs import check_writable_output
 from pretrain.utils.results import make_result, normalized, write_result

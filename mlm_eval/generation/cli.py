@@ -4,7 +4,7 @@ Examples::
 
     mlm-generate --ckpt ckpt --prompt "The quick brown fox" --max-new-tokens 40
     mlm-generate --ckpt ckpt --prompts prompts.jsonl --temperature 0.8 --top-p 0.95 --seed 7 --json
-    torchrun --nproc-per-node 4 -m mlm_eval.generate_cli --ckpt ckpt --tp 2 --pp 2 --prompt "Hello"
+    torchrun --nproc-per-node 4 -m mlm_eval.generation.cli --ckpt ckpt --tp 2 --pp 2 --prompt "Hello"
     mlm-generate --hf-model hf_dir --prompt "Hello" --stop "."
 
 Greedy unless ``--temperature`` > 0. Without ``--json`` each prompt's text streams to the
@@ -36,7 +36,7 @@ from pretrain.utils.flag_groups import (
 from pretrain.utils.jsonl import iter_json_objects
 
 if TYPE_CHECKING:
-    from mlm_eval.megatron_scorer import TokenizerChoice
+    from mlm_eval.scoring.megatron import TokenizerChoice
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,7 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
 def tokenizer_choice(flags: TokenizerFlags) -> TokenizerChoice | None:
     """The tokenizer the flags name (Megatron's flags or ``--tokenizer-dir``, checked against the
     checkpoint's unless ``--force-tokenizer``), or ``None`` for the checkpoint's own."""
-    from mlm_eval.megatron_scorer import TokenizerChoice
+    from mlm_eval.scoring.megatron import TokenizerChoice
 
     megatron = flags.megatron_config()
     directory = None if flags.tokenizer_dir is None else str(flags.tokenizer_dir)
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     prompts = read_prompts(args)
     sampling = sampling_config(args)
     if args.hf_model:
-        from mlm_eval.generate_hf import run_hf
+        from mlm_eval.generation.hf import run_hf
 
         if tok_cfg is not None:
             flag = "--tokenizer-type" if tok_flags.tokenizer_type else "--tokenizer-dir"

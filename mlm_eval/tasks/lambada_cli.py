@@ -16,10 +16,10 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from mlm_eval.data_sources import add_data_arguments, load_lambada_data
-from mlm_eval.lambada import evaluate_lambada
-from mlm_eval.model_loading import load_scorer
-from mlm_eval.wikitext_cli import add_common_arguments, check_result_output, emit_result, positive
+from mlm_eval.scoring.model_loading import load_scorer
+from mlm_eval.tasks.data_sources import add_data_arguments, load_lambada_data
+from mlm_eval.tasks.lambada import evaluate_lambada
+from mlm_eval.tasks.wikitext_cli import add_common_arguments, check_result_output, emit_result, positive
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,8 +1,8 @@
-"""Render a :class:`~mlm_eval.report_table.Leaderboard` as Markdown, CSV, JSON and one HTML page.
+"""Render a :class:`~mlm_eval.report.table.Leaderboard` as Markdown, CSV, JSON and one HTML page.
 
 All four carry the same content: one row per model with its fingerprint, parameters, iteration
 and the layouts/formats it was evaluated in; the values as printed (significant digits, see
-:mod:`mlm_eval.report_columns`); the marks (partial, reduced precision, sample data,
+:mod:`mlm_eval.report.columns`); the marks (partial, reduced precision, sample data,
 contamination); the best marks; the notes. Everything is rendered in memory first and then each
 file is written atomically, so an error leaves no half-written report behind.
 """
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlm_eval.paper_reference import PAPER_CITATION
-from mlm_eval.report_collect import LEADERBOARD_SCHEMA, SkippedFile
-from mlm_eval.report_columns import MISSING, Column, format_params, format_value
-from mlm_eval.report_table import MARK_LEGEND, Cell, Leaderboard, Row
+from mlm_eval.report.collect import LEADERBOARD_SCHEMA, SkippedFile
+from mlm_eval.report.columns import MISSING, Column, format_params, format_value
+from mlm_eval.report.paper_reference import PAPER_CITATION
+from mlm_eval.report.table import MARK_LEGEND, Cell, Leaderboard, Row
 from pretrain.checkpoint.fingerprint import short_fingerprint
 from pretrain.utils.atomic import atomic_open
 
@@ -264,8 +264,8 @@ def _row_json(row: Row, columns: tuple[Column, ...]) -> dict[str, Any]:
 
 def write_outputs(board: Leaderboard, meta: ReportMeta, out_dir: Path) -> list[Path]:
     """Render all four files in memory, then write each atomically into ``out_dir``."""
-    from mlm_eval.report_html import render_html
-    from mlm_eval.report_plots import render_plots
+    from mlm_eval.report.html import render_html
+    from mlm_eval.report.plots import render_plots
 
     texts = dict(
         zip(

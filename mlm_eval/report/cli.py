@@ -20,9 +20,9 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from mlm_eval.report_collect import collect_results
-from mlm_eval.report_columns import Column, format_params
-from mlm_eval.report_render import (
+from mlm_eval.report.collect import collect_results
+from mlm_eval.report.columns import Column, format_params
+from mlm_eval.report.render import (
     ReportMeta,
     cell_text,
     details_text,
@@ -31,7 +31,7 @@ from mlm_eval.report_render import (
     rank_text,
     write_outputs,
 )
-from mlm_eval.report_table import (
+from mlm_eval.report.table import (
     REDUCE_RULES,
     Leaderboard,
     SortKey,

@@ -4,7 +4,7 @@ Two formats are understood, both mapped onto one :class:`RunRecord`:
 
 * our own ``mlm-toolkit/result/v1`` records (see :mod:`pretrain.utils.results`), written by
   ``mlm-eval`` and ``mlm-finetune``;
-* lm-evaluation-harness result files (read by :mod:`mlm_eval.report_harness`).
+* lm-evaluation-harness result files (read by :mod:`mlm_eval.report.harness_results`).
 
 Accuracy-like metrics (accuracy, F1, exact match, MCC, correlations) are normalised to percent,
 the scale of the paper's tables. The report never guesses a unit from the values: a record with
@@ -217,7 +217,7 @@ def read_result_file(path: Path) -> list[RunRecord | HygieneRecord]:
             return [_parse_hygiene(path, data)]
         return [_parse_toolkit(path, data)]
     if isinstance(data.get("results"), dict) and ("config" in data or "versions" in data):
-        from mlm_eval.report_harness import parse_harness  # it builds on this module's records
+        from mlm_eval.report.harness_results import parse_harness  # it builds on this module's records
 
         return list(parse_harness(path, data))
     raise MalformedResult("not a result file: no 'schema' field and not lm-evaluation-harness output")

@@ -25,7 +25,7 @@ def run_hf(
     """Generate for each prompt in one process; stream to stdout or print JSON lines."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mlm_eval.generate_cli import TextStream, cut_at_stop
+    from mlm_eval.generation.cli import TextStream, cut_at_stop
 
     if parallel.tp * parallel.pp > 1:
         raise UserError("--hf-model runs in one process; TP/PP generation needs --ckpt DIR")
