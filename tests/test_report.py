@@ -11,10 +11,11 @@ from typing import Any
 import pytest
 
 from mlm_eval.cli import main as eval_main
-from mlm_eval.report.collect import collect_results, is_percent_metric
+from mlm_eval.report.collect import collect_results
 from mlm_eval.report.columns import format_value, lower_is_better
 from mlm_eval.report.paper_reference import PAPER_ROWS
 from mlm_eval.report.plots import plot_figures
+from mlm_eval.report.records import is_percent_metric
 from mlm_eval.report.table import (
     MISSING,
     Leaderboard,

@@ -20,8 +20,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from mlm_eval.generation.hf import run_hf
+from mlm_eval.generation.stream import TextStream, cut_at_stop
 from pretrain.inference.generate import GenerationConfig
 from pretrain.inference.sampling import SamplingConfig
 from pretrain.utils.cli import OneLineParser
@@ -103,12 +105,6 @@ def sampling_config(args: argparse.Namespace) -> SamplingConfig:
                           top_p=args.top_p, seed=args.seed)  # fmt: skip
 
 
-def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    """``text`` before the earliest stop string, and whether one occurred."""
-    hits = [text.index(s) for s in stops if s and s in text]
-    return (text[: min(hits)], True) if hits else (text, False)
-
-
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -123,8 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     prompts = read_prompts(args)
     sampling = sampling_config(args)
     if args.hf_model:
-        from mlm_eval.generation.hf import run_hf
-
         if tok_cfg is not None:
             flag = "--tokenizer-type" if tok_flags.tokenizer_type else "--tokenizer-dir"
             raise UserError(f"{flag} is for --ckpt; --hf-model uses the directory's tokenizer")
@@ -179,37 +173,6 @@ def _run_ckpt(
         return 0
     finally:
         engine.close()
-
-
-class TextStream:
-    """Prints a prompt, then its continuation as it grows (whole characters only, cut at stop
-    strings, special tokens left out by ``decode``), then a newline: both ``--ckpt`` and
-    ``--hf-model`` print through it."""
-
-    def __init__(self, decode: Any, stops: list[str], *, show: bool) -> None:
-        self.decode, self.stops, self.show = decode, stops, show
-        self.ids: list[int] = []
-        self.printed = 0
-
-    def start(self, prompt: str) -> None:
-        if self.show:
-            sys.stdout.write(prompt)
-            sys.stdout.flush()
-
-    def add(self, _row: int, token: int) -> None:
-        self.ids.append(token)
-        text, _ = cut_at_stop(self.decode(self.ids), self.stops)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its other bytes
-            return
-        if self.show and len(text) > self.printed:
-            sys.stdout.write(text[self.printed :])
-            sys.stdout.flush()
-        self.printed = max(self.printed, len(text))
-
-    def finish(self) -> None:
-        if self.show:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
 
 
 if __name__ == "__main__":

@@ -1,9 +1,10 @@
 """``mlm-eval report``: result files into one ranked leaderboard (terminal, Markdown, CSV, JSON, HTML).
 
-Layered bottom-up: :mod:`.collect` reads and validates our result records into ``RunRecord`` s
-(:mod:`.harness_results` does the same for lm-evaluation-harness files), :mod:`.paper_reference`
-holds the paper's published rows, :mod:`.columns` the task columns and number formatting,
-:mod:`.table` builds the ``Leaderboard``, :mod:`.render` writes it (Markdown, CSV, JSON),
-:mod:`.plots` draws its figures and :mod:`.html` the self-contained page; :mod:`.cli` is the
-subcommand.
+Layered bottom-up, each module importing only those before it: :mod:`.records` (the record types
+and unit rules), :mod:`.harness_results` (lm-evaluation-harness files as records),
+:mod:`.collect` (our records, and the walk over result directories), :mod:`.paper_reference`
+(the paper's published rows), :mod:`.columns` (task columns, number formatting), :mod:`.table`
+(the ``Leaderboard``), :mod:`.text` (the texts every output shares), :mod:`.plots` (figures),
+:mod:`.html` (the self-contained page), :mod:`.render` (Markdown, CSV, JSON, and writing all
+four), :mod:`.cli` (the subcommand and its terminal table).
 """

@@ -19,7 +19,6 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from mlm_eval.report.collect import HygieneRecord, RunRecord, is_percent_metric
 from mlm_eval.report.columns import (
     HYGIENE_TASK,
     MISSING,
@@ -30,6 +29,7 @@ from mlm_eval.report.columns import (
     meaningful_gap,
 )
 from mlm_eval.report.paper_reference import PAPER_ROWS, PaperRow
+from mlm_eval.report.records import HygieneRecord, RunRecord, is_percent_metric
 from pretrain.utils.errors import UserError
 
 __all__ = ["MISSING", "Column", "column_key", "format_value"]
