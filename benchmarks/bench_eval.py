@@ -6,7 +6,7 @@ On one randomly initialised GPT-2-small-shaped model (12 layers, hidden 768, 12 
 * reference: ``GPT2LMHeadModel`` run on one window at a time, full logits ``[s, V]`` and a full
   log-softmax per window, the upstream Megatron-LM loop (windows every ``overlap`` tokens, the
   first scoring all its targets, later ones their last ``overlap``), in fp32 and in bf16;
-* ours: :func:`mlm_eval.wikitext.evaluate_wikitext_paper` with :class:`MegatronGPTScorer` on the
+* ours: :func:`mlm_eval.tasks.wikitext.evaluate_wikitext_paper` with :class:`MegatronGPTScorer` on the
   same weights (``hf_to_canonical``): batched windows, the last layer's queries, attention,
   projection and MLP and the output layer only at scored positions, fp32 and ``--dtype bf16``.
 
@@ -38,9 +38,9 @@ try:  # run as ``python benchmarks/<script>.py`` (benchmarks/ on sys.path) or as
     from common import matmul_peak_flops
 except ImportError:
     from benchmarks.common import matmul_peak_flops
-from mlm_eval.detokenize import count_original_tokens, wikitext_detokenize
-from mlm_eval.megatron_scorer import MegatronGPTScorer, eval_model_config
-from mlm_eval.wikitext import evaluate_wikitext_paper
+from mlm_eval.scoring.megatron import MegatronGPTScorer, eval_model_config
+from mlm_eval.tasks.detokenize import count_original_tokens, wikitext_detokenize
+from mlm_eval.tasks.wikitext import evaluate_wikitext_paper
 from pretrain.models.gpt import GPTModel
 from pretrain.models.hf_gpt2 import hf_to_canonical, model_config_from_hf
 from pretrain.models.sharding import load_full_state_dict

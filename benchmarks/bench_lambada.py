@@ -4,7 +4,7 @@ One randomly initialised GPT-2-shaped model of about 5M parameters (6 layers, hi
 a 2000-token byte-level BPE trained on the passages) scores ``--passages`` short generated
 passages (context + last word), ``--batch-size`` passages per forward, in fp32:
 
-* ours: :func:`mlm_eval.lambada.evaluate_lambada` (strict last-word split, rows padded on the
+* ours: :func:`mlm_eval.tasks.lambada.evaluate_lambada` (strict last-word split, rows padded on the
   right, :class:`MegatronGPTScorer`: output layer only at target positions, float64 log-softmax);
 * reference: the same rows, batched the same way, through ``GPT2LMHeadModel``; the logits at the
   target positions only go through ``log_softmax`` and the argmax check (the cheapest honest HF loop).
@@ -35,9 +35,9 @@ try:  # run as ``python benchmarks/<script>.py`` (benchmarks/ on sys.path) or as
     from bench_eval import WORDS, build_tokenizer
 except ImportError:
     from benchmarks.bench_eval import WORDS, build_tokenizer
-from mlm_eval.lambada import evaluate_lambada, split_example
-from mlm_eval.megatron_scorer import MegatronGPTScorer, eval_model_config
-from mlm_eval.scorer import IGNORE, as_text_encoder, score_rows
+from mlm_eval.scoring.megatron import MegatronGPTScorer, eval_model_config
+from mlm_eval.scoring.scorer import IGNORE, as_text_encoder, score_rows
+from mlm_eval.tasks.lambada import evaluate_lambada, split_example
 from pretrain.models.gpt import GPTModel
 from pretrain.models.hf_gpt2 import hf_to_canonical, model_config_from_hf
 from pretrain.models.sharding import load_full_state_dict

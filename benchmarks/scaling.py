@@ -5,7 +5,7 @@ scale (least squares); slope 1 means linear, below 1 means fixed costs still dom
 
 * reshard, to-hf and from-hf: seconds and peak RSS vs model bytes (``bench_reshard.py --layers
   --hidden``: 25M, 124M and 355M parameters; ``--quick``: 25M, 51M, 124M);
-* eval: seconds vs tokens of the WikiText paper method (a small GPT, :mod:`mlm_eval.wikitext`);
+* eval: seconds vs tokens of the WikiText paper method (a small GPT, :mod:`mlm_eval.tasks.wikitext`);
 * dedup: seconds and peak RSS vs documents (``bench_dedup.py --docs``: 10k, 50k, 200k;
   ``--quick``: 10k, 20k, 40k);
 * training: tokens/s vs micro-batch and vs sequence length (``bench_train.py``; a flat curve,
@@ -75,8 +75,8 @@ def eval_curve(quick: bool) -> list[Curve]:
     import torch
 
     from benchmarks.bench_eval import build_tokenizer, wikitext_like
-    from mlm_eval.megatron_scorer import MegatronGPTScorer
-    from mlm_eval.wikitext import evaluate_wikitext_paper
+    from mlm_eval.scoring.megatron import MegatronGPTScorer
+    from mlm_eval.tasks.wikitext import evaluate_wikitext_paper
     from pretrain.config import ModelConfig
     from pretrain.models.gpt import GPTModel
     from pretrain.models.init import init_model_parameters

@@ -15,18 +15,18 @@ from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import cli_entry
 
 SUBCOMMAND_MODULES = (
-    "mlm_eval.wikitext_cli",
-    "mlm_eval.lambada_cli",
+    "mlm_eval.tasks.wikitext_cli",
+    "mlm_eval.tasks.lambada_cli",
     "mlm_eval.contamination.cli",
-    "mlm_eval.report",
+    "mlm_eval.report.cli",
 )
 # Each subcommand's name and one-line help, so that ``mlm-eval --help`` imports none of them
 # (they pull in torch and transformers); the chosen subcommand's module is imported alone.
 SUBCOMMANDS = {
-    "wikitext103": ("mlm_eval.wikitext_cli", "WikiText-103 perplexity (paper or lm-eval method)"),
-    "lambada": ("mlm_eval.lambada_cli", "LAMBADA cloze accuracy (strict, or --last-token)"),
+    "wikitext103": ("mlm_eval.tasks.wikitext_cli", "WikiText-103 perplexity (paper or lm-eval method)"),
+    "lambada": ("mlm_eval.tasks.lambada_cli", "LAMBADA cloze accuracy (strict, or --last-token)"),
     "contamination": ("mlm_eval.contamination.cli", "share of eval n-grams found in training corpora"),
-    "report": ("mlm_eval.report", "leaderboard of result records (terminal, markdown, CSV, HTML)"),
+    "report": ("mlm_eval.report.cli", "leaderboard of result records (terminal, markdown, CSV, HTML)"),
 }
 
 

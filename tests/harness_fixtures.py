@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 
 from mlm_eval.builtin import builtin_path
-from mlm_eval.wikitext import split_wikitext_documents
+from mlm_eval.tasks.wikitext import split_wikitext_documents
 
 TASK_NAMES = ("lambada_local", "wiki_local", "mc_local", "gen_local")
 

@@ -65,7 +65,7 @@ def _main(command: str):  # type: ignore[no-untyped-def]
     elif command == "mlm-finetune":
         from finetune.cli import main
     elif command == "mlm-generate":
-        from mlm_eval.generate_cli import main
+        from mlm_eval.generation.cli import main
     elif command == "mlm-layout":
         from pretrain.parallel.layout_cli import main
     else:
@@ -193,7 +193,7 @@ def test_mlm_layout_reads_the_megatron_spelling_of_the_shared_flags(
 def test_mlm_generate_acts_on_the_typed_flags_before_loading(
     argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from mlm_eval.generate_cli import main
+    from mlm_eval.generation.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(argv)

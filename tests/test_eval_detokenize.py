@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from mlm_eval.builtin import builtin_path
-from mlm_eval.detokenize import count_original_tokens, wikitext_detokenize
+from mlm_eval.tasks.detokenize import count_original_tokens, wikitext_detokenize
 
 # One case per rule, in the order the rules are applied; hand-written expected outputs.
 RULE_CASES = [

@@ -11,8 +11,8 @@ import torch
 
 from mlm_eval.builtin import builtin_path
 from mlm_eval.cli import main
-from mlm_eval.lambada import evaluate_lambada, read_lambada_jsonl, score_lambada, split_example
-from mlm_eval.scorer import HFCausalLMScorer, ScoreOutput, nll_and_argmax
+from mlm_eval.scoring.scorer import HFCausalLMScorer, ScoreOutput, nll_and_argmax
+from mlm_eval.tasks.lambada import evaluate_lambada, read_lambada_jsonl, score_lambada, split_example
 from pretrain.utils.errors import UserError
 from tests.eval_helpers import build_tiny_hf, load_tiny, reference_logprobs
 

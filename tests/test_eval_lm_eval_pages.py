@@ -17,7 +17,7 @@ import pytest
 
 from mlm_eval.builtin import builtin_path
 from mlm_eval.cli import main
-from mlm_eval.wikitext import split_wikitext_documents
+from mlm_eval.tasks.wikitext import split_wikitext_documents
 from tests.harness_fixtures import WIKI_YAML
 
 lm_eval = pytest.importorskip("lm_eval")

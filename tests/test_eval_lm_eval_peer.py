@@ -21,7 +21,7 @@ import torch
 
 from mlm_eval.builtin import builtin_path
 from mlm_eval.cli import main
-from mlm_eval.wikitext import split_wikitext_documents
+from mlm_eval.tasks.wikitext import split_wikitext_documents
 from tests.eval_helpers import build_tiny_hf, load_tiny
 from tests.harness_fixtures import LAMBADA_YAML, WIKI_YAML
 

@@ -17,7 +17,7 @@ import torch
 
 from mlm_eval.builtin import builtin_path
 from mlm_eval.cli import main as eval_main
-from mlm_eval.megatron_scorer import load_megatron_gpt
+from mlm_eval.scoring.megatron import load_megatron_gpt
 from pretrain.tokenizer.factory import TokenizerConfig
 from tests.distributed import torchrun_command, torchrun_env
 

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from mlm_eval.scorer import nll_and_argmax
-from mlm_eval.vocab_scoring import vocab_parallel_nll_and_argmax
+from mlm_eval.scoring.scorer import nll_and_argmax
+from mlm_eval.scoring.vocab import vocab_parallel_nll_and_argmax
 from tests.distributed import run_distributed
 
 

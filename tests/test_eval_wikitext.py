@@ -12,9 +12,9 @@ import torch
 
 from mlm_eval.builtin import builtin_path
 from mlm_eval.cli import main
-from mlm_eval.detokenize import count_original_tokens, wikitext_detokenize
-from mlm_eval.scorer import HFCausalLMScorer, ScoreOutput
-from mlm_eval.wikitext import (
+from mlm_eval.scoring.scorer import HFCausalLMScorer, ScoreOutput
+from mlm_eval.tasks.detokenize import count_original_tokens, wikitext_detokenize
+from mlm_eval.tasks.wikitext import (
     evaluate_wikitext_lm_eval,
     evaluate_wikitext_paper,
     lm_eval_rolling_windows,
@@ -226,7 +226,7 @@ def test_model_flags_collect_into_a_frozen_spec() -> None:
     import dataclasses
 
     from mlm_eval.cli import build_parser
-    from mlm_eval.model_loading import ModelSpec
+    from mlm_eval.scoring.model_loading import ModelSpec
 
     args = build_parser().parse_args(
         ["lambada", "--ckpt", "c", "--data", "d", "--tokenizer-type", "GPT2BPETokenizer", "--vocab-file", "v"]

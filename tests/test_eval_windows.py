@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from mlm_eval.windows import Window, count_windows, plan_windows
+from mlm_eval.tasks.windows import Window, count_windows, plan_windows
 
 
 def expected_context_start(target: int, seq_length: int, overlap: int) -> int:

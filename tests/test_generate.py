@@ -140,7 +140,7 @@ def test_mlm_generate_hf_model_equals_transformers_generate(
 
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationMixin
 
-    from mlm_eval.generate_cli import main
+    from mlm_eval.generation.cli import main
 
     seen: list[torch.dtype] = []
     original = GenerationMixin.generate

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from mlm_eval.generate_cli import main as generate_main
+from mlm_eval.generation.cli import main as generate_main
 from tools.convert_cli import main as convert_main
 
 pytest.importorskip("transformers")

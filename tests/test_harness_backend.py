@@ -10,7 +10,7 @@ import torch
 
 from mlm_eval.builtin import builtin_path
 from mlm_eval.harness.requests import deal, length_order, loglikelihood_row, rolling_rows
-from mlm_eval.scorer import IGNORE
+from mlm_eval.scoring.scorer import IGNORE
 
 lm_eval = pytest.importorskip("lm_eval")
 

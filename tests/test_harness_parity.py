@@ -120,7 +120,7 @@ def test_greedy_mlm_generate_equals_transformers_generate(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from mlm_eval.generate_cli import main as generate_main
+    from mlm_eval.generation.cli import main as generate_main
 
     prompts = ["The quick brown fox", "Once upon a time, in a land far", "It was"]
     outs = {}

@@ -119,8 +119,8 @@ def test_wikitext_paper_method_scores_every_original_token_after_bos(models: dic
     m = record["metrics"]
     assert m["scored_targets"] == m["num_tokens"] - 1
     detok = models["tokenizer"].encode  # num_tokens counts the BOS the Llama tokenizer puts first
-    from mlm_eval.detokenize import wikitext_detokenize
-    from mlm_eval.wikitext import read_wikitext
+    from mlm_eval.tasks.detokenize import wikitext_detokenize
+    from mlm_eval.tasks.wikitext import read_wikitext
 
     raw = read_wikitext(builtin_path("wikitext_sample.tokens"))
     n = len(detok(wikitext_detokenize(raw), add_special_tokens=False))

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mlm_eval.megatron_scorer import MegatronGPTScorer
-from mlm_eval.vocab_scoring import scored_query_index
+from mlm_eval.scoring.megatron import MegatronGPTScorer
+from mlm_eval.scoring.vocab import scored_query_index
 from pretrain.config import ParallelConfig
 from pretrain.models.forward_context import ForwardContext, gather_positions
 from pretrain.models.gpt import GPTModel

@@ -11,11 +11,12 @@ from typing import Any
 import pytest
 
 from mlm_eval.cli import main as eval_main
-from mlm_eval.paper_reference import PAPER_ROWS
-from mlm_eval.report_collect import collect_results, is_percent_metric
-from mlm_eval.report_columns import format_value, lower_is_better
-from mlm_eval.report_plots import plot_figures
-from mlm_eval.report_table import (
+from mlm_eval.report.collect import collect_results
+from mlm_eval.report.columns import format_value, lower_is_better
+from mlm_eval.report.paper_reference import PAPER_ROWS
+from mlm_eval.report.plots import plot_figures
+from mlm_eval.report.records import is_percent_metric
+from mlm_eval.report.table import (
     MISSING,
     Leaderboard,
     Row,

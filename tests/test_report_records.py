@@ -13,10 +13,10 @@ import pytest
 from finetune.builtin import builtin_task_dir
 from finetune.cli import main as finetune_main
 from mlm_eval.cli import main as eval_main
-from mlm_eval.report import rich_tables
-from mlm_eval.report_collect import collect_results
-from mlm_eval.report_render import rank_header
-from mlm_eval.report_table import TableConfig, build_leaderboard
+from mlm_eval.report.cli import rich_tables
+from mlm_eval.report.collect import collect_results
+from mlm_eval.report.table import TableConfig, build_leaderboard
+from mlm_eval.report.text import rank_header
 from tests import report_fixtures as rf
 
 

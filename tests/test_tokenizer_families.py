@@ -156,6 +156,6 @@ def test_report_marks_a_forced_tokenizer_result(tmp_path: Path, tiny_gpt2_dir: P
 
 
 def _report_text(value: float) -> str:
-    from mlm_eval.report_columns import format_value
+    from mlm_eval.report.columns import format_value
 
     return format_value(value, percent=False)

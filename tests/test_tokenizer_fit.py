@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mlm_eval.generate_cli import main as generate_main
+from mlm_eval.generation.cli import main as generate_main
 from pretrain.tensor_parallel.vocab import padded_vocab_size, rows_fit_tokenizer
 from tests.test_tokenizer_travel import _fails
 from tools.convert_cli import main as convert_main

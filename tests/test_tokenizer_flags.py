@@ -117,7 +117,7 @@ def test_bad_tokenizer_flags_are_one_line(
 def test_mlm_generate_takes_the_same_flags(
     upstream: Path, tok: dict[str, Any], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from mlm_eval.generate_cli import main as generate_main
+    from mlm_eval.generation.cli import main as generate_main
 
     base = ["--ckpt", str(upstream), "--prompt", "The", "--max-new-tokens", "3", "--json"]
     files = [

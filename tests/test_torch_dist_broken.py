@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mlm_eval.cli import main as eval_main
-from mlm_eval.generate_cli import main as generate_main
+from mlm_eval.generation.cli import main as generate_main
 from tests.cli_helpers import one_line_error
 from tools.convert_cli import main as convert_main
 

@@ -222,7 +222,7 @@ def register(subparsers: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     """Run the subcommand from parsed arguments."""
     from mlm_eval.builtin import resolve_data_path
-    from mlm_eval.data_sources import is_builtin
+    from mlm_eval.tasks.data_sources import is_builtin
 
     if args.out is not None:
         check_writable_output(args.out, kind="file", flag="--out")

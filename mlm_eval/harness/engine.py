@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from mlm_eval.harness.requests import Row, deal, length_order
-from mlm_eval.scorer import DTYPE_FLAGS, LMScorer, ScoredRow, ScoreOutput, score_rows
+from mlm_eval.scoring.scorer import DTYPE_FLAGS, LMScorer, ScoredRow, ScoreOutput, score_rows
 from pretrain.config import ParallelConfig
 from pretrain.inference.generate import GenerationConfig, StopFn, generate
 from pretrain.models.gpt import GPTModel
@@ -51,7 +51,7 @@ from pretrain.tokenizer.factory import TokenizerConfig
 from pretrain.utils.errors import UserError
 
 if TYPE_CHECKING:
-    from mlm_eval.megatron_scorer import TokenizerChoice
+    from mlm_eval.scoring.megatron import TokenizerChoice
 
 T = TypeVar("T")
 
@@ -89,10 +89,10 @@ class BatchInvariantScorer:
     """One-process scorer whose per-row results do not depend on the batch.
 
     The trunk runs on ``[b, w]`` with ``w`` rounded up to a multiple of ``ROW_MULTIPLE``
-    (:func:`~mlm_eval.vocab_scoring.invariant_width`), and the output layer on the scored hidden
+    (:func:`~mlm_eval.scoring.vocab.invariant_width`), and the output layer on the scored hidden
     rows padded with zero rows to a multiple of ``ROW_MULTIPLE``
-    (:func:`~mlm_eval.vocab_scoring.score_hidden_invariant`). Under torchrun the same padding is
-    :class:`~mlm_eval.parallel_scorer.ParallelGPTScorer` with ``batch_invariant=True``.
+    (:func:`~mlm_eval.scoring.vocab.score_hidden_invariant`). Under torchrun the same padding is
+    :class:`~mlm_eval.scoring.parallel.ParallelGPTScorer` with ``batch_invariant=True``.
     """
 
     def __init__(self, model: GPTModel) -> None:
@@ -102,8 +102,8 @@ class BatchInvariantScorer:
 
     @torch.inference_mode()
     def score(self, input_ids: torch.Tensor, target_ids: torch.Tensor) -> ScoreOutput:
-        from mlm_eval.megatron_scorer import scored_width
-        from mlm_eval.vocab_scoring import invariant_width, score_hidden_invariant
+        from mlm_eval.scoring.megatron import scored_width
+        from mlm_eval.scoring.vocab import invariant_width, score_hidden_invariant
 
         device = self.model.ps.device
         b, s = target_ids.shape
@@ -154,8 +154,8 @@ class HarnessEngine:
     @classmethod
     def load(cls, cfg: EngineConfig) -> HarnessEngine:
         """Load ``cfg.ckpt`` (one process, or this rank's shard under torchrun)."""
-        from mlm_eval.megatron_scorer import MegatronGPTScorer, load_megatron_gpt
-        from mlm_eval.parallel_scorer import launched_distributed, load_parallel_gpt
+        from mlm_eval.scoring.megatron import MegatronGPTScorer, load_megatron_gpt
+        from mlm_eval.scoring.parallel import launched_distributed, load_parallel_gpt
 
         dtype = DTYPE_FLAGS.get(cfg.dtype, cfg.dtype)
         if cfg.parallel.model_parallel_size > 1 or launched_distributed():

@@ -4,14 +4,14 @@ Pure list manipulation (no model, no ``lm_eval`` import except for the harness's
 window function, reused so windows are the harness's by construction).
 
 A scoring row is ``(input_ids, target_ids)`` with ``IGNORE`` targets where nothing is scored
-(the :func:`mlm_eval.scorer.score_rows` convention).
+(the :func:`mlm_eval.scoring.scorer.score_rows` convention).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from mlm_eval.scorer import IGNORE
+from mlm_eval.scoring.scorer import IGNORE
 
 Row = tuple[list[int], list[int]]
 

@@ -14,7 +14,7 @@ from typing import Any
 import datasets
 
 from mlm_eval.builtin import builtin_path
-from mlm_eval.wikitext import split_wikitext_documents
+from mlm_eval.tasks.wikitext import split_wikitext_documents
 
 CHOICES = 4  # the multiple-choice task: the true last word and three others
 

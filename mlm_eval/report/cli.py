@@ -20,18 +20,10 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from mlm_eval.report_collect import collect_results
-from mlm_eval.report_columns import Column, format_params
-from mlm_eval.report_render import (
-    ReportMeta,
-    cell_text,
-    details_text,
-    notes,
-    rank_header,
-    rank_text,
-    write_outputs,
-)
-from mlm_eval.report_table import (
+from mlm_eval.report.collect import collect_results
+from mlm_eval.report.columns import Column, format_params
+from mlm_eval.report.render import write_outputs
+from mlm_eval.report.table import (
     REDUCE_RULES,
     Leaderboard,
     SortKey,
@@ -39,6 +31,7 @@ from mlm_eval.report_table import (
     build_leaderboard,
     parse_sort_key,
 )
+from mlm_eval.report.text import ReportMeta, cell_text, details_text, notes, rank_header, rank_text
 from pretrain.utils.errors import UserError
 
 _MODEL_WIDTH = 26

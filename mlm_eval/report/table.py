@@ -19,9 +19,7 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
-from mlm_eval.paper_reference import PAPER_ROWS, PaperRow
-from mlm_eval.report_collect import HygieneRecord, RunRecord, is_percent_metric
-from mlm_eval.report_columns import (
+from mlm_eval.report.columns import (
     HYGIENE_TASK,
     MISSING,
     Column,
@@ -30,6 +28,8 @@ from mlm_eval.report_columns import (
     make_columns,
     meaningful_gap,
 )
+from mlm_eval.report.paper_reference import PAPER_ROWS, PaperRow
+from mlm_eval.report.records import HygieneRecord, RunRecord, is_percent_metric
 from pretrain.utils.errors import UserError
 
 __all__ = ["MISSING", "Column", "column_key", "format_value"]

@@ -1,14 +1,9 @@
-"""``mlm-eval wikitext103``: WikiText-103 perplexity, the paper's method or lm-eval's.
+"""What an ``mlm-eval`` task run leaves behind: the result record, its path, and the table.
 
-Example::
-
-    mlm-eval wikitext103 --hf-model ./gpt2-small --data wiki.test.tokens --seq-length 1024 --overlap 32
-    mlm-eval wikitext103 --hf-model ./gpt2-small --data builtin:wikitext_sample.tokens --method lm-eval
-    mlm-eval wikitext103 --ckpt ./ckpt --dataset wikitext --dataset-config wikitext-103-raw-v1 --limit 10
-    torchrun --standalone --nproc-per-node 4 -m mlm_eval.cli wikitext103 --ckpt ./ckpt --data wiki.test.tokens \
-        --tensor-model-parallel-size 2 --dtype bf16    # TP=2 x DP=2
-
-Also holds the output plumbing shared with ``mlm-eval lambada`` (table, result JSON).
+:func:`check_result_output` runs before any work (a bad ``--out``/``--results-dir`` or a
+``--limit`` run over a full result fails in one line); :func:`emit_result` prints the metrics and
+writes the ``mlm-toolkit/result/v1`` record (:mod:`pretrain.utils.results`) on the main rank,
+saying when the number is not comparable with a full fp32 test-set run.
 """
 
 from __future__ import annotations
@@ -18,101 +13,18 @@ import importlib.metadata
 import json
 import re
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlm_eval.data_sources import DataSource, add_data_arguments, load_wikitext_data
-from mlm_eval.model_loading import LoadedModel, add_model_arguments, load_scorer
-from mlm_eval.scorer import as_text_encoder, document_prefix
-from mlm_eval.wikitext import evaluate_wikitext_lm_eval, evaluate_wikitext_paper
+from rich.console import Console
+from rich.table import Table
+
+from mlm_eval.scoring.model_loading import LoadedModel
+from mlm_eval.scoring.scorer import as_text_encoder, document_prefix
+from mlm_eval.tasks.data_sources import DataSource
 from pretrain.utils.errors import UserError
 from pretrain.utils.outputs import check_writable_output
 from pretrain.utils.results import make_result, normalized, write_result
-
-
-@dataclass(frozen=True, kw_only=True)
-class WikitextArgs:
-    """The task flags of ``mlm-eval wikitext103``."""
-
-    seq_length: int
-    overlap: int
-    method: str
-    batch_size: int
-    limit: int | None  # first N windows (paper) or documents (lm-eval)
-
-
-def register(subparsers: Any) -> None:
-    """Add the ``wikitext103`` subcommand."""
-    parser = subparsers.add_parser("wikitext103", help="WikiText-103 perplexity (paper or lm-eval method)")
-    add_data_arguments(
-        parser,
-        data_help="raw wiki.test.tokens (or builtin:wikitext_sample.tokens), a save_to_disk directory, "
-        "or a parquet/JSON file of lines",
-    )
-    parser.add_argument("--seq-length", type=int, default=1024, help="window length in tokens (default 1024)")
-    parser.add_argument(
-        "--overlap", type=int, default=32, help="stride between windows, paper method (default 32)"
-    )
-    parser.add_argument("--method", choices=("paper", "lm-eval"), default="paper")
-    add_common_arguments(parser)
-    parser.set_defaults(func=run)
-
-
-def add_common_arguments(parser: argparse.ArgumentParser) -> None:
-    """Batch size, output and model flags shared by the evaluation subcommands."""
-    parser.add_argument("--batch-size", type=int, default=8, help="rows per forward pass (default 8)")
-    parser.add_argument(
-        "--limit", type=int, metavar="N", help="evaluate only the first N windows/documents/examples"
-    )
-    parser.add_argument(
-        "--out", metavar="PATH", help="result JSON path (default: RESULTS_DIR/TASK-METHOD-MODEL.json)"
-    )
-    parser.add_argument(
-        "--results-dir", default="results", help="where results go without --out (default results/)"
-    )
-    parser.add_argument("--no-progress", action="store_true", help="hide the progress bar")
-    add_model_arguments(parser)
-
-
-def run(args: argparse.Namespace) -> int:
-    """Evaluate, print the table, write the result (rank 0 under torchrun)."""
-    task = WikitextArgs(
-        seq_length=positive(args.seq_length, "--seq-length"),
-        overlap=positive(args.overlap, "--overlap"),
-        method=args.method,
-        batch_size=positive(args.batch_size, "--batch-size"),
-        limit=None if args.limit is None else positive(args.limit, "--limit"),
-    )
-    check_result_output(args)
-    raw_text, source = load_wikitext_data(args)
-    loaded = load_scorer(args)
-    try:
-        started = time.perf_counter()
-        progress = not args.no_progress
-        if task.method == "paper":
-            stream = raw_text if isinstance(raw_text, str) else "\n".join(raw_text)  # pages -> the file
-            metrics = evaluate_wikitext_paper(
-                loaded.scorer, loaded.tokenizer, stream, seq_length=task.seq_length, overlap=task.overlap,
-                batch_size=task.batch_size, progress=progress, limit=task.limit,
-            )  # fmt: skip
-        else:
-            metrics = evaluate_wikitext_lm_eval(
-                loaded.scorer, loaded.tokenizer, raw_text, seq_length=task.seq_length,
-                batch_size=task.batch_size, progress=progress, limit=task.limit,
-            )  # fmt: skip
-        emit_result(args, loaded, task="wikitext103", method=task.method, metrics=metrics, data=source,
-                    started=started)  # fmt: skip
-    finally:
-        loaded.close()
-    return 0
-
-
-def positive(value: int, flag: str) -> int:
-    """Reject a non-positive integer flag with a one-line error."""
-    if value < 1:
-        raise UserError(f"{flag} must be >= 1, got {value}")
-    return value
 
 
 def emit_result(
@@ -214,9 +126,6 @@ def toolkit_version() -> str | None:
 
 def print_table(title: str, metrics: dict[str, float | int]) -> None:
     """A two-column rich table of the metrics."""
-    from rich.console import Console
-    from rich.table import Table
-
     table = Table(title=title)
     table.add_column("metric")
     table.add_column("value", justify="right")

@@ -12,7 +12,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from mlm_eval.report_collect import is_percent_metric
+from mlm_eval.report.records import is_percent_metric
 from pretrain.utils.results import TASK_METRICS
 
 MISSING = "—"

@@ -1,7 +1,7 @@
 """Score hidden states of our GPT at selected positions only, exactly, under any TP degree.
 
-Shared by the one-process :class:`~mlm_eval.megatron_scorer.MegatronGPTScorer` (TP group
-``None``) and the ``torchrun`` :class:`~mlm_eval.parallel_scorer.ParallelGPTScorer`:
+Shared by the one-process :class:`~mlm_eval.scoring.megatron.MegatronGPTScorer` (TP group
+``None``) and the ``torchrun`` :class:`~mlm_eval.scoring.parallel.ParallelGPTScorer`:
 
 * :func:`score_hidden`: the tied output layer applied only to the given rows of hidden states,
   trimmed to the true vocabulary rows this TP rank holds, then :func:`vocab_parallel_nll_and_argmax`.
@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from mlm_eval.scorer import ScoreOutput
+from mlm_eval.scoring.scorer import ScoreOutput
 from pretrain.models.forward_context import ForwardContext
 from pretrain.models.gpt import GPTModel
 from pretrain.parallel.state import ProcessGroup

@@ -1,4 +1,4 @@
-"""lm-evaluation-harness result files as :class:`~mlm_eval.report_collect.RunRecord` s.
+"""lm-evaluation-harness result files as :class:`~mlm_eval.report.records.RunRecord` s.
 
 ``{"results": {"wikitext": {"word_perplexity,none": ...}}, "config": {"model_args": ...}}`` and
 the older form without the ``,none`` filter suffix; tagged with source and method
@@ -13,7 +13,7 @@ import datetime as _dt
 from pathlib import Path
 from typing import Any
 
-from mlm_eval.report_collect import (
+from mlm_eval.report.records import (
     DTYPE_NAMES,
     SOURCE_HARNESS,
     MalformedResult,

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from mlm_eval.generation.stream import TextStream, cut_at_stop
 from pretrain.config import DTypeFlags, ParallelConfig
 from pretrain.inference.sampling import SamplingConfig
 from pretrain.utils.errors import UserError
@@ -24,8 +25,6 @@ def run_hf(
 ) -> int:
     """Generate for each prompt in one process; stream to stdout or print JSON lines."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from mlm_eval.generate_cli import TextStream, cut_at_stop
 
     if parallel.model_parallel_size > 1:
         raise UserError("--hf-model runs in one process; TP/PP generation needs --ckpt DIR")

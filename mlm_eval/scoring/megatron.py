@@ -16,8 +16,8 @@ from typing import Any, cast
 
 import torch
 
-from mlm_eval.scorer import DTYPE_FLAGS, ScoreOutput
-from mlm_eval.vocab_scoring import score_hidden, scored_hidden
+from mlm_eval.scoring.scorer import DTYPE_FLAGS, ScoreOutput
+from mlm_eval.scoring.vocab import score_hidden, scored_hidden
 from pretrain.checkpoint.fingerprint import fingerprint_tensors
 from pretrain.checkpoint.opener import open_checkpoint
 from pretrain.config import DTypeName, ModelConfig
@@ -38,7 +38,7 @@ from pretrain.utils.errors import UserError
 
 
 class PretrainTextEncoder:
-    """:class:`~mlm_eval.scorer.TextEncoder` over an mlm-toolkit tokenizer (eod as document prefix)."""
+    """:class:`~mlm_eval.scoring.scorer.TextEncoder` over an mlm-toolkit tokenizer (eod as document prefix)."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
         self.tokenizer = tokenizer
@@ -61,7 +61,7 @@ class PretrainTextEncoder:
 
 
 class MegatronGPTScorer:
-    """:class:`~mlm_eval.scorer.LMScorer` over our GPT (one process, eval mode, no dropout).
+    """:class:`~mlm_eval.scoring.scorer.LMScorer` over our GPT (one process, eval mode, no dropout).
 
     ``score`` runs rows ``batch_size`` at a time in inference mode: the trunk gives hidden states
     ``[b, s, h]`` (when at most half the columns are scored, its last layer computes queries and
@@ -78,7 +78,7 @@ class MegatronGPTScorer:
 
     @torch.inference_mode()
     def score(self, input_ids: torch.Tensor, target_ids: torch.Tensor) -> ScoreOutput:
-        """Score each non-negative target; see :class:`~mlm_eval.scorer.LMScorer`."""
+        """Score each non-negative target; see :class:`~mlm_eval.scoring.scorer.LMScorer`."""
         if input_ids.shape != target_ids.shape or input_ids.ndim != 2:
             raise ValueError(f"input {tuple(input_ids.shape)} and target {tuple(target_ids.shape)} differ")
         nll = torch.zeros(target_ids.shape, dtype=torch.float64)

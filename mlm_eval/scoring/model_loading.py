@@ -3,7 +3,7 @@
 ``--hf-model DIR`` (a local Hugging Face model + tokenizer directory) or ``--ckpt DIR`` (our or
 upstream Megatron-layout checkpoints, any TP/PP/VP layout): in one process (resharded in memory),
 or under ``torchrun`` with ``--tensor-model-parallel-size``/``--pipeline-model-parallel-size``
-(data parallel over the remaining ranks, :mod:`mlm_eval.parallel_scorer`). ``--dtype`` casts
+(data parallel over the remaining ranks, :mod:`mlm_eval.scoring.parallel`). ``--dtype`` casts
 the model's weights; log-probabilities are always accumulated in float64.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlm_eval.scorer import DTYPE_FLAGS, HFCausalLMScorer, LMScorer
+from mlm_eval.scoring.scorer import DTYPE_FLAGS, HFCausalLMScorer, LMScorer
 from pretrain.config import DTypeFlags, ParallelConfig
 from pretrain.tokenizer.flags import TokenizerFlags
 from pretrain.utils.errors import UserError
@@ -70,7 +70,7 @@ class LoadedModel:
     """A scorer, its tokenizer, and the model identity for the result record."""
 
     scorer: LMScorer
-    tokenizer: Any  # a transformers tokenizer or any mlm_eval.scorer.TextEncoder
+    tokenizer: Any  # a transformers tokenizer or any mlm_eval.scoring.scorer.TextEncoder
     info: dict[str, Any]  # make_result's "model": name, parameters, iteration, layout, checkpoint
     is_main: bool = True  # the rank that prints and writes the result
     layout: str = "tp1-pp1-dp1"  # how this evaluation runs (the checkpoint's own is in info)
@@ -108,7 +108,7 @@ def load_scorer(args: argparse.Namespace) -> LoadedModel:
         return _load_ckpt(spec, args)
     if spec.hf_model is None:
         raise UserError("one of --hf-model DIR or --ckpt DIR is required")
-    from mlm_eval.parallel_scorer import launched_distributed
+    from mlm_eval.scoring.parallel import launched_distributed
 
     if spec.parallel.model_parallel_size > 1 or launched_distributed():
         raise UserError("--hf-model runs in one process; TP/PP/DP evaluation (torchrun) needs --ckpt DIR")
@@ -126,8 +126,8 @@ def load_scorer(args: argparse.Namespace) -> LoadedModel:
 
 def _load_ckpt(spec: ModelSpec, args: argparse.Namespace) -> LoadedModel:
     """Our/upstream Megatron checkpoint of any layout, resharded in memory to one process."""
-    from mlm_eval.megatron_scorer import TokenizerChoice, load_megatron_gpt
-    from mlm_eval.parallel_scorer import launched_distributed
+    from mlm_eval.scoring.megatron import TokenizerChoice, load_megatron_gpt
+    from mlm_eval.scoring.parallel import launched_distributed
     from pretrain.tokenizer.factory import TokenizerConfig
 
     megatron = None
@@ -154,7 +154,7 @@ def _load_ckpt_parallel(spec: ModelSpec, args: argparse.Namespace, tok_cfg: Any)
     """This rank's stage/shard of ``--ckpt`` under torchrun (TP x PP x DP)."""
     import torch.distributed as dist
 
-    from mlm_eval.parallel_scorer import load_parallel_gpt
+    from mlm_eval.scoring.parallel import load_parallel_gpt
 
     scorer, encoder, info, ps = load_parallel_gpt(str(spec.ckpt), parallel=spec.parallel, device=spec.device,
                                                   tokenizer_cfg=tok_cfg,

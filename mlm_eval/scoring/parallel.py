@@ -10,7 +10,7 @@ Every rank reads the canonical checkpoint tensors and keeps its shard of its sta
 rank builds the same rows; data-parallel replica ``d`` scores the ``d``-th contiguous slice
 (:meth:`ParallelGPTScorer.local_rows`) with the forward-only pipeline schedule; the last stage
 scores only the target positions, with vocab-parallel float64 NLL/argmax
-(:mod:`mlm_eval.vocab_scoring`); results go to the other stages (broadcast over the pipeline
+(:mod:`mlm_eval.scoring.vocab`); results go to the other stages (broadcast over the pipeline
 group) and to every replica (all-gather over the data-parallel group), so each row is counted
 exactly once. Rank 0 prints and writes the result.
 
@@ -27,15 +27,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from mlm_eval.megatron_scorer import (
+from mlm_eval.scoring.megatron import (
     PretrainTextEncoder,
     TokenizerChoice,
     eval_model_config,
     read_gpt_checkpoint,
     scored_width,
 )
-from mlm_eval.scorer import IGNORE, ScoredRow, ScoreOutput
-from mlm_eval.vocab_scoring import (
+from mlm_eval.scoring.scorer import IGNORE, ScoredRow, ScoreOutput
+from mlm_eval.scoring.vocab import (
     invariant_width,
     score_hidden,
     score_hidden_invariant,
@@ -80,7 +80,7 @@ def setup_eval_parallel(cfg: ParallelConfig, *, device: str = "cpu") -> Parallel
 
 
 class ParallelGPTScorer:
-    """:class:`~mlm_eval.scorer.DataParallelScorer` over this rank's GPT stage (one chunk).
+    """:class:`~mlm_eval.scoring.scorer.DataParallelScorer` over this rank's GPT stage (one chunk).
 
     ``score`` must be called with the same rows on every rank of a model-parallel group; it
     returns the full results on all of them. Collectives: p2p over the pipeline group, the TP

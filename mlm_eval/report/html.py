@@ -13,10 +13,10 @@ import base64
 import html
 from collections.abc import Sequence
 
-from mlm_eval.report_columns import MISSING, Column, format_params
-from mlm_eval.report_plots import Plot
-from mlm_eval.report_render import ReportMeta, cell_text, details_text, notes, rank_header, rank_text
-from mlm_eval.report_table import Cell, Leaderboard, Row
+from mlm_eval.report.columns import MISSING, Column, format_params
+from mlm_eval.report.plots import Plot
+from mlm_eval.report.table import Cell, Leaderboard, Row
+from mlm_eval.report.text import ReportMeta, cell_text, details_text, notes, rank_header, rank_text
 
 _CSS = """
 body { font-family: system-ui, -apple-system, "Segoe UI", sans-serif; margin: 1.5em 2em; color: #222; }

@@ -22,8 +22,8 @@ from pathlib import Path
 from typing import Any
 
 from mlm_eval.builtin import resolve_data_path
-from mlm_eval.lambada import read_lambada_jsonl
-from mlm_eval.wikitext import read_wikitext
+from mlm_eval.tasks.lambada import read_lambada_jsonl
+from mlm_eval.tasks.wikitext import read_wikitext
 from pretrain.utils.errors import UserError
 
 _DATASET_SUFFIXES = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}

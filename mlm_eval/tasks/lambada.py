@@ -18,7 +18,14 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from mlm_eval.scorer import IGNORE, LMScorer, TextEncoder, as_text_encoder, document_prefix, score_rows
+from mlm_eval.scoring.scorer import (
+    IGNORE,
+    LMScorer,
+    TextEncoder,
+    as_text_encoder,
+    document_prefix,
+    score_rows,
+)
 from pretrain.utils.errors import UserError
 from pretrain.utils.jsonl import iter_json_objects, string_field
 

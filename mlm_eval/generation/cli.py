@@ -4,7 +4,7 @@ Examples::
 
     mlm-generate --ckpt ckpt --prompt "The quick brown fox" --max-new-tokens 40
     mlm-generate --ckpt ckpt --prompts prompts.jsonl --temperature 0.8 --top-p 0.95 --seed 7 --json
-    torchrun --nproc-per-node 4 -m mlm_eval.generate_cli --ckpt ckpt --tp 2 --pp 2 --prompt "Hello"
+    torchrun --nproc-per-node 4 -m mlm_eval.generation.cli --ckpt ckpt --tp 2 --pp 2 --prompt "Hello"
     mlm-generate --hf-model hf_dir --prompt "Hello" --stop "."
 
 Greedy unless ``--temperature`` > 0. Without ``--json`` each prompt's text streams to the
@@ -20,8 +20,10 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from mlm_eval.generation.hf import run_hf
+from mlm_eval.generation.stream import TextStream, cut_at_stop
 from pretrain.config import DTypeFlags, ParallelConfig
 from pretrain.inference.generate import GenerationConfig
 from pretrain.inference.sampling import SamplingConfig
@@ -32,7 +34,7 @@ from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace
 from pretrain.utils.jsonl import iter_json_objects
 
 if TYPE_CHECKING:
-    from mlm_eval.megatron_scorer import TokenizerChoice
+    from mlm_eval.scoring.megatron import TokenizerChoice
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -65,7 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
 def tokenizer_choice(flags: TokenizerFlags) -> TokenizerChoice | None:
     """The tokenizer the flags name (Megatron's flags or ``--tokenizer-dir``, checked against the
     checkpoint's unless ``--force-tokenizer``), or ``None`` for the checkpoint's own."""
-    from mlm_eval.megatron_scorer import TokenizerChoice
+    from mlm_eval.scoring.megatron import TokenizerChoice
 
     megatron = flags.megatron_config()
     directory = None if flags.tokenizer_dir is None else str(flags.tokenizer_dir)
@@ -99,12 +101,6 @@ def sampling_config(args: argparse.Namespace) -> SamplingConfig:
                           top_p=args.top_p, seed=args.seed)  # fmt: skip
 
 
-def cut_at_stop(text: str, stops: list[str]) -> tuple[str, bool]:
-    """``text`` before the earliest stop string, and whether one occurred."""
-    hits = [text.index(s) for s in stops if s and s in text]
-    return (text[: min(hits)], True) if hits else (text, False)
-
-
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
@@ -119,8 +115,6 @@ def main(argv: list[str] | None = None) -> int:
     prompts = read_prompts(args)
     sampling = sampling_config(args)
     if args.hf_model:
-        from mlm_eval.generate_hf import run_hf
-
         if tok_cfg is not None:
             flag = "--tokenizer-type" if tok_flags.tokenizer_type else "--tokenizer-dir"
             raise UserError(f"{flag} is for --ckpt; --hf-model uses the directory's tokenizer")
@@ -175,37 +169,6 @@ def _run_ckpt(
         return 0
     finally:
         engine.close()
-
-
-class TextStream:
-    """Prints a prompt, then its continuation as it grows (whole characters only, cut at stop
-    strings, special tokens left out by ``decode``), then a newline: both ``--ckpt`` and
-    ``--hf-model`` print through it."""
-
-    def __init__(self, decode: Any, stops: list[str], *, show: bool) -> None:
-        self.decode, self.stops, self.show = decode, stops, show
-        self.ids: list[int] = []
-        self.printed = 0
-
-    def start(self, prompt: str) -> None:
-        if self.show:
-            sys.stdout.write(prompt)
-            sys.stdout.flush()
-
-    def add(self, _row: int, token: int) -> None:
-        self.ids.append(token)
-        text, _ = cut_at_stop(self.decode(self.ids), self.stops)
-        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for its other bytes
-            return
-        if self.show and len(text) > self.printed:
-            sys.stdout.write(text[self.printed :])
-            sys.stdout.flush()
-        self.printed = max(self.printed, len(text))
-
-    def finish(self) -> None:
-        if self.show:
-            sys.stdout.write("\n")
-            sys.stdout.flush()
 
 
 if __name__ == "__main__":

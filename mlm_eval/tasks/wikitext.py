@@ -2,7 +2,7 @@
 
 ``paper`` (appendix E.1, Megatron-LM ``tasks/zeroshot_gpt``): T_o is counted on the raw text,
 the whole detokenized file is one token stream, scored in overlapping windows
-(:mod:`mlm_eval.windows`); adjusted ppl = exp(NLL / (T_o - 1)), token ppl = exp(NLL / (T - 1)).
+(:mod:`mlm_eval.tasks.windows`); adjusted ppl = exp(NLL / (T_o - 1)), token ppl = exp(NLL / (T - 1)).
 Upstream clamps both exponents at 20; those variants are reported separately, labelled.
 
 ``lm-eval`` (lm-evaluation-harness task ``wikitext``): per document, disjoint rolling windows
@@ -17,9 +17,9 @@ import os
 import re
 from typing import Any
 
-from mlm_eval.detokenize import count_original_tokens, wikitext_detokenize
-from mlm_eval.scorer import IGNORE, LMScorer, as_text_encoder, document_prefix, score_rows
-from mlm_eval.windows import Window, plan_windows
+from mlm_eval.scoring.scorer import IGNORE, LMScorer, as_text_encoder, document_prefix, score_rows
+from mlm_eval.tasks.detokenize import count_original_tokens, wikitext_detokenize
+from mlm_eval.tasks.windows import Window, plan_windows
 from pretrain.utils.errors import UserError
 
 UPSTREAM_EXPONENT_CLAMP = 20.0  # Megatron-LM: math.exp(min(20, loss))

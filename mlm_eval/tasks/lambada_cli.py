@@ -12,14 +12,13 @@ Example::
 from __future__ import annotations
 
 import argparse
-import time
 from dataclasses import dataclass
 from typing import Any
 
-from mlm_eval.data_sources import add_data_arguments, load_lambada_data
-from mlm_eval.lambada import evaluate_lambada
-from mlm_eval.model_loading import load_scorer
-from mlm_eval.wikitext_cli import add_common_arguments, check_result_output, emit_result, positive
+from mlm_eval.scoring.model_loading import LoadedModel
+from mlm_eval.tasks.data_sources import add_data_arguments, load_lambada_data
+from mlm_eval.tasks.lambada import evaluate_lambada
+from mlm_eval.tasks.runner import Metrics, add_common_arguments, positive, run_task
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -55,12 +54,9 @@ def run(args: argparse.Namespace) -> int:
         batch_size=positive(args.batch_size, "--batch-size"),
         limit=None if args.limit is None else positive(args.limit, "--limit"),
     )
-    check_result_output(args)
-    examples, source = load_lambada_data(args)
-    loaded = load_scorer(args)
-    try:
-        started = time.perf_counter()
-        metrics = evaluate_lambada(
+
+    def evaluate(loaded: LoadedModel, examples: list[str]) -> Metrics:
+        return evaluate_lambada(
             loaded.scorer,
             loaded.tokenizer,
             examples[: task.limit],
@@ -68,10 +64,6 @@ def run(args: argparse.Namespace) -> int:
             batch_size=task.batch_size,
             progress=not args.no_progress,
         )
-        method = "last-token" if task.last_token else "paper"
-        emit_result(
-            args, loaded, task="lambada", method=method, metrics=metrics, data=source, started=started
-        )
-    finally:
-        loaded.close()
-    return 0
+
+    method = "last-token" if task.last_token else "paper"
+    return run_task(args, task="lambada", method=method, load_data=load_lambada_data, evaluate=evaluate)
