@@ -80,7 +80,7 @@ def build_models(args: argparse.Namespace):
     hf = GPT2LMHeadModel(hf_cfg)
     hf.config._attn_implementation = "sdpa"
     try:
-        from pretrain.models.hf_gpt2 import canonical_to_hf
+        from pretrain.models.families.gpt2 import canonical_to_hf
 
         hf.load_state_dict(canonical_to_hf(gather_full_state_dict(ours), cfg), strict=False)
         same_weights = True

@@ -13,7 +13,7 @@ byte-level BPE (default 1024 tokens, a multiple of 128 so our padded vocab equal
 tokenizer's and both models have the same embedding). The plain loop reads its batches from
 *our* dataset object (``task.microbatches("train", i, ...)``), so both loops see identical
 token samples, and both pay for fetching them. Both start from the same weights (our seeded
-init converted with :func:`pretrain.models.hf_gpt2.canonical_to_hf`), dropout off, fp32, SDPA
+init converted with :func:`pretrain.models.families.gpt2.canonical_to_hf`), dropout off, fp32, SDPA
 attention; the first-iteration losses are printed as a sanity check.
 
 Iterations alternate (ours i, plain i, ours i+1, ...: the plain step runs inside our loop's
@@ -99,7 +99,7 @@ def build_plain(cfgs: dict[str, Any], task: Any) -> tuple[torch.nn.Module, torch
     """HF ``GPT2LMHeadModel`` with our initial weights, and a plain AdamW with Megatron's groups."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    from pretrain.models.hf_gpt2 import canonical_to_hf, hf_config_kwargs
+    from pretrain.models.families.gpt2 import canonical_to_hf, hf_config_kwargs
     from pretrain.models.init import init_model_parameters
     from pretrain.models.sharding import gather_full_state_dict
     from pretrain.optim.param_groups import uses_weight_decay

@@ -155,7 +155,7 @@ def _from_ckpt(path: Path, tokenizer: Tokenizer | None, force: bool) -> Pretrain
 def hf_trunk_to_canonical(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """Canonical trunk tensors from a HF BERT / MegatronBERT state dict with or without the
     pretraining heads (a bare ``BertModel`` has neither ``bert.`` prefixes nor ``cls.*``)."""
-    from pretrain.models.hf_bert import hf_to_canonical
+    from pretrain.models.families.bert import hf_to_canonical
 
     hf = dict(state)
     if not any(k.startswith("bert.") for k in hf):
@@ -181,7 +181,7 @@ def hf_trunk_to_canonical(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -
 def _from_hf(path: Path, tokenizer: Tokenizer | None) -> Pretrained:
     from transformers import AutoConfig
 
-    from pretrain.models.hf_bert import model_config_from_hf
+    from pretrain.models.families.bert import model_config_from_hf
     from tools.hf_io import read_hf_state  # the one HF weight-file reader
 
     if not (path / "config.json").is_file():

@@ -11,7 +11,12 @@ import torch
 
 from pretrain.config import ModelConfig, ParallelConfig
 from pretrain.models.bert import BertModel, bert_forward_step, bert_loss_fn, bert_model_provider
-from pretrain.models.hf_bert import canonical_to_hf, hf_config_kwargs, hf_to_canonical, model_config_from_hf
+from pretrain.models.families.bert import (
+    canonical_to_hf,
+    hf_config_kwargs,
+    hf_to_canonical,
+    model_config_from_hf,
+)
 from pretrain.models.init import init_model_parameters
 from pretrain.models.sharding import gather_full_state_dict, load_full_state_dict
 from pretrain.parallel.state import ParallelState

@@ -10,11 +10,13 @@ from pathlib import Path
 import pytest
 
 from finetune.cli import main as finetune_main
-from pretrain.models.hf_families import HF_MODEL_TYPES
+from pretrain.models.families import families
 from tests.cli_helpers import help_output_and_heavy_imports, one_line_error
 from tests.convert_fixtures import write_ours
 from tests.gpt_fixtures import full_weights, tiny_config
 from tools.convert_cli import main as convert_main
+
+HF_MODEL_TYPES = {f.model_type: f.architecture for f in families()}
 
 
 @pytest.fixture(scope="module")

@@ -112,7 +112,7 @@ def test_tensor_and_pipeline_parallel_generate_the_same_tokens(family: str, tp: 
 def test_greedy_equals_transformers_generate(tiny_gpt2_dir: Path) -> None:
     from transformers import GPT2LMHeadModel
 
-    from pretrain.models.hf_gpt2 import hf_to_canonical, model_config_from_hf
+    from pretrain.models.families.gpt2 import hf_to_canonical, model_config_from_hf
 
     hf: Any = GPT2LMHeadModel.from_pretrained(tiny_gpt2_dir).eval()
     cfg = model_config_from_hf(hf.config, hidden_dropout=0.0, attention_dropout=0.0)
@@ -167,7 +167,7 @@ def test_mlm_generate_hf_model_equals_transformers_generate(
 
 def test_untied_llama_greedy_equals_transformers_generate() -> None:
     """An untied output layer (Llama-3 style) is what the logits come from, not the embedding."""
-    from pretrain.models import hf_llama
+    from pretrain.models.families import llama as hf_llama
     from tests.llama_fixtures import hf_model
 
     hf: Any = hf_model("llama3")

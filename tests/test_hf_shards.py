@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file
 
 from pretrain.checkpoint.plan import ModelSpec
-from pretrain.models.hf_gpt2 import canonical_to_hf
+from pretrain.models.families.gpt2 import canonical_to_hf
 from pretrain.utils.errors import UserError
 from tests.gpt_fixtures import full_weights, tiny_config
 from tools.convert_cli import main as convert_main

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pretrain.models import hf_llama
+from pretrain.models.families import llama as hf_llama
 from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import load_full_state_dict
 from pretrain.parallel.state import ParallelState

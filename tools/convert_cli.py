@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pretrain.config import ParallelConfig
-from pretrain.models.hf_families import supported_architectures, supported_model_types
+from pretrain.models.families.registry import supported_architectures, supported_model_types
 from pretrain.tokenizer.flags import TokenizerFlags
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry

@@ -15,7 +15,7 @@ the same source streamed from the memory-mapped weight files, one canonical tens
 
 from __future__ import annotations
 
-import functools
+import dataclasses
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -25,7 +25,7 @@ import torch
 
 from pretrain.checkpoint.plan import ModelSpec
 from pretrain.checkpoint.types import PROBE_TEXT, DictSource, LazySource
-from pretrain.models.hf_families import BERT_MODEL_TYPES, HF_MODEL_TYPES, supported_model_types
+from pretrain.models.families import Family, export_family, family_of_model_type, supported_model_types
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.utils.atomic import atomic_directory
 from pretrain.utils.errors import UserError
@@ -108,18 +108,16 @@ def _special_ids(tok: Tokenizer | None) -> dict[str, int | None]:
             "pad_token_id": tok.pad}  # fmt: skip
 
 
-def check_exportable(spec: ModelSpec) -> None:
-    """Raise :class:`UserError` (one line naming each option) unless the architecture ``spec`` exports
-    to holds it exactly: RoPE GPT -> the Llama family, other GPT -> GPT-2, BERT -> (Megatron)BERT.
-    From the config alone, so a refusal comes before any tensor is read."""
-    from pretrain.models import hf_bert, hf_gpt2, hf_llama
+def export_family_of(spec: ModelSpec, recorded: str | None = None) -> Family:
+    """The registered family ``spec`` exports to (``recorded``: the family its checkpoint came from,
+    kept when it still holds the model; see :func:`pretrain.models.families.export_family`)."""
+    return export_family(dataclasses.asdict(spec.cfg), spec.kind, recorded=recorded)
 
-    if spec.kind == "gpt" and spec.cfg.position_embedding_type == "rope":
-        hf_llama.check_supported(spec.cfg)
-    elif spec.kind == "gpt":
-        hf_gpt2.check_exportable(spec.cfg)
-    else:
-        hf_bert.check_exportable(spec.cfg)
+
+def check_exportable(spec: ModelSpec, recorded: str | None = None) -> None:
+    """Raise :class:`UserError` (one line naming each option) unless the architecture ``spec`` exports
+    to holds it exactly. From the config alone, so a refusal comes before any tensor is read."""
+    export_family_of(spec, recorded).module().check_exportable(spec.cfg)
 
 
 def hf_state_and_config(
@@ -129,40 +127,16 @@ def hf_state_and_config(
     """The HF state dict (tied copies omitted) and ``PretrainedConfig`` of canonical tensors;
     the special-token ids are the tokenizer's (``None`` where it has none). ``family``: the HF
     ``model_type`` the checkpoint was converted from, written back when it holds the model."""
-    ids = _special_ids(tokenizer)
-    if spec.kind == "gpt" and spec.cfg.position_embedding_type == "rope":  # the Llama family
-        from transformers import AutoConfig
+    from transformers import AutoConfig
 
-        from pretrain.models import hf_llama
-
-        fam = hf_llama.family_of(spec.cfg).model_type
-        if family in hf_llama.FAMILIES and hf_llama.FAMILIES[family].architecture != "LlamaForCausalLM":
-            same = hf_llama.FAMILIES[family]
-            if (same.qkv_bias, same.qk_norm) == (spec.cfg.add_qkv_bias, spec.cfg.qk_layernorm):
-                fam = family  # Mistral (same tensors as Llama) is written back as Mistral
-        kw = hf_llama.hf_config_kwargs(spec.cfg, family=fam, bos_token_id=ids.get("bos_token_id"),
-                                       eos_token_id=ids.get("eos_token_id"))  # fmt: skip
-        config = AutoConfig.for_model(kw.pop("model_type"), **kw, pad_token_id=ids.get("pad_token_id"))
-        return hf_llama.canonical_to_hf(full, spec.cfg), config
-    if spec.kind == "gpt":
-        from transformers import GPT2Config
-
-        from pretrain.models import hf_gpt2
-
-        kw = hf_gpt2.hf_config_kwargs(spec.cfg, bos_token_id=ids.get("bos_token_id"),
-                                      eos_token_id=ids.get("eos_token_id"))  # fmt: skip
-        config = GPT2Config(**kw, pad_token_id=ids.get("pad_token_id"))
-        return hf_gpt2.canonical_to_hf(full, spec.cfg), config
-    from transformers import BertConfig, MegatronBertConfig
-
-    from pretrain.models import hf_bert
-
-    arch = hf_bert.hf_architecture(spec.cfg, bare="lm_head" in spec.fresh_heads)
-    config_cls = BertConfig if spec.cfg.post_layernorm else MegatronBertConfig
-    extra: dict[str, Any] = {} if tokenizer is None else {"pad_token_id": tokenizer.pad}
-    config = config_cls(**hf_bert.hf_config_kwargs(spec.cfg), architectures=[arch], **extra)
-    state = hf_bert.canonical_to_hf(full, spec.cfg, include_tied=False, fresh_heads=spec.fresh_heads)
-    return state, config
+    fam = export_family_of(spec, family)
+    converter = fam.module()
+    converter.check_exportable(spec.cfg)
+    kw = converter.export_config(
+        spec.cfg, fam, special_ids=_special_ids(tokenizer), fresh_heads=spec.fresh_heads
+    )
+    config = AutoConfig.for_model(fam.model_type, **kw)
+    return converter.export_tensors(full, spec.cfg, fresh_heads=spec.fresh_heads), config
 
 
 def export_hf(
@@ -268,7 +242,7 @@ Makers = dict[str, Callable[[], torch.Tensor]]
 
 
 def _hf_makers(hf_dir: Path, make_vocab_size_divisible_by: int) -> tuple[ModelSpec, Makers]:
-    """The model spec of a HF directory of one of ``HF_MODEL_TYPES`` and each canonical tensor's
+    """The model spec of a HF directory of a registered family and each canonical tensor's
     maker over its (memory-mapped) weights; names, ties and the config are checked here, no
     tensor is converted yet."""
     from transformers import AutoConfig
@@ -279,43 +253,20 @@ def _hf_makers(hf_dir: Path, make_vocab_size_divisible_by: int) -> tuple[ModelSp
         config = AutoConfig.from_pretrained(str(hf_dir))
     except Exception as exc:
         raise UserError(f"--load {hf_dir}: cannot read config.json ({type(exc).__name__}: {exc})") from None
-    if config.model_type not in HF_MODEL_TYPES:  # before reading any weights
+    family = family_of_model_type(config.model_type)
+    if family is None:  # before reading any weights
         raise UserError(f"--load {hf_dir}: model_type {config.model_type!r} is not {supported_model_types()}")
     state = read_hf_state(hf_dir)
-    over = {"make_vocab_size_divisible_by": make_vocab_size_divisible_by}
-    if config.model_type == "gpt2":
-        from pretrain.models import hf_gpt2
-
-        cfg = hf_gpt2.model_config_from_hf(config, **over)
-        return ModelSpec(kind="gpt", cfg=cfg), hf_gpt2.lazy_hf_to_canonical(state, cfg)
-    from pretrain.models import hf_llama
-
-    if config.model_type in hf_llama.FAMILIES:  # Llama, Mistral, Qwen2, Qwen3
-        cfg = hf_llama.model_config_from_hf(config, **over)
-        return ModelSpec(kind="gpt", cfg=cfg), hf_llama.lazy_hf_to_canonical(state, cfg)
-    if config.model_type in BERT_MODEL_TYPES:
-        from pretrain.models import hf_bert
-
-        cfg = hf_bert.model_config_from_hf(config, **over)
-        if not any(k.startswith("bert.") for k in state):  # a bare BertModel / MegatronBertModel
-            state = {f"bert.{k}": v for k, v in state.items()}
-        bare = not any(k.startswith("cls.") for k in state)
-        makers = hf_bert.lazy_hf_to_canonical(state, cfg, lm_head=not bare)
-        # our BertModel always has an LM head: the fresh heads (small) are made once, here
-        names: dict[str, torch.Tensor] = {n: torch.empty(0, device="meta") for n in makers}
-        fresh = hf_bert.add_fresh_heads(names, cfg)
-        makers.update((n, functools.partial(_same, t)) for n, t in names.items() if n not in makers)
-        binary = "binary_head.weight" in makers
-        return ModelSpec(kind="bert", cfg=cfg, add_binary_head=binary, fresh_heads=fresh), makers
-    raise AssertionError(f"HF_MODEL_TYPES lists {config.model_type!r} without an importer")
-
-
-def _same(t: torch.Tensor) -> torch.Tensor:
-    return t
+    imported = family.module().import_hf(
+        state, config, family, make_vocab_size_divisible_by=make_vocab_size_divisible_by
+    )
+    spec = ModelSpec(kind=family.kind, cfg=imported.cfg, add_binary_head=imported.add_binary_head,
+                     fresh_heads=imported.fresh_heads)  # fmt: skip
+    return spec, imported.makers
 
 
 def import_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> DictSource:
-    """A local HF directory of one of ``HF_MODEL_TYPES`` -> canonical tensors (all in memory) and
+    """A local HF directory of a registered family -> canonical tensors (all in memory) and
     model spec. ``mlm-convert from-hf`` streams instead (:func:`open_hf`)."""
     spec, makers = _hf_makers(hf_dir, make_vocab_size_divisible_by)
     return DictSource(spec, {name: make() for name, make in makers.items()})

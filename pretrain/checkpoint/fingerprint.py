@@ -122,14 +122,14 @@ def hf_weights_fingerprint(state: Mapping[str, torch.Tensor], hf_config: Any) ->
     GPT-2 and the Llama-style families we convert are mapped to canonical names first (so an HF
     export of our checkpoint matches the checkpoint); any other architecture is hashed under its
     own names (stable, but not comparable with a Megatron-layout checkpoint)."""
-    from pretrain.models import hf_gpt2, hf_llama
+    from pretrain.models.families import family_of_model_type
 
-    model_type = getattr(hf_config, "model_type", None)
-    mapper: Any = hf_gpt2 if model_type == "gpt2" else hf_llama if model_type in hf_llama.FAMILIES else None
-    if mapper is not None:
+    family = family_of_model_type(getattr(hf_config, "model_type", None))
+    if family is not None and family.kind == "gpt":
         try:
-            cfg = mapper.model_config_from_hf(hf_config)
-            return fingerprint_tensors(mapper.hf_to_canonical(state, cfg).items(), vocab_size=cfg.vocab_size)
+            imported = family.module().import_hf(state, hf_config, family)
+            tensors = ((name, make()) for name, make in imported.makers.items())
+            return fingerprint_tensors(tensors, vocab_size=imported.cfg.vocab_size)
         except UserError:
             pass  # e.g. an untied GPT-2 LM head: not one of our models, hash it as it is
     return fingerprint_tensors(state.items())

@@ -1,8 +1,8 @@
 """Canonical full Llama-family state dict <-> Hugging Face (Llama, Mistral, Qwen2, Qwen3).
 
 A pure name/tensor mapping (no ``transformers`` import): :data:`LAYER_TABLE` is the one table of
-per-layer tensors of all four families (they share Hugging Face names), :data:`FAMILIES` what
-each family's config switches on. Used by ``mlm-convert to-hf`` / ``from-hf``, the upstream
+per-layer tensors of all four families (they share Hugging Face names), the registry
+(:mod:`pretrain.models.families.registry`) what each family's config switches on. Used by ``mlm-convert to-hf`` / ``from-hf``, the upstream
 Megatron readers and the parity tests.
 
 * ``model.embed_tokens`` <-> ``language_model.embedding.word_embeddings`` (unpadded);
@@ -16,6 +16,7 @@ Megatron readers and the parity tests.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -24,13 +25,12 @@ import torch
 
 from pretrain.config import ModelConfig
 from pretrain.model_options import config_kwargs_from_hf, hf_kwargs
-from pretrain.models.hf_families import LLAMA_FAMILIES, Family
+from pretrain.models.families.converter import HFImport
+from pretrain.models.families.registry import Family, export_family, family_of_model_type
 from pretrain.utils.errors import UserError
 
 LM = "language_model."
 
-
-FAMILIES = LLAMA_FAMILIES  # model_type -> Family (pretrain/models/hf_families.py)
 
 # (ours under "language_model.encoder.layers.{i}.", HF under "model.layers.{i}.") one-to-one.
 LAYER_TABLE: tuple[tuple[str, str], ...] = (
@@ -234,7 +234,7 @@ def _rope_kwargs(hf_config: Any) -> dict[str, Any]:
     return kw
 
 
-def _check_hf_config(hf_config: Any, family: Family) -> None:
+def _check_hf_config(hf_config: Any) -> None:
     if getattr(hf_config, "hidden_act", "silu") != "silu":
         raise UserError(f"Hugging Face config: hidden_act {hf_config.hidden_act!r} is not silu")
     if getattr(hf_config, "mlp_bias", False):
@@ -242,7 +242,8 @@ def _check_hf_config(hf_config: Any, family: Family) -> None:
     if getattr(hf_config, "attention_bias", False):
         raise UserError("Hugging Face config: attention_bias=True (o_proj bias) is not supported")
     window = getattr(hf_config, "sliding_window", None)
-    uses_window = getattr(hf_config, "use_sliding_window", family.model_type == "mistral")
+    # Mistral's config has no use_sliding_window: a window it sets is used (Qwen2/3 say whether)
+    uses_window = getattr(hf_config, "use_sliding_window", True)
     if uses_window and window is not None and window < hf_config.max_position_embeddings:
         raise UserError(
             f"Hugging Face config: sliding_window {window} < max_position_embeddings "
@@ -251,14 +252,19 @@ def _check_hf_config(hf_config: Any, family: Family) -> None:
 
 
 def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
-    """Our :class:`ModelConfig` from a HF Llama/Mistral/Qwen2/Qwen3 config (``overrides`` win)."""
-    family = FAMILIES.get(getattr(hf_config, "model_type", None) or "")
-    if family is None:
+    """Our :class:`ModelConfig` from the HF config of a registered Llama-converter family."""
+    family = family_of_model_type(getattr(hf_config, "model_type", None))
+    if family is None or family.converter != "llama":
         raise UserError(
-            f"Hugging Face config: model_type {getattr(hf_config, 'model_type', None)!r} is not one of "
-            f"{', '.join(FAMILIES)}"
+            f"Hugging Face config: model_type {getattr(hf_config, 'model_type', None)!r} is not a Llama family"
         )
-    _check_hf_config(hf_config, family)
+    return config_from_hf(hf_config, family, **overrides)
+
+
+def config_from_hf(hf_config: Any, family: Family, **overrides: Any) -> ModelConfig:
+    """Our :class:`ModelConfig` from ``family``'s HF config (``overrides`` win); the family's switches
+    (QKV bias, QK-norm) come from the registry."""
+    _check_hf_config(hf_config)
     heads = hf_config.num_attention_heads
     kv = getattr(hf_config, "num_key_value_heads", None) or heads
     head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // heads
@@ -270,13 +276,11 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         attention_dropout=float(getattr(hf_config, "attention_dropout", 0.0) or 0.0),
         normalization="RMSNorm",
         swiglu=True,
-        position_embedding_type="rope",
         num_query_groups=None if kv == heads else kv,
         kv_channels=None if head_dim * heads == hf_config.hidden_size else head_dim,
         untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", False),
         add_bias_linear=False,
-        add_qkv_bias=family.qkv_bias,
-        qk_layernorm=family.qk_norm,
+        **family.switches,
         **_rope_kwargs(hf_config),
     )
     kw.update(overrides)
@@ -299,13 +303,9 @@ def _rope_config(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def family_of(cfg: ModelConfig) -> Family:
-    """The HF family that holds ``cfg``: Qwen3 (QK-norm), Qwen2 (QKV bias), else Llama."""
+    """The registered family that holds ``cfg`` (Qwen3: QK-norm, Qwen2: QKV bias, else Llama)."""
     check_supported(cfg)
-    if cfg.qk_layernorm:
-        if cfg.add_qkv_bias:
-            raise UserError("model -> Hugging Face: QK-norm together with a QKV bias has no HF family here")
-        return FAMILIES["qwen3"]
-    return FAMILIES["qwen2"] if cfg.add_qkv_bias else FAMILIES["llama"]
+    return export_family(dataclasses.asdict(cfg), "gpt")
 
 
 def hf_config_kwargs(
@@ -314,29 +314,48 @@ def hf_config_kwargs(
 ) -> dict[str, Any]:  # fmt: skip
     """Keyword arguments for the family's HF config class (``model_type`` says which)."""
     check_supported(cfg)
-    fam = FAMILIES[family] if family is not None else family_of(cfg)
-    if fam.qkv_bias != cfg.add_qkv_bias or fam.qk_norm != cfg.qk_layernorm:
-        raise UserError(
-            f"model -> Hugging Face {fam.architecture}: QKV bias / QK-norm do not match the family"
-        )
-    kw: dict[str, Any] = {
-        **hf_kwargs(cfg, "llama"),  # the one-to-one keys (pretrain.model_options)
+    fam = family_of_model_type(family) if family is not None else family_of(cfg)
+    if fam is None or not fam.holds(dataclasses.asdict(cfg)):
+        raise UserError(f"model -> Hugging Face {family}: QKV bias / QK-norm do not match the family")
+    return {
         "model_type": fam.model_type,
-        "architectures": [fam.architecture],
+        **export_config(cfg, fam, special_ids={"bos_token_id": bos_token_id, "eos_token_id": eos_token_id}),
         "vocab_size": cfg.vocab_size if vocab_size is None else vocab_size,
+    }
+
+
+# --- the converter interface (pretrain.models.families.converter) ---------------------------------
+
+
+def import_hf(
+    state: Mapping[str, torch.Tensor], hf_config: Any, family: Family, **overrides: Any
+) -> HFImport:
+    cfg = config_from_hf(hf_config, family, **overrides)
+    return HFImport(cfg=cfg, makers=lazy_hf_to_canonical(state, cfg))
+
+
+def check_exportable(cfg: ModelConfig) -> None:
+    check_supported(cfg)
+
+
+def export_config(cfg: ModelConfig, family: Family, *, special_ids: Mapping[str, int | None],
+                  fresh_heads: tuple[str, ...] = ()) -> dict[str, object]:  # fmt: skip
+    return {
+        **hf_kwargs(cfg, "llama"),  # the one-to-one keys (pretrain.model_options)
+        "architectures": [family.architecture],
         "intermediate_size": cfg.ffn_size,
         "num_key_value_heads": cfg.query_groups,
         "head_dim": cfg.head_dim,
         "hidden_act": "silu",
         "tie_word_embeddings": not cfg.untie_embeddings_and_output_weights,
         "rope_parameters": _rope_config(cfg),
-        "bos_token_id": bos_token_id,
-        "eos_token_id": eos_token_id,
+        "bos_token_id": special_ids.get("bos_token_id"),
+        "eos_token_id": special_ids.get("eos_token_id"),
+        "pad_token_id": special_ids.get("pad_token_id"),
+        **family.hf_extra,
     }
-    if fam.model_type in ("llama", "qwen3"):
-        kw.update(attention_bias=False)
-    if fam.model_type == "llama":
-        kw.update(mlp_bias=False)
-    if fam.model_type in ("mistral", "qwen2", "qwen3"):
-        kw.update(sliding_window=None)
-    return kw
+
+
+def export_tensors(full: Mapping[str, torch.Tensor], cfg: ModelConfig, *,
+                   fresh_heads: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:  # fmt: skip
+    return canonical_to_hf(full, cfg)

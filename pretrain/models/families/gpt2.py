@@ -30,6 +30,8 @@ import torch
 
 from pretrain.config import ModelConfig
 from pretrain.model_options import config_kwargs_from_hf, hf_kwargs
+from pretrain.models.families.converter import HFImport
+from pretrain.models.families.registry import Family
 from pretrain.utils.errors import UserError
 
 LM = "language_model."
@@ -286,3 +288,26 @@ def hf_config_kwargs(
         tie_word_embeddings=not cfg.untie_embeddings_and_output_weights,
         architectures=["GPT2LMHeadModel"],
     )
+
+
+# --- the converter interface (pretrain.models.families.converter) ---------------------------------
+
+
+def import_hf(
+    state: Mapping[str, torch.Tensor], hf_config: Any, family: Family, **overrides: Any
+) -> HFImport:
+    cfg = model_config_from_hf(hf_config, **overrides)
+    return HFImport(cfg=cfg, makers=lazy_hf_to_canonical(state, cfg))
+
+
+def export_config(cfg: ModelConfig, family: Family, *, special_ids: Mapping[str, int | None],
+                  fresh_heads: tuple[str, ...] = ()) -> dict[str, object]:  # fmt: skip
+    kw = hf_config_kwargs(cfg, bos_token_id=special_ids.get("bos_token_id"),
+                          eos_token_id=special_ids.get("eos_token_id"))  # fmt: skip
+    return {**kw, "architectures": [family.architecture], "pad_token_id": special_ids.get("pad_token_id"),
+            **family.hf_extra}  # fmt: skip
+
+
+def export_tensors(full: Mapping[str, torch.Tensor], cfg: ModelConfig, *,
+                   fresh_heads: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:  # fmt: skip
+    return canonical_to_hf(full, cfg)

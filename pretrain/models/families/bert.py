@@ -39,6 +39,8 @@ import torch
 
 from pretrain.config import ModelConfig
 from pretrain.model_options import config_kwargs_from_hf, hf_kwargs
+from pretrain.models.families.converter import HFImport
+from pretrain.models.families.registry import Family
 from pretrain.utils.errors import UserError
 
 LM = "language_model."
@@ -324,3 +326,38 @@ def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_act": act,
         "type_vocab_size": max(cfg.num_tokentypes, 1),  # none: one zero row (see _with_written_zeros)
     }
+
+
+# --- the converter interface (pretrain.models.families.converter) ---------------------------------
+
+
+def import_hf(
+    state: Mapping[str, torch.Tensor], hf_config: Any, family: Family, **overrides: Any
+) -> HFImport:
+    """A (Megatron)BERT, pretraining heads or bare: our BertModel always has an LM head, so a bare
+    model's missing heads are initialised here (they are small) and named in ``fresh_heads``."""
+    cfg = model_config_from_hf(hf_config, **overrides)
+    if not any(k.startswith("bert.") for k in state):  # a bare BertModel / MegatronBertModel
+        state = {f"bert.{k}": v for k, v in state.items()}
+    bare = not any(k.startswith("cls.") for k in state)
+    makers = lazy_hf_to_canonical(state, cfg, lm_head=not bare)
+    names: dict[str, torch.Tensor] = {n: torch.empty(0, device="meta") for n in makers}
+    fresh = add_fresh_heads(names, cfg)
+    makers.update((n, functools.partial(_same, t)) for n, t in names.items() if n not in makers)
+    return HFImport(cfg=cfg, makers=makers, add_binary_head="binary_head.weight" in makers, fresh_heads=fresh)
+
+
+def export_config(cfg: ModelConfig, family: Family, *, special_ids: Mapping[str, int | None],
+                  fresh_heads: tuple[str, ...] = ()) -> dict[str, object]:  # fmt: skip
+    pad = {"pad_token_id": special_ids["pad_token_id"]} if "pad_token_id" in special_ids else {}
+    return {**hf_config_kwargs(cfg), "architectures": [hf_architecture(cfg, bare="lm_head" in fresh_heads)],
+            **pad, **family.hf_extra}  # fmt: skip
+
+
+def export_tensors(full: Mapping[str, torch.Tensor], cfg: ModelConfig, *,
+                   fresh_heads: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:  # fmt: skip
+    return canonical_to_hf(full, cfg, include_tied=False, fresh_heads=fresh_heads)
+
+
+def _same(t: torch.Tensor) -> torch.Tensor:
+    return t

@@ -1,0 +1,65 @@
+"""What every family converter module provides (``docs/adding-a-family.md``).
+
+A converter maps one architecture's Hugging Face configs and tensors to our canonical ones, for
+every :class:`~pretrain.models.families.registry.Family` that names it. It is a module with the
+functions of :class:`Converter`; tools at the edge (``tools/hf_io.py``) call only these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+
+from pretrain.config import ModelConfig
+
+if TYPE_CHECKING:
+    from pretrain.models.families.registry import Family
+
+TensorMaker = Callable[[], torch.Tensor]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HFImport:
+    """A Hugging Face model read as ours: its config, a maker per canonical tensor (each builds one
+    full tensor from the memory-mapped HF weights when called), and the BERT heads the HF model
+    lacked (``fresh_heads``, initialised here; ``add_binary_head``: a next-sentence head exists)."""
+
+    cfg: ModelConfig
+    makers: dict[str, TensorMaker]
+    add_binary_head: bool = False
+    fresh_heads: tuple[str, ...] = ()
+
+
+class Converter(Protocol):
+    """The functions of a converter module."""
+
+    def import_hf(
+        self, state: Mapping[str, torch.Tensor], hf_config: object, family: Family, **overrides: object
+    ) -> HFImport:
+        """The HF model (``state``: its tensors, memory-mapped) as ours; refuses (one line) what
+        our model cannot compute exactly."""
+        ...
+
+    def check_exportable(self, cfg: ModelConfig) -> None:
+        """Raise ``UserError`` naming every option of ``cfg`` the architecture cannot express."""
+        ...
+
+    def export_config(
+        self,
+        cfg: ModelConfig,
+        family: Family,
+        *,
+        special_ids: Mapping[str, int | None],
+        fresh_heads: tuple[str, ...],
+    ) -> dict[str, object]:
+        """``config.json`` keyword arguments (``architectures`` included, ``model_type`` not)."""
+        ...
+
+    def export_tensors(
+        self, full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, fresh_heads: tuple[str, ...]
+    ) -> dict[str, torch.Tensor]:
+        """The HF state dict of canonical ``full`` tensors (tied copies omitted)."""
+        ...

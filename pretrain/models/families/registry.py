@@ -1,0 +1,130 @@
+"""The registry of model families: one :class:`Family` per Hugging Face ``model_type`` we convert.
+
+A family names its Hugging Face ``model_type`` and architecture, the *converter* module that maps its
+configs and tensors to ours (``pretrain.models.families.gpt2``, ``.llama``, ``.bert`` or any module
+with the same functions, see ``docs/adding-a-family.md``), and what it switches on: the
+:class:`~pretrain.config.ModelConfig` values that make a checkpoint this family rather than a sibling
+with the same tensors (Qwen2 is Llama with ``add_qkv_bias``). Everything that depends on the
+family asks the registry: the importer's dispatch, its refusal of an unknown ``model_type`` and
+``mlm-convert --help`` (:func:`supported_model_types`), and which family an export goes to
+(:func:`export_family`). A checkpoint imported from Hugging Face records its family's
+``model_type`` (``provenance.source_model_type``) and is exported back to it when it still holds
+the model.
+
+Importable without torch or transformers (``mlm-convert --help`` uses it).
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import ModuleType
+
+
+@dataclass(frozen=True, kw_only=True)
+class Family:
+    """One Hugging Face model family (see the module docstring).
+
+    ``converter``: the converter module's name under ``pretrain.models.families`` (or a full
+    module path); ``kind``: which of our models computes it (``gpt`` or ``bert``); ``switches``:
+    the ``ModelConfig`` values the family fixes; ``hf_extra``: constant ``config.json`` keys it
+    writes; ``export_default``: the family chosen for a matching config that records no family
+    (Llama rather than Mistral, whose tensors are the same).
+    """
+
+    model_type: str
+    architecture: str
+    converter: str
+    kind: str = "gpt"
+    switches: Mapping[str, object] = field(default_factory=dict)
+    hf_extra: Mapping[str, object] = field(default_factory=dict)
+    export_default: bool = True
+
+    def holds(self, values: Mapping[str, object]) -> bool:
+        """Whether a model with these ``ModelConfig`` values is this family (its switches match)."""
+        return all(values.get(k) == v for k, v in self.switches.items())
+
+    def module(self) -> ModuleType:
+        """The converter module (imported on first use: it needs torch)."""
+        name = self.converter if "." in self.converter else f"pretrain.models.families.{self.converter}"
+        return importlib.import_module(name)
+
+
+_REGISTRY: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Add ``family`` (a later registration of the same ``model_type`` replaces the earlier one)."""
+    _REGISTRY[family.model_type] = family
+    return family
+
+
+def unregister(model_type: str) -> None:
+    """Remove a family (for tests that register a temporary one)."""
+    _REGISTRY.pop(model_type, None)
+
+
+def families() -> tuple[Family, ...]:
+    """Every registered family, in registration order."""
+    return tuple(_REGISTRY.values())
+
+
+def family_of_model_type(model_type: str | None) -> Family | None:
+    """The family registered for a Hugging Face ``model_type`` (None when there is none)."""
+    return _REGISTRY.get(model_type or "")
+
+
+def export_family(values: Mapping[str, object], kind: str, *, recorded: str | None = None) -> Family:
+    """The family an export of a ``kind`` model with ``ModelConfig`` ``values`` goes to.
+
+    Among the families of that kind whose switches match: the one the checkpoint ``recorded`` when
+    it is one of them, else the first marked ``export_default``, else the first. When none matches,
+    the first family of the kind whose first switch matches (or the kind's first family): its
+    converter then refuses the export, naming the options its architecture lacks.
+    """
+    same_kind = [f for f in families() if f.kind == kind]
+    if not same_kind:
+        raise LookupError(f"no model family of kind {kind!r} is registered")
+    holding = [f for f in same_kind if f.holds(values)]
+    for f in holding:
+        if f.model_type == recorded:
+            return f
+    if holding:
+        return next((f for f in holding if f.export_default), holding[0])
+    for f in same_kind:
+        first = next(iter(f.switches.items()), None)
+        if first is not None and values.get(first[0]) == first[1]:
+            return f
+    return same_kind[0]
+
+
+def supported_model_types() -> str:
+    """``'gpt2', 'llama', ... or 'megatron-bert'``: the readable ``model_type`` values, for messages."""
+    names = [repr(f.model_type) for f in families()]
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
+def supported_architectures() -> str:
+    """``GPT2LMHeadModel / LlamaForCausalLM / ...``: the families, for help texts."""
+    return " / ".join(f.architecture for f in families())
+
+
+_LLAMA = {"position_embedding_type": "rope", "add_qkv_bias": False, "qk_layernorm": False}
+for _family in (
+    Family(model_type="gpt2", architecture="GPT2LMHeadModel", converter="gpt2",
+           switches={"position_embedding_type": "learned_absolute"}),
+    Family(model_type="llama", architecture="LlamaForCausalLM", converter="llama", switches=_LLAMA,
+           hf_extra={"attention_bias": False, "mlp_bias": False}),
+    Family(model_type="mistral", architecture="MistralForCausalLM", converter="llama", switches=_LLAMA,
+           hf_extra={"sliding_window": None}, export_default=False),
+    Family(model_type="qwen2", architecture="Qwen2ForCausalLM", converter="llama",
+           switches={**_LLAMA, "add_qkv_bias": True}, hf_extra={"sliding_window": None}),
+    Family(model_type="qwen3", architecture="Qwen3ForCausalLM", converter="llama",
+           switches={**_LLAMA, "qk_layernorm": True}, hf_extra={"attention_bias": False, "sliding_window": None}),
+    Family(model_type="bert", architecture="BertForPreTraining", converter="bert", kind="bert",
+           switches={"post_layernorm": True}),
+    Family(model_type="megatron-bert", architecture="MegatronBertForPreTraining", converter="bert", kind="bert",
+           switches={"post_layernorm": False}),
+):  # fmt: skip
+    register(_family)
