@@ -142,7 +142,6 @@ def test_v019_checkpoint_with_mup_is_refused_naming_it(tmp_path: Path) -> None:
 def test_our_torch_dist_of_it_loads_with_weights_only(written: Path, tmp_path: Path) -> None:
     """megatron-core 0.19 loads a ``common.pt`` with ``torch.load(weights_only=True)`` and its
     allow-list (``Namespace``, ``Signals``, its enums): ours needs nothing beyond ``Namespace``."""
-    import argparse
 
     from pretrain.checkpoint.opener import load_canonical
     from tools.convert_cli import main as convert
@@ -150,8 +149,16 @@ def test_our_torch_dist_of_it_loads_with_weights_only(written: Path, tmp_path: P
     assert convert(["reshard", "--load", str(written / "dist"), "--save", str(tmp_path / "ours"), "--target-tp", "1",
                     "--target-pp", "1", "--ckpt-format", "torch_dist"]) == 0  # fmt: skip
     common = next((tmp_path / "ours").glob("*/common.pt"))
-    with torch.serialization.safe_globals([argparse.Namespace]):
-        assert torch.load(common, weights_only=True)["args"].tensor_model_parallel_size == 1
+    # In a fresh interpreter that allow-lists Namespace alone (as megatron-core does); here a
+    # safe_globals context would also drop, on exit, the Namespace our metadata module allow-lists.
+    code = (
+        "import argparse, sys, torch; torch.serialization.add_safe_globals([argparse.Namespace]); "
+        "print(torch.load(sys.argv[1], weights_only=True)['args'].tensor_model_parallel_size)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(common)], capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "1"
     got, _, _ = load_canonical(tmp_path / "ours")
     ref, _, _ = load_canonical(written / "dist")
     assert all(torch.equal(got[n], ref[n]) for n in ref)
