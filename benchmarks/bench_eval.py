@@ -41,8 +41,8 @@ except ImportError:
 from mlm_eval.scoring.megatron import MegatronGPTScorer, eval_model_config
 from mlm_eval.tasks.detokenize import count_original_tokens, wikitext_detokenize
 from mlm_eval.tasks.wikitext import evaluate_wikitext_paper
-from pretrain.models.gpt import GPTModel
 from pretrain.models.families.gpt2 import hf_to_canonical, model_config_from_hf
+from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import load_full_state_dict
 from pretrain.parallel.state import ParallelState
 

@@ -38,8 +38,8 @@ except ImportError:
 from mlm_eval.scoring.megatron import MegatronGPTScorer, eval_model_config
 from mlm_eval.scoring.scorer import IGNORE, as_text_encoder, score_rows
 from mlm_eval.tasks.lambada import evaluate_lambada, split_example
-from pretrain.models.gpt import GPTModel
 from pretrain.models.families.gpt2 import hf_to_canonical, model_config_from_hf
+from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import load_full_state_dict
 from pretrain.parallel.state import ParallelState
 
