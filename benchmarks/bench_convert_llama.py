@@ -67,7 +67,7 @@ class _RandomSource:
 
 
 def _save(size: str, out: Path) -> int:
-    from pretrain.checkpoint.torch_dist_writer import write_torch_dist
+    from pretrain.checkpoint.torch_dist.writer import write_torch_dist
     from pretrain.config import ParallelConfig
 
     src = _RandomSource(size)

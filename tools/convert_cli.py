@@ -179,14 +179,14 @@ def _add_format(p: argparse.ArgumentParser) -> None:
 
 def _write(fmt: str, source: Any, save: Path, target: ParallelConfig, **kw: Any) -> None:
     """``write_layout`` (legacy ``torch``) or :func:`write_torch_dist` with the same options."""
-    from pretrain.checkpoint.reshard import write_layout
+    from pretrain.checkpoint.legacy.writer import write_layout
 
     optimizer_state = kw.pop("optimizer_state", None)
     distributed_optimizer = kw.pop("distributed_optimizer", False)
     if fmt == "torch":
         write_layout(source, save, target, **kw)
         return
-    from pretrain.checkpoint.torch_dist_writer import write_torch_dist
+    from pretrain.checkpoint.torch_dist.writer import write_torch_dist
 
     write_torch_dist(source, save, target, options=kw["options"], extra_files=kw.get("extra_files"),
                      optimizer=optimizer_state, distributed_optimizer=distributed_optimizer)  # fmt: skip
@@ -258,7 +258,7 @@ def verify(reader: Any) -> list[str]:
 
 
 def run_inspect(source: SourceOptions, *, as_json: bool) -> int:
-    from pretrain.checkpoint.optimizer_reshard import describe_optimizer
+    from pretrain.checkpoint.optimizer.reshard import describe_optimizer
 
     reader = source.open()
     problems = verify(reader)
@@ -352,7 +352,7 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
                 ckpt_format: str = "torch", module_names: str | None = None,
                 dist_optimizer: bool = False) -> int:  # fmt: skip
     from pretrain.checkpoint.fingerprint import weights_fingerprint
-    from pretrain.checkpoint.reshard import WriteOptions, check_output_dir
+    from pretrain.checkpoint.legacy.writer import WriteOptions, check_output_dir
     from pretrain.checkpoint.types import Provenance
 
     check_output_dir(save, sources=(source.load,))
@@ -360,12 +360,12 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
     tok = source.tokenizer(reader, required=False)
     opt = None
     if with_optimizer:
-        from pretrain.checkpoint.optimizer_reshard import open_optimizer_source
+        from pretrain.checkpoint.optimizer.reshard import open_optimizer_source
 
         opt = open_optimizer_source(reader)
     optimizer = None
     if opt is not None and ckpt_format == "torch":
-        from pretrain.checkpoint.optimizer_reshard import optimizer_writer
+        from pretrain.checkpoint.optimizer.reshard import optimizer_writer
 
         optimizer = optimizer_writer(opt, reader.spec, target)
     scheduler = (
@@ -400,7 +400,7 @@ def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
               verify_tol: float = 1e-4) -> int:  # fmt: skip
     """Export; ``verify`` (``auto``/``full``/``per-layer``; None: skip) checks the written directory
     against the checkpoint before it is renamed to ``save`` (:mod:`tools.hf_verify`)."""
-    from pretrain.checkpoint.reshard import check_output_dir
+    from pretrain.checkpoint.legacy.writer import check_output_dir
     from tools.hf_io import check_exportable, export_hf
 
     check_output_dir(save, sources=(source.load,))
@@ -483,7 +483,7 @@ def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_b
                 ckpt_format: str = "torch", module_names: str | None = None,
                 force_tokenizer: bool = False) -> int:  # fmt: skip
     from pretrain.checkpoint.fingerprint import weights_fingerprint
-    from pretrain.checkpoint.reshard import WriteOptions, check_output_dir
+    from pretrain.checkpoint.legacy.writer import WriteOptions, check_output_dir
     from pretrain.checkpoint.types import Provenance
     from tools.hf_io import open_hf
 

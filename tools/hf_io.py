@@ -277,7 +277,7 @@ def open_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> LazySou
     and each canonical full tensor is built when asked for (then the pages read are given back),
     so writing a checkpoint holds one full tensor beside the file being written, not the model.
     The same tensors, in the same order, as :func:`import_hf`."""
-    from pretrain.checkpoint.pages import PageReleaser
+    from pretrain.checkpoint.legacy.pages import PageReleaser
 
     spec, makers = _hf_makers(hf_dir, make_vocab_size_divisible_by)
     pages = PageReleaser(_weight_files(hf_dir))  # after the files are mapped (read_hf_state)

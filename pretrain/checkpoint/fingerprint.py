@@ -5,7 +5,7 @@ The fingerprint identifies *weights*, not files: a tp2/pp2 checkpoint, its tp1 r
 leaderboard shows them as one model. What is hashed, per canonical tensor name (sorted):
 
 * the canonical full tensor (all TP shards joined, pipeline stages merged, upstream QKV orders
-  converted: exactly what :class:`~pretrain.checkpoint.reader.CanonicalSource` yields);
+  converted: exactly what :class:`~pretrain.checkpoint.legacy.reader.CanonicalSource` yields);
 * vocabulary tensors cut to the true vocabulary (``vocab_size`` rows): padding rows are a layout
   detail (``make_vocab_size_divisible_by`` x TP) and never enter the hash;
 * floating-point values normalised to little-endian float32 (fp16 and bf16 widen exactly, so a

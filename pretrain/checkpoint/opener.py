@@ -2,8 +2,8 @@
 
 :func:`open_checkpoint` finds the iteration directory (a checkpoint root with its tracker file,
 or one iteration directory) and dispatches to the legacy ``torch`` reader
-(:mod:`pretrain.checkpoint.reader`) or the ``torch_dist`` reader
-(:mod:`pretrain.checkpoint.torch_dist`). Both return objects with ``spec``, ``info``
+(:mod:`pretrain.checkpoint.legacy.reader`) or the ``torch_dist`` reader
+(:mod:`pretrain.checkpoint.torch_dist.reader`). Both return objects with ``spec``, ``info``
 (:class:`~pretrain.checkpoint.types.CheckpointInfo`), ``metadata`` (our record or ``None``),
 ``names()`` and ``tensor(name)``. :func:`load_canonical` is the one-call entry for in-memory use.
 """
@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.layout import TRACKER, iteration_dir, read_tracker
+from pretrain.checkpoint.legacy.layout import TRACKER, iteration_dir, read_tracker
 from pretrain.checkpoint.plan import ModelSpec
 from pretrain.checkpoint.types import CheckpointInfo
-from pretrain.checkpoint.upstream_args import VocabOptions
+from pretrain.checkpoint.upstream.args import VocabOptions
 from pretrain.utils.errors import UserError
 
 
@@ -58,10 +58,10 @@ def open_checkpoint(
         size=vocab_size, tokenizer_size=tokenizer_size, tokenizer_source=tokenizer_source, root=str(root)
     )
     if (it_dir / "metadata.json").exists() or (it_dir / ".metadata").exists():
-        from pretrain.checkpoint.torch_dist import open_torch_dist
+        from pretrain.checkpoint.torch_dist.reader import open_torch_dist
 
         return open_torch_dist(it_dir, it, vocab=vocab, root=root)
-    from pretrain.checkpoint.reader import open_legacy
+    from pretrain.checkpoint.legacy.reader import open_legacy
 
     return open_legacy(it_dir, it, vocab=vocab, root=root)
 

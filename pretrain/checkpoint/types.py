@@ -160,7 +160,7 @@ class LazySource:
 
     ``makers[name]()`` builds one full tensor; nothing is kept, so a writer that asks for one
     tensor at a time holds one. ``after`` (optional) runs after each tensor is made: it gives back
-    the resident pages of the mapped input files (see :class:`~pretrain.checkpoint.pages.PageReleaser`)."""
+    the resident pages of the mapped input files (see :class:`~pretrain.checkpoint.legacy.pages.PageReleaser`)."""
 
     spec: ModelSpec
     makers: dict[str, Callable[[], torch.Tensor]]

@@ -19,15 +19,15 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.args_semantics import is_zero_centred_norm, untie_head_names
-from pretrain.checkpoint.layout import MODEL_FILE, flatten, list_rank_dirs
+from pretrain.checkpoint.legacy.layout import MODEL_FILE, flatten, list_rank_dirs
+from pretrain.checkpoint.legacy.pages import PageReleaser
 from pretrain.checkpoint.metadata import CheckpointMetadata, as_mapping, read_metadata
-from pretrain.checkpoint.pages import PageReleaser
 from pretrain.checkpoint.plan import ModelSpec, Slot, chunk_slots, layers_from_counts
 from pretrain.checkpoint.safe_unpickle import load_untrusted
 from pretrain.checkpoint.types import CanonicalSource, CheckpointInfo
-from pretrain.checkpoint.upstream_args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
-from pretrain.checkpoint.upstream_names import is_qkv, qkv_to_canonical, to_local_name
+from pretrain.checkpoint.upstream.args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
+from pretrain.checkpoint.upstream.args_semantics import is_zero_centred_norm, untie_head_names
+from pretrain.checkpoint.upstream.names import is_qkv, qkv_to_canonical, to_local_name
 from pretrain.model_options import layernorm_1p
 from pretrain.models.sharding import row_layout, unshard_tensors
 from pretrain.utils.errors import UserError
@@ -107,7 +107,7 @@ class LegacyReader:
         """The full tensor ``name`` with every stored row: a vocabulary tensor keeps its padding
         rows after the true vocabulary (``[p, h]``). megatron-core's softmax spans the padded
         vocabulary, so upstream runs train those rows; writers carry them
-        (:func:`pretrain.checkpoint.reshard.vocab_rows`)."""
+        (:func:`pretrain.checkpoint.legacy.writer.vocab_rows`)."""
         if name not in self.entries:
             raise UserError(f"{self.info.path}: no tensor {name!r}")
         vocab = self.spec.cfg.vocab_size if self.entries[name].slot.vocab else None

@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.args_semantics import is_zero_centred_norm
 from pretrain.checkpoint.metadata import as_mapping
-from pretrain.checkpoint.optimizer_state import (
+from pretrain.checkpoint.optimizer.state import (
     OptimizerCommon,
     OptimizerSource,
     from_mcore_common,
@@ -34,7 +33,8 @@ from pretrain.checkpoint.optimizer_state import (
     to_mcore_distributed_common,
     to_mcore_scheduler,
 )
-from pretrain.checkpoint.torch_dist import TorchDistReader, read_common, read_region
+from pretrain.checkpoint.torch_dist.reader import TorchDistReader, read_common, read_region
+from pretrain.checkpoint.upstream.args_semantics import is_zero_centred_norm
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.utils.errors import UserError
 

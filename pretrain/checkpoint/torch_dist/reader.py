@@ -33,14 +33,14 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorSt
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from pretrain.checkpoint.args_semantics import OUTPUT_LAYER, is_zero_centred_norm
-from pretrain.checkpoint.dcp_failures import dcp_failures, first_line
 from pretrain.checkpoint.metadata import as_mapping, read_metadata
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
 from pretrain.checkpoint.safe_unpickle import load_untrusted, load_untrusted_bytes
+from pretrain.checkpoint.torch_dist.dcp_failures import dcp_failures, first_line
 from pretrain.checkpoint.types import CheckpointInfo, CheckpointMetadata
-from pretrain.checkpoint.upstream_args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
-from pretrain.checkpoint.upstream_names import to_local_name
+from pretrain.checkpoint.upstream.args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
+from pretrain.checkpoint.upstream.args_semantics import OUTPUT_LAYER, is_zero_centred_norm
+from pretrain.checkpoint.upstream.names import to_local_name
 from pretrain.model_options import layernorm_1p
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.utils.errors import UserError

@@ -20,15 +20,15 @@ from typing import Any
 import torch
 
 from pretrain.checkpoint.args import build_metadata
-from pretrain.checkpoint.layout import (
+from pretrain.checkpoint.legacy.layout import (
     CHECKPOINT_VERSION,
     MODEL_FILE,
     iteration_dir,
     rank_dir_name,
     write_tracker,
 )
+from pretrain.checkpoint.legacy.module_names import chunk_to_file
 from pretrain.checkpoint.metadata import to_args
-from pretrain.checkpoint.module_names import chunk_to_file
 from pretrain.checkpoint.plan import LayoutPlan, Slot
 from pretrain.checkpoint.types import (
     CanonicalSource,
