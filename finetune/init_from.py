@@ -1,7 +1,7 @@
 """Where finetuning starts: a BERT checkpoint of ours (any layout) or a local Hugging Face directory.
 
 * ``--ckpt DIR``: any Megatron-layout checkpoint (ours or upstream, any TP/PP/VP, legacy or
-  ``torch_dist``) through :func:`pretrain.checkpoint.legacy.reader.open_checkpoint`; tensors are read
+  ``torch_dist``) through :func:`pretrain.checkpoint.opener.open_checkpoint`; tensors are read
   lazily (memory-mapped), one full tensor at a time. The tokenizer is the checkpoint's own
   (``tokenizer/``, or the files its args name); ``--tokenizer-dir`` / ``--vocab-file`` are checked
   against it (``--force-tokenizer`` overrides).

@@ -328,8 +328,8 @@ def _print_inspect(record: dict[str, Any]) -> None:
 # --- conversions -------------------------------------------------------------------------------
 def _save_tokenizer_files(tok: ResolvedTokenizer | None) -> Any:
     """``extra_files`` for :func:`write_layout`: the tokenizer's files into ``tokenizer/``."""
-    from pretrain.checkpoint.types import TOKENIZER_SUBDIR
     from pretrain.tokenizer.loader import save_tokenizer
+    from pretrain.tokenizer.record import TOKENIZER_SUBDIR
 
     return None if tok is None else (lambda tmp: save_tokenizer(tok.tokenizer, tmp / TOKENIZER_SUBDIR))
 

@@ -24,9 +24,10 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from pretrain.checkpoint.plan import ModelSpec
-from pretrain.checkpoint.types import PROBE_TEXT, DictSource, LazySource
+from pretrain.checkpoint.types import DictSource, LazySource
 from pretrain.models.families import Family, export_family, family_of_model_type, supported_model_types
 from pretrain.tokenizer.base import Tokenizer
+from pretrain.tokenizer.record import PROBE_TEXT
 from pretrain.utils.atomic import atomic_directory
 from pretrain.utils.errors import UserError
 from tools.hf_shards import DEFAULT_MAX_SHARD_SIZE

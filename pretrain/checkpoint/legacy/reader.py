@@ -322,10 +322,3 @@ def open_legacy(
         norm_1p=meta is None and layernorm_1p(as_mapping(states[0].get("args"))),
     )  # fmt: skip
 
-
-def __getattr__(name: str) -> Any:  # the earlier home of these entry points
-    if name in ("open_checkpoint", "load_canonical"):
-        from pretrain.checkpoint import opener
-
-        return getattr(opener, name)
-    raise AttributeError(name)
