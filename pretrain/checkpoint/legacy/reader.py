@@ -321,4 +321,3 @@ def open_legacy(
         pages=PageReleaser(files), metadata=meta,
         norm_1p=meta is None and layernorm_1p(as_mapping(states[0].get("args"))),
     )  # fmt: skip
-

@@ -74,7 +74,7 @@ class TorchDistOptimizerSource:
                 f"{r.path}: {key} has shape {tuple(r.meta[key].size)}, its parameter "
                 f"{tuple(r.meta[ref.key].size)} (a flattened distributed-optimizer layout is not read)"
             )
-        full = read_region(r.path, r.meta[key], key, ref.layer).float()
+        full = read_region(r.path, r.meta[key], key, ref.layer, r.storage).float()
         if kind == "param" and r.norm_1p and is_zero_centred_norm(canonical):
             full = full + 1
         return full
@@ -83,7 +83,7 @@ class TorchDistOptimizerSource:
 def open_optimizer(reader: TorchDistReader) -> TorchDistOptimizerSource:
     """The optimizer state of ``reader``'s checkpoint (one line and exit 2 when it has none)."""
     common_pt = reader.path / "common.pt"
-    common = read_common(reader.path)
+    common = read_common(reader.path, reader.storage)
     if not any(k.startswith("optimizer.state.") for k in reader.meta):
         raise UserError(f"--with-optimizer: {reader.path} holds no optimizer state")
     args = dict(as_mapping(common.get("args")))
