@@ -61,6 +61,9 @@ class RandomSource:
         gen = self.torch.Generator().manual_seed(self.names().index(name))
         return self.torch.randn(self.shapes[name], generator=gen) * 0.02
 
+    def stored_rows(self, name: str) -> Any:  # no padding rows stored
+        return self.tensor(name)
+
     def nbytes(self) -> int:
         return sum(4 * int(self.torch.Size(s).numel()) for s in self.shapes.values())
 

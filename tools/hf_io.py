@@ -19,12 +19,12 @@ import dataclasses
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
 from pretrain.checkpoint.plan import ModelSpec
-from pretrain.checkpoint.types import DictSource, LazySource
+from pretrain.checkpoint.types import DictSource, LazySource, TensorSource
 from pretrain.models.families import Family, export_family, family_of_model_type, supported_model_types
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.tokenizer.record import PROBE_TEXT
@@ -33,15 +33,6 @@ from pretrain.utils.errors import UserError
 from tools.hf_shards import DEFAULT_MAX_SHARD_SIZE
 
 __all__ = ["check_exportable", "export_hf", "hf_tokenizer_of", "import_hf", "open_hf", "read_hf_state"]
-
-
-@runtime_checkable
-class TensorSource(Protocol):
-    """Canonical tensors by name (a checkpoint reader): streamed by :func:`export_hf`."""
-
-    def names(self) -> list[str]: ...
-
-    def tensor(self, name: str) -> torch.Tensor: ...
 
 
 def hf_tokenizer_of(tok: Tokenizer) -> Any:

@@ -168,7 +168,7 @@ def resolve_global(module: str, name: str) -> Any:
     raise UnsafePickleError(f"refusing to unpickle global {module}.{name} (not on the allow-list)")
 
 
-# What torch's dcp ``Metadata`` pickles reference (torch 2.x; ``_shard`` paths: torch <= 2.1). Each is a
+# What dcp ``Metadata`` pickles reference (torch 2.x and megatron-core's; ``_shard`` paths: torch <= 2.1). Each is a
 # dataclass, an enum looked up by value, a path value or a name -> layout lookup: none runs code.
 DCP_METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.metadata", name)
@@ -176,6 +176,9 @@ DCP_METADATA_GLOBALS = {
         "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
         "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
     )
+} | {
+    ("torch.distributed.checkpoint.planner", name)  # megatron-core keeps the save plans (all_local_plans)
+    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")
 } | {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),

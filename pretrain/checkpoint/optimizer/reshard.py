@@ -33,6 +33,7 @@ from pretrain.checkpoint.optimizer.state import (
 )
 from pretrain.checkpoint.plan import ModelSpec, Slot
 from pretrain.checkpoint.safe_unpickle import load_untrusted
+from pretrain.checkpoint.types import CheckpointReader
 from pretrain.checkpoint.upstream.args_semantics import untie_head_names
 from pretrain.checkpoint.upstream.names import to_local_name
 from pretrain.checkpoint.upstream.optimizer import UpstreamParam, upstream_full_state
@@ -163,7 +164,7 @@ class LegacyOptimizerSource:
         return self.views[kind].stored_rows(canonical).float()
 
 
-def open_legacy_optimizer(reader: Any) -> LegacyOptimizerSource:
+def open_legacy_optimizer(reader: CheckpointReader) -> LegacyOptimizerSource:
     """The optimizer state of our checkpoint ``reader`` (one line and exit 2 when it has none)."""
     if not isinstance(reader, LegacyReader):
         raise UserError("--with-optimizer: this checkpoint format carries no optimizer state we read")
@@ -237,7 +238,7 @@ def optimizer_writer(
     return build
 
 
-def open_optimizer_source(reader: Any) -> OptimizerSource:
+def open_optimizer_source(reader: CheckpointReader) -> OptimizerSource:
     """The optimizer state of an opened checkpoint (our per-rank files or ``torch_dist``)."""
     from pretrain.checkpoint.torch_dist.reader import TorchDistReader
 
@@ -248,7 +249,7 @@ def open_optimizer_source(reader: Any) -> OptimizerSource:
     return open_legacy_optimizer(reader)
 
 
-def describe_optimizer(reader: Any) -> dict[str, Any]:
+def describe_optimizer(reader: CheckpointReader) -> dict[str, Any]:
     """What ``mlm-convert inspect`` says of a checkpoint's optimizer state: ``{"present",
     "reshardable", "step", "why"}`` (``why``: the one-line reason it cannot be carried)."""
     try:

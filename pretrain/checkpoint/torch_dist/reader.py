@@ -41,6 +41,7 @@ from pretrain.checkpoint.types import CheckpointInfo, CheckpointMetadata
 from pretrain.checkpoint.upstream.args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
 from pretrain.checkpoint.upstream.args_semantics import OUTPUT_LAYER, is_zero_centred_norm
 from pretrain.checkpoint.upstream.names import to_local_name
+from pretrain.checkpoint.vocab_view import vocab_view
 from pretrain.model_options import layernorm_1p
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.utils.errors import UserError
@@ -159,6 +160,18 @@ class TorchDistReader:
 
     def names(self) -> list[str]:
         return list(self.refs)
+
+    def with_vocab(self, vocab_size: int, *, source: str = "") -> TorchDistReader:
+        """This checkpoint with the true vocabulary ``vocab_size`` (``.metadata`` not read again)."""
+        row = sum(
+            int(torch.Size(self.meta[r.key].size[1:]).numel())
+            for n, r in self.refs.items()
+            if is_vocab_tensor(n)
+        )
+        spec, info = vocab_view(
+            self.spec, self.info, self.args, vocab_size=vocab_size, source=source, tp=1, row_numel=row
+        )
+        return dataclasses.replace(self, spec=spec, info=info)
 
     def _read(self, ref: _Ref, vocab: bool) -> torch.Tensor:
         t = read_region(self.path, self.meta[ref.key], ref.key, ref.layer, self.storage)

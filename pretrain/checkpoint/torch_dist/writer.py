@@ -45,7 +45,7 @@ from pretrain.checkpoint.optimizer.state import MCORE_STATE_PREFIX, OptimizerSou
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
 from pretrain.checkpoint.torch_dist.dcp_failures import dcp_failures, first_line
 from pretrain.checkpoint.torch_dist.optimizer import optimizer_common, optimizer_entry_kinds
-from pretrain.checkpoint.types import CanonicalSource
+from pretrain.checkpoint.types import TensorSource
 from pretrain.checkpoint.upstream.names import MCORE_BLOCK, to_mcore_key
 from pretrain.config import ParallelConfig
 from pretrain.tensor_parallel.vocab import padded_vocab_size
@@ -98,7 +98,7 @@ def _check_representable(spec: ModelSpec) -> None:
         )
 
 
-def _entries(source: CanonicalSource, tp: int) -> list[_Entry]:
+def _entries(source: TensorSource, tp: int) -> list[_Entry]:
     spec = source.spec
     cfg = spec.cfg
     _check_representable(spec)
@@ -184,7 +184,7 @@ def _optimizer_entries(entries: list[_Entry], params_dtype: str, *, distributed:
     ]
 
 
-def _fetcher(source: CanonicalSource, opt: OptimizerSource | None) -> Callable[[_Entry, str], torch.Tensor]:
+def _fetcher(source: TensorSource, opt: OptimizerSource | None) -> Callable[[_Entry, str], torch.Tensor]:
     def fetch(entry: _Entry, name: str) -> torch.Tensor:
         pad_rows = entry.pad_rows
         if entry.state_kind is None:
@@ -205,7 +205,7 @@ def _fetcher(source: CanonicalSource, opt: OptimizerSource | None) -> Callable[[
 
 
 def write_torch_dist(
-    source: CanonicalSource,
+    source: TensorSource,
     save: str | Path,
     target: ParallelConfig,
     *,
