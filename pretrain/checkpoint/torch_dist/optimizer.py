@@ -83,7 +83,7 @@ class TorchDistOptimizerSource:
 def open_optimizer(reader: TorchDistReader) -> TorchDistOptimizerSource:
     """The optimizer state of ``reader``'s checkpoint (one line and exit 2 when it has none)."""
     common_pt = reader.path / "common.pt"
-    common = read_common(reader.path, reader.storage)
+    common = reader.common or read_common(reader.path, reader.storage)
     if not any(k.startswith("optimizer.state.") for k in reader.meta):
         raise UserError(f"--with-optimizer: {reader.path} holds no optimizer state")
     args = dict(as_mapping(common.get("args")))

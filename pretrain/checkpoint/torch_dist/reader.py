@@ -157,6 +157,7 @@ class TorchDistReader:
     storage: Metadata | None = None  # the dcp .metadata, read once (safely) when opened
     norm_1p: bool = False  # upstream apply_layernorm_1p: norm weights are stored minus 1
     args: dict[str, Any] = field(default_factory=dict)  # common.pt's args (names the tokenizer)
+    common: dict[str, Any] = field(default_factory=dict)  # all of common.pt (optimizer, scheduler), read once
 
     def names(self) -> list[str]:
         return list(self.refs)
@@ -344,5 +345,5 @@ def open_torch_dist(
     ordered = {s.canonical: refs[s.local] for s in slots}
     return TorchDistReader(
         spec=spec, info=info, path=it_dir, meta=meta, refs=ordered, head=head, metadata=ours, storage=storage,
-        norm_1p=ours is None and layernorm_1p(args), args=args,
+        norm_1p=ours is None and layernorm_1p(args), args=args, common=common,
     )  # fmt: skip
