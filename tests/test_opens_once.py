@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 from mlm_eval.cli import main as eval_main
-from mlm_eval.generate_cli import main as generate_main
+from mlm_eval.generation.cli import main as generate_main
 from tools.convert_cli import main as convert_main
 
 WIKI = ["--data", "builtin:wikitext_sample.tokens", "--seq-length", "32", "--overlap", "8", "--no-progress"]
@@ -51,7 +51,7 @@ Spy = Callable[[list[str]], Counter[str]]
 @pytest.fixture
 def opens(monkeypatch: pytest.MonkeyPatch) -> Spy:
     """``opens(argv)`` runs a command line and counts the opens of every file and directory."""
-    import mlm_eval.megatron_scorer as scorer
+    import mlm_eval.scoring.megatron as scorer
     import pretrain.checkpoint.legacy.reader as legacy
     import pretrain.checkpoint.torch_dist.reader as dist
     import pretrain.checkpoint.torch_dist.storage as storage
