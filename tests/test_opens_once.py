@@ -104,3 +104,29 @@ def test_every_command_opens_each_checkpoint_and_tokenizer_once(
     _once(opens(["generate", "--ckpt", ck, *flag, "--prompt", "The", "--max-new-tokens", "2", "--json"]),
           *kinds, "tokenizer")  # fmt: skip
     shutil.rmtree(tmp_path / "hf")
+
+
+@pytest.mark.parametrize("fmt", ["legacy", "dist"])
+def test_with_vocab_is_the_reopened_checkpoint(fmt: str, ckpts: dict[str, Path]) -> None:
+    """A reader's ``with_vocab(n)`` view equals the checkpoint opened with that size, and a size the
+    checkpoint contradicts is refused with the same line."""
+    import torch
+
+    from pretrain.checkpoint.opener import open_checkpoint
+    from pretrain.utils.errors import UserError
+
+    ck, what = ckpts[fmt], "--tokenizer-dir T"
+    n = len(json.loads((ckpts["tok"] / "vocab.json").read_text()))
+    reader = open_checkpoint(ck)
+    assert reader.info.vocab_known == (fmt == "dist")  # upstream args record no vocabulary size
+    view, reopened = (
+        reader.with_vocab(n, source=what),
+        open_checkpoint(ck, tokenizer_size=n, tokenizer_source=what),
+    )
+    assert view.spec == reopened.spec and view.info == reopened.info and view.info.vocab_known
+    assert all(torch.equal(view.tensor(k), reopened.tensor(k)) for k in reopened.names())
+    with pytest.raises(UserError) as by_view:
+        reader.with_vocab(n + 1000, source=what)
+    with pytest.raises(UserError) as by_open:
+        open_checkpoint(ck, tokenizer_size=n + 1000, tokenizer_source=what)
+    assert str(by_view.value) == str(by_open.value)
