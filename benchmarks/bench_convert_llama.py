@@ -65,9 +65,12 @@ class _RandomSource:
         gen = torch.Generator().manual_seed(sum(map(ord, name)))
         return (0.02 * torch.randn(self.shapes[name], generator=gen)).to(torch.bfloat16)
 
+    def stored_rows(self, name: str) -> torch.Tensor:  # no padding rows stored
+        return self.tensor(name)
+
 
 def _save(size: str, out: Path) -> int:
-    from pretrain.checkpoint.torch_dist_writer import write_torch_dist
+    from pretrain.checkpoint.torch_dist.writer import write_torch_dist
     from pretrain.config import ParallelConfig
 
     src = _RandomSource(size)

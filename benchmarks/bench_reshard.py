@@ -1,7 +1,7 @@
 """Reshard and HF-export throughput and peak memory for a GPT of the paper's 355M shape.
 
 A GPT (24 layers, hidden 1024, 16 heads, vocab 50257, 1024 positions, fp32) of random weights is
-written at tp=2, pp=2 with :func:`pretrain.checkpoint.reshard.write_layout` from a source that
+written at tp=2, pp=2 with :func:`pretrain.checkpoint.legacy.writer.write_layout` from a source that
 generates each canonical tensor on demand (deterministically, so repeated reads agree) and never
 holds the model. Then, each in its own subprocess, ``mlm-convert reshard`` to tp=4, pp=1,
 ``mlm-convert to-hf`` of the result and ``mlm-convert from-hf`` of that export back to tp=2, pp=2
@@ -61,13 +61,16 @@ class RandomSource:
         gen = self.torch.Generator().manual_seed(self.names().index(name))
         return self.torch.randn(self.shapes[name], generator=gen) * 0.02
 
+    def stored_rows(self, name: str) -> Any:  # no padding rows stored
+        return self.tensor(name)
+
     def nbytes(self) -> int:
         return sum(4 * int(self.torch.Size(s).numel()) for s in self.shapes.values())
 
 
 def write_source(save: str, shape: dict[str, Any]) -> None:
     """Child phase: write the random model at tp=2, pp=2; print its bytes."""
-    from pretrain.checkpoint.reshard import WriteOptions, write_layout
+    from pretrain.checkpoint.legacy.writer import WriteOptions, write_layout
     from pretrain.config import ModelConfig, ParallelConfig
 
     source = RandomSource(ModelConfig(**shape, hidden_dropout=0.0, attention_dropout=0.0))

@@ -142,7 +142,7 @@ def _with_saved_hyperparameters(args: Any, saved_argv: tuple[str, ...]) -> Any:
 
 def _check_outputs(args: Any) -> None:
     """Before any work: the output locations are writable; --save holds no checkpoint unless --overwrite."""
-    from pretrain.checkpoint.layout import TRACKER
+    from pretrain.checkpoint.legacy.layout import TRACKER
 
     if args.results_dir is not None:
         check_writable_output(args.results_dir, kind="dir", flag="--results-dir", shared=True)
@@ -160,8 +160,8 @@ def _check_outputs(args: Any) -> None:
 
 def _eval_only_source(args: Any) -> Pretrained:
     """Model config and tokenizer of a finetuned checkpoint written by ``--save``."""
-    from pretrain.checkpoint.io import load_rank_file
-    from pretrain.checkpoint.layout import MODEL_FILE, list_rank_dirs, resolve_iteration
+    from pretrain.checkpoint.legacy.io import load_rank_file
+    from pretrain.checkpoint.legacy.layout import MODEL_FILE, list_rank_dirs, resolve_iteration
 
     if args.ckpt is None:
         raise UserError("--eval-only needs --ckpt DIR (a checkpoint written by mlm-finetune --save)")

@@ -1,7 +1,7 @@
 """Where finetuning starts: a BERT checkpoint of ours (any layout) or a local Hugging Face directory.
 
 * ``--ckpt DIR``: any Megatron-layout checkpoint (ours or upstream, any TP/PP/VP, legacy or
-  ``torch_dist``) through :func:`pretrain.checkpoint.reader.open_checkpoint`; tensors are read
+  ``torch_dist``) through :func:`pretrain.checkpoint.opener.open_checkpoint`; tensors are read
   lazily (memory-mapped), one full tensor at a time. The tokenizer is the checkpoint's own
   (``tokenizer/``, or the files its args name); ``--tokenizer-dir`` / ``--vocab-file`` are checked
   against it (``--force-tokenizer`` overrides).
@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from pretrain.checkpoint.fingerprint import fingerprint_tensors
+from pretrain.checkpoint.types import TensorSource
 from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
 from pretrain.models.sharding import load_full_state_dict
@@ -40,7 +41,7 @@ POOLER_PREFIX = "language_model.pooler."
 class _TrunkTensors(Mapping[str, torch.Tensor]):
     """Canonical trunk tensors of a reader (``names()``/``tensor(name)``), materialised on access."""
 
-    def __init__(self, reader: Any) -> None:
+    def __init__(self, reader: TensorSource) -> None:
         self._reader = reader
         self._names = [n for n in reader.names() if n.startswith(TRUNK_PREFIX)]
         self._set = set(self._names)
@@ -48,7 +49,7 @@ class _TrunkTensors(Mapping[str, torch.Tensor]):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self._set:
             raise KeyError(name)
-        return self._reader.tensor(name)  # type: ignore[no-any-return]
+        return self._reader.tensor(name)
 
     def __contains__(self, name: object) -> bool:
         return name in self._set

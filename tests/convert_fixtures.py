@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.layout import MODEL_FILE, flatten
+from pretrain.checkpoint.legacy.layout import MODEL_FILE, flatten
+from pretrain.checkpoint.legacy.writer import DictSource, WriteOptions, write_layout
 from pretrain.checkpoint.plan import ModelSpec
-from pretrain.checkpoint.reshard import DictSource, WriteOptions, write_layout
-from pretrain.checkpoint.upstream_names import qkv_from_canonical
+from pretrain.checkpoint.upstream.names import qkv_from_canonical
 from pretrain.config import ModelConfig, ParallelConfig
 
 

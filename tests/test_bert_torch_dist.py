@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 from pretrain.checkpoint.metadata import OURS
 from pretrain.checkpoint.opener import load_canonical
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
-from pretrain.checkpoint.torch_dist_writer import write_torch_dist
+from pretrain.checkpoint.torch_dist.writer import write_torch_dist
 from pretrain.checkpoint.types import DictSource
 from pretrain.config import ModelConfig, ParallelConfig
 from pretrain.models.bert import BertModel

@@ -14,9 +14,9 @@ from pretrain.checkpoint.fingerprint import (
     short_fingerprint,
     weights_fingerprint,
 )
+from pretrain.checkpoint.legacy.writer import DictSource, write_layout
+from pretrain.checkpoint.opener import open_checkpoint
 from pretrain.checkpoint.plan import ModelSpec
-from pretrain.checkpoint.reader import open_checkpoint
-from pretrain.checkpoint.reshard import DictSource, write_layout
 from pretrain.config import ParallelConfig
 from pretrain.utils.errors import UserError
 from tests.convert_fixtures import write_ours

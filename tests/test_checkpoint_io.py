@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from pretrain.checkpoint.args import checkpoint_args, model_config_from_args
-from pretrain.checkpoint.io import load_checkpoint, save_checkpoint
-from pretrain.checkpoint.layout import TRACKER, read_tracker
+from pretrain.checkpoint.legacy.io import load_checkpoint, save_checkpoint
+from pretrain.checkpoint.legacy.layout import TRACKER, read_tracker
 from pretrain.config import ParallelConfig
 from pretrain.models.gpt import GPTModel
 from pretrain.models.init import init_model_parameters

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from pretrain.checkpoint.args import build_metadata
-from pretrain.checkpoint.layout import MODEL_FILE
+from pretrain.checkpoint.legacy.layout import MODEL_FILE
 from pretrain.checkpoint.metadata import read_metadata, to_args
 from pretrain.checkpoint.opener import open_checkpoint
 from pretrain.checkpoint.safe_unpickle import load_untrusted
@@ -194,7 +194,7 @@ def test_megatron_load_checkpoint_fields_and_rng_state(tmp_path: Path) -> None:
     """Megatron-LM's load_checkpoint (core_v0.16): ``check_checkpoint_args`` compares these args
     by attribute, reads consumed samples, and restores python/numpy/torch/tracker RNG states."""
     from pretrain.checkpoint.args import checkpoint_args
-    from pretrain.checkpoint.io import save_checkpoint
+    from pretrain.checkpoint.legacy.io import save_checkpoint
     from pretrain.models.gpt import GPTModel
     from pretrain.parallel.state import ParallelState
 
@@ -395,7 +395,7 @@ def test_checkpoint_written_by_megatron_core_converts_and_evaluates(tmp_path: Pa
 
 def test_reshard_keeps_rng_state(tmp_path: Path) -> None:
     from pretrain.checkpoint.args import checkpoint_args
-    from pretrain.checkpoint.io import save_checkpoint
+    from pretrain.checkpoint.legacy.io import save_checkpoint
     from pretrain.models.gpt import GPTModel
     from pretrain.parallel.state import ParallelState
     from tools.convert_cli import main as convert_main

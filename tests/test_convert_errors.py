@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.checkpoint.layout import DISTRIB_OPTIM_FILE, MODEL_FILE
+from pretrain.checkpoint.legacy.layout import DISTRIB_OPTIM_FILE, MODEL_FILE
 from tests.convert_fixtures import write_ours
 from tests.gpt_fixtures import full_weights, tiny_config
 from tools.convert_cli import main

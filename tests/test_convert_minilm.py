@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from pretrain.checkpoint.reader import load_canonical, open_checkpoint
+from pretrain.checkpoint.opener import load_canonical, open_checkpoint
 from tools.convert_cli import main
 
 os.environ["HF_HUB_OFFLINE"] = "1"

@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.checkpoint.layout import DISTRIB_OPTIM_FILE, MODEL_FILE
-from pretrain.checkpoint.reader import load_canonical
+from pretrain.checkpoint.legacy.layout import DISTRIB_OPTIM_FILE, MODEL_FILE
+from pretrain.checkpoint.opener import load_canonical
 from pretrain.training.cli import main as pretrain_main
 from tests.distributed import torchrun
 from tests.train_fixtures import gpt_args

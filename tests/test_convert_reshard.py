@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 import torch
 
-from pretrain.checkpoint.io import load_checkpoint
-from pretrain.checkpoint.layout import MODEL_FILE
-from pretrain.checkpoint.reader import open_checkpoint
+from pretrain.checkpoint.legacy.io import load_checkpoint
+from pretrain.checkpoint.legacy.layout import MODEL_FILE
+from pretrain.checkpoint.opener import open_checkpoint
 from pretrain.config import ParallelConfig
 from pretrain.models.sharding import gather_full_state_dict
 from pretrain.parallel.state import ParallelState
@@ -128,8 +128,8 @@ _MEMORY_SCRIPT = textwrap.dedent(
     """
     import sys, threading, time
     import torch
-    from pretrain.checkpoint.reader import open_checkpoint
-    from pretrain.checkpoint.reshard import write_layout
+    from pretrain.checkpoint.opener import open_checkpoint
+    from pretrain.checkpoint.legacy.writer import write_layout
     from pretrain.config import ParallelConfig
 
     def anon_kb():
@@ -189,8 +189,8 @@ def test_reshard_peak_memory_below_model_size(tmp_path: Path) -> None:
 
 
 def test_reshard_with_optimizer_moves_states_with_their_parameters(tmp_path: Path, full) -> None:
+    from pretrain.checkpoint.legacy.writer import DictSource, WriteOptions, write_layout
     from pretrain.checkpoint.plan import ModelSpec
-    from pretrain.checkpoint.reshard import DictSource, WriteOptions, write_layout
     from pretrain.models.sharding import shard_tensor
 
     def states(tp_rank, pp_rank, slots):  # exp_avg = 2 * param, exp_avg_sq = param ** 2
@@ -224,8 +224,8 @@ def test_reshard_with_optimizer_moves_states_with_their_parameters(tmp_path: Pat
         )
         opt = state["optimizer"]
         assert opt["step"] == 3 and opt["param_groups"] == [{"lr": 0.1}]
-        from pretrain.checkpoint.layout import flatten
-        from pretrain.checkpoint.upstream_names import to_local_name
+        from pretrain.checkpoint.legacy.layout import flatten
+        from pretrain.checkpoint.upstream.names import to_local_name
 
         # the model file uses megatron-core names; optimizer states are keyed by our local names
         model = {to_local_name(k): v for k, v in flatten(state["model"]).items()}

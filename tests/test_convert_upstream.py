@@ -11,8 +11,8 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from pretrain.checkpoint.layout import MODEL_FILE, write_tracker
-from pretrain.checkpoint.reader import load_canonical, open_checkpoint
+from pretrain.checkpoint.legacy.layout import MODEL_FILE, write_tracker
+from pretrain.checkpoint.opener import load_canonical, open_checkpoint
 from pretrain.checkpoint.safe_unpickle import load_untrusted
 from pretrain.utils.errors import UserError
 from tests.convert_fixtures import rewrite_upstream, upstream_args, write_ours

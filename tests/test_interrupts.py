@@ -15,9 +15,9 @@ from tests.gpt_fixtures import full_weights, tiny_config
 from tests.slow_hook import start_held
 from tools.convert_cli import main as convert_main
 
-DIST_WRITE = "pretrain.checkpoint.torch_dist_writer:_StreamingPlanner.resolve_data"  # inside dcp.save
-DIST_READ = "pretrain.checkpoint.torch_dist:_RegionPlanner.resolve_tensor"  # inside dcp.load
-LEGACY_WRITE = "pretrain.checkpoint.reshard:_chunk_state"  # a rank file being built
+DIST_WRITE = "pretrain.checkpoint.torch_dist.writer:_StreamingPlanner.resolve_data"  # inside dcp.save
+DIST_READ = "pretrain.checkpoint.torch_dist.reader:_RegionPlanner.resolve_tensor"  # inside dcp.load
+LEGACY_WRITE = "pretrain.checkpoint.legacy.writer:_chunk_state"  # a rank file being built
 HF_WRITE = "tools.hf_shards:ShardWriter.add"  # a safetensors shard being written
 PP2 = ["--target-tp", "1", "--target-pp", "2"]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.checkpoint.reader import load_canonical
+from pretrain.checkpoint.opener import load_canonical
 from pretrain.training.cli import main as pretrain_main
 from tests.distributed import torchrun
 from tests.train_fixtures import gpt_args

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from mlm_eval.builtin import builtin_path
-from pretrain.checkpoint.types import PROBE_TEXT
+from pretrain.tokenizer.record import PROBE_TEXT
 from tests.llama_fixtures import (
     qwen_style_bpe_tokenizer,
     save_llama_with_tokenizer,

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from pretrain import model_options as sem
-from pretrain.checkpoint.upstream_args import VocabOptions, true_vocab_size, upstream_model_config
+from pretrain.checkpoint.upstream.args import VocabOptions, true_vocab_size, upstream_model_config
 from pretrain.config import ModelConfig
 from pretrain.utils.errors import UserError
 

@@ -12,8 +12,8 @@ import torch
 
 from mlm_eval.cli import main as eval_main
 from pretrain.checkpoint.opener import open_checkpoint
-from pretrain.checkpoint.types import PROBE_TEXT
 from pretrain.tokenizer.loader import resolve_tokenizer
+from pretrain.tokenizer.record import PROBE_TEXT
 from tools.convert_cli import main as convert_main
 
 

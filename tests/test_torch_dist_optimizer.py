@@ -18,11 +18,11 @@ from unittest.mock import ANY
 import pytest
 import torch
 
+from pretrain.checkpoint.legacy.writer import WriteOptions, write_layout
 from pretrain.checkpoint.opener import load_canonical, open_checkpoint
-from pretrain.checkpoint.optimizer_reshard import open_legacy_optimizer, optimizer_writer
-from pretrain.checkpoint.optimizer_state import OPTIM_STATES, OptimizerCommon
-from pretrain.checkpoint.reshard import WriteOptions, write_layout
-from pretrain.checkpoint.torch_dist import TorchDistReader
+from pretrain.checkpoint.optimizer.reshard import open_legacy_optimizer, optimizer_writer
+from pretrain.checkpoint.optimizer.state import OPTIM_STATES, OptimizerCommon
+from pretrain.checkpoint.torch_dist.reader import TorchDistReader
 from pretrain.checkpoint.types import DictSource, Provenance
 from pretrain.config import ParallelConfig
 from pretrain.utils.errors import UserError
@@ -307,7 +307,7 @@ def test_position_keyed_torch_state_is_named_in_megatron_cores_group_order() -> 
     """torch's AdamW ``state_dict()`` over megatron-core's groups ([decay params], [biases and
     1-D params], each in model order) is named back by the model order alone; a file whose
     groups do not line up with that order is refused rather than misnamed."""
-    from pretrain.checkpoint.upstream_optimizer import UpstreamParam, upstream_full_state
+    from pretrain.checkpoint.upstream.optimizer import UpstreamParam, upstream_full_state
 
     gen = torch.Generator().manual_seed(0)
     named = [("a.weight", torch.randn(4, 3, generator=gen)), ("a.bias", torch.randn(4, generator=gen)),

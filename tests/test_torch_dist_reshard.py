@@ -9,10 +9,10 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
+from pretrain.checkpoint.legacy.writer import write_layout
 from pretrain.checkpoint.opener import load_canonical
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
-from pretrain.checkpoint.reshard import write_layout
-from pretrain.checkpoint.torch_dist_writer import write_torch_dist
+from pretrain.checkpoint.torch_dist.writer import write_torch_dist
 from pretrain.checkpoint.types import DictSource
 from pretrain.config import ModelConfig, ParallelConfig
 from pretrain.utils.errors import UserError

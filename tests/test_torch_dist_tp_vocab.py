@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.checkpoint.upstream_args import VocabOptions, true_vocab_size
+from pretrain.checkpoint.upstream.args import VocabOptions, true_vocab_size
 from pretrain.utils.errors import UserError
 
 ROOT = Path(__file__).resolve().parents[1]

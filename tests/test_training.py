@@ -80,7 +80,7 @@ def test_layout_mismatch_names_both_layouts(
 
 KILLER = """
 import os, signal, sys
-import pretrain.checkpoint.io as io
+import pretrain.checkpoint.legacy.io as io
 from pretrain.training.cli import main
 calls = {"n": 0}
 real_save = io.torch.save

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import pretrain.checkpoint.io as ckpt_io
+import pretrain.checkpoint.legacy.io as ckpt_io
 from pretrain.data.indexed_dataset_builder import IndexedDatasetBuilder
 from pretrain.training.cli import main as pretrain_main
 from pretrain.training.logger import TrainingLogger

@@ -15,13 +15,13 @@ import pytest
 import torch
 
 from pretrain import model_options as sem
-from pretrain.checkpoint.args_semantics import is_zero_centred_norm
 from pretrain.checkpoint.opener import load_canonical
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
-from pretrain.checkpoint.torch_dist_writer import write_torch_dist
+from pretrain.checkpoint.torch_dist.writer import write_torch_dist
 from pretrain.checkpoint.types import DictSource
-from pretrain.checkpoint.upstream_args import upstream_model_config
-from pretrain.checkpoint.upstream_names import to_mcore_key
+from pretrain.checkpoint.upstream.args import upstream_model_config
+from pretrain.checkpoint.upstream.args_semantics import is_zero_centred_norm
+from pretrain.checkpoint.upstream.names import to_mcore_key
 from pretrain.config import ModelConfig, ParallelConfig
 from pretrain.utils.errors import UserError
 

@@ -38,9 +38,12 @@ from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace, ren
 from pretrain.utils.outputs import check_writable_output
 
 if TYPE_CHECKING:
+    from pretrain.checkpoint.types import CheckpointReader, TensorSource
     from pretrain.tokenizer.base import Tokenizer
     from pretrain.tokenizer.loader import ResolvedTokenizer
     from tools.hf_verify import VerifyMode
+
+Given = tuple["Tokenizer", str]  # a tokenizer the flags name, and how they name it
 
 # transformers' save_pretrained default (tools.hf_shards.DEFAULT_MAX_SHARD_SIZE; a test keeps them equal).
 # The heavy modules (torch, transformers) are imported inside the functions that use them, so that
@@ -59,21 +62,21 @@ class SourceOptions:
     vocab_size: int | None = None
     tok_flags: TokenizerFlags = TokenizerFlags()
 
-    def open(self) -> Any:
-        """The reader; a tokenizer given by flag gives the true vocabulary when ``args`` do not."""
+    def open(self) -> tuple[CheckpointReader, Given | None]:
+        """The reader, and the tokenizer the flags name when it was loaded to tell the true
+        vocabulary (``args`` record none): the reader is then its :meth:`with_vocab` view."""
         from pretrain.checkpoint.opener import open_checkpoint
 
         reader = open_checkpoint(self.load, iteration=self.iteration, vocab_size=self.vocab_size)
         if reader.info.vocab_known or self.vocab_size is not None:
-            return reader
+            return reader, None
         given = self.given(reader)
         if given is None:
-            return reader
+            return reader, None
         tok, what = given
-        return open_checkpoint(self.load, iteration=self.iteration, tokenizer_size=tok.vocab_size,
-                               tokenizer_source=what)  # fmt: skip
+        return reader.with_vocab(tok.vocab_size, source=what), given
 
-    def given(self, reader: Any) -> tuple[Tokenizer, str] | None:
+    def given(self, reader: CheckpointReader) -> Given | None:
         """The tokenizer the flags name and how they name it, or ``None`` (the checkpoint's own).
         Files without ``--tokenizer-type`` take the type the checkpoint names (``args`` or record)."""
         from pretrain.tokenizer.factory import build_tokenizer
@@ -90,20 +93,23 @@ class SourceOptions:
             return tok, f"--tokenizer-dir {flags.tokenizer_dir}"
         return None
 
-    def tokenizer(self, reader: Any, *, required: bool) -> ResolvedTokenizer | None:
-        """The checked tokenizer (the flags' or the recorded one; see ``resolve_tokenizer``)."""
+    def tokenizer(
+        self, reader: CheckpointReader, *, required: bool, given: Given | None = None
+    ) -> ResolvedTokenizer | None:
+        """The checked tokenizer (the flags' or the recorded one; see ``resolve_tokenizer``);
+        ``given``: the flags' tokenizer :meth:`open` already loaded (not loaded again)."""
         from pretrain.tokenizer.loader import resolve_tokenizer
 
-        return resolve_tokenizer(reader, given=self.given(reader), force=self.tok_flags.force_tokenizer,
-                                 required=required)  # fmt: skip
+        given = given if given is not None else self.given(reader)
+        return resolve_tokenizer(reader, given=given, force=self.tok_flags.force_tokenizer, required=required)
 
 
-def _named_tokenizer_type(reader: Any) -> str | None:
+def _named_tokenizer_type(reader: CheckpointReader) -> str | None:
     """The tokenizer type a checkpoint names: its record's, else upstream ``args.tokenizer_type``."""
-    meta = getattr(reader, "metadata", None)
+    meta = reader.metadata
     if meta is not None and meta.tokenizer is not None:
         return str(meta.tokenizer.tokenizer_type)
-    kind = (getattr(reader, "args", None) or {}).get("tokenizer_type")
+    kind = reader.args.get("tokenizer_type")
     return kind if isinstance(kind, str) else None
 
 
@@ -177,16 +183,16 @@ def _add_format(p: argparse.ArgumentParser) -> None:
                    help="output format: legacy per-rank files (torch) or megatron-core's torch_dist")  # fmt: skip
 
 
-def _write(fmt: str, source: Any, save: Path, target: ParallelConfig, **kw: Any) -> None:
+def _write(fmt: str, source: TensorSource, save: Path, target: ParallelConfig, **kw: Any) -> None:
     """``write_layout`` (legacy ``torch``) or :func:`write_torch_dist` with the same options."""
-    from pretrain.checkpoint.reshard import write_layout
+    from pretrain.checkpoint.legacy.writer import write_layout
 
     optimizer_state = kw.pop("optimizer_state", None)
     distributed_optimizer = kw.pop("distributed_optimizer", False)
     if fmt == "torch":
         write_layout(source, save, target, **kw)
         return
-    from pretrain.checkpoint.torch_dist_writer import write_torch_dist
+    from pretrain.checkpoint.torch_dist.writer import write_torch_dist
 
     write_torch_dist(source, save, target, options=kw["options"], extra_files=kw.get("extra_files"),
                      optimizer=optimizer_state, distributed_optimizer=distributed_optimizer)  # fmt: skip
@@ -246,7 +252,7 @@ def _progress(total: int, desc: str, unit: str = "file") -> Any:
 
 
 # --- inspect ---------------------------------------------------------------------------------------
-def verify(reader: Any) -> list[str]:
+def verify(reader: TensorSource) -> list[str]:
     """Assemble every tensor (shapes, replicated copies, tied head): the problems found."""
     problems = []
     for name in reader.names():
@@ -258,13 +264,13 @@ def verify(reader: Any) -> list[str]:
 
 
 def run_inspect(source: SourceOptions, *, as_json: bool) -> int:
-    from pretrain.checkpoint.optimizer_reshard import describe_optimizer
+    from pretrain.checkpoint.optimizer.reshard import describe_optimizer
 
-    reader = source.open()
+    reader, given = source.open()
     problems = verify(reader)
     tokenizer = None
     try:  # the tokenizer the checkpoint carries (or names) must fit the model
-        tok = source.tokenizer(reader, required=False)
+        tok = source.tokenizer(reader, required=False, given=given)
         if tok is not None:
             tokenizer = {
                 "source": tok.source,
@@ -328,13 +334,13 @@ def _print_inspect(record: dict[str, Any]) -> None:
 # --- conversions -------------------------------------------------------------------------------
 def _save_tokenizer_files(tok: ResolvedTokenizer | None) -> Any:
     """``extra_files`` for :func:`write_layout`: the tokenizer's files into ``tokenizer/``."""
-    from pretrain.checkpoint.types import TOKENIZER_SUBDIR
     from pretrain.tokenizer.loader import save_tokenizer
+    from pretrain.tokenizer.record import TOKENIZER_SUBDIR
 
     return None if tok is None else (lambda tmp: save_tokenizer(tok.tokenizer, tmp / TOKENIZER_SUBDIR))
 
 
-def _carried_rng(reader: Any, target: ParallelConfig) -> Any:
+def _carried_rng(reader: CheckpointReader, target: ParallelConfig) -> Any:
     """Each target rank's ``rng_state``: the source rank file's at the same (tp, pp) modulo the
     source layout (the tracker states of TP rank t stay with TP rank t)."""
     states, info = getattr(reader, "states", None), reader.info
@@ -352,20 +358,20 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
                 ckpt_format: str = "torch", module_names: str | None = None,
                 dist_optimizer: bool = False) -> int:  # fmt: skip
     from pretrain.checkpoint.fingerprint import weights_fingerprint
-    from pretrain.checkpoint.reshard import WriteOptions, check_output_dir
+    from pretrain.checkpoint.legacy.writer import WriteOptions, check_output_dir
     from pretrain.checkpoint.types import Provenance
 
     check_output_dir(save, sources=(source.load,))
-    reader = source.open()
-    tok = source.tokenizer(reader, required=False)
+    reader, given = source.open()
+    tok = source.tokenizer(reader, required=False, given=given)
     opt = None
     if with_optimizer:
-        from pretrain.checkpoint.optimizer_reshard import open_optimizer_source
+        from pretrain.checkpoint.optimizer.reshard import open_optimizer_source
 
         opt = open_optimizer_source(reader)
     optimizer = None
     if opt is not None and ckpt_format == "torch":
-        from pretrain.checkpoint.optimizer_reshard import optimizer_writer
+        from pretrain.checkpoint.optimizer.reshard import optimizer_writer
 
         optimizer = optimizer_writer(opt, reader.spec, target)
     scheduler = (
@@ -400,14 +406,14 @@ def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
               verify_tol: float = 1e-4) -> int:  # fmt: skip
     """Export; ``verify`` (``auto``/``full``/``per-layer``; None: skip) checks the written directory
     against the checkpoint before it is renamed to ``save`` (:mod:`tools.hf_verify`)."""
-    from pretrain.checkpoint.reshard import check_output_dir
+    from pretrain.checkpoint.legacy.writer import check_output_dir
     from tools.hf_io import check_exportable, export_hf
 
     check_output_dir(save, sources=(source.load,))
-    reader = source.open()
+    reader, given = source.open()
     check_exportable(reader.spec)  # an option the target lacks: refused before any tensor is read
     try:
-        tok = source.tokenizer(reader, required=not weights_only)
+        tok = source.tokenizer(reader, required=not weights_only, given=given)
     except UserError as exc:
         if "no usable tokenizer" not in str(exc):
             raise
@@ -483,7 +489,7 @@ def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_b
                 ckpt_format: str = "torch", module_names: str | None = None,
                 force_tokenizer: bool = False) -> int:  # fmt: skip
     from pretrain.checkpoint.fingerprint import weights_fingerprint
-    from pretrain.checkpoint.reshard import WriteOptions, check_output_dir
+    from pretrain.checkpoint.legacy.writer import WriteOptions, check_output_dir
     from pretrain.checkpoint.types import Provenance
     from tools.hf_io import open_hf
 

@@ -19,28 +19,20 @@ import dataclasses
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any
 
 import torch
 
 from pretrain.checkpoint.plan import ModelSpec
-from pretrain.checkpoint.types import PROBE_TEXT, DictSource, LazySource
+from pretrain.checkpoint.types import DictSource, LazySource, TensorSource
 from pretrain.models.families import Family, export_family, family_of_model_type, supported_model_types
 from pretrain.tokenizer.base import Tokenizer
+from pretrain.tokenizer.record import PROBE_TEXT
 from pretrain.utils.atomic import atomic_directory
 from pretrain.utils.errors import UserError
 from tools.hf_shards import DEFAULT_MAX_SHARD_SIZE
 
 __all__ = ["check_exportable", "export_hf", "hf_tokenizer_of", "import_hf", "open_hf", "read_hf_state"]
-
-
-@runtime_checkable
-class TensorSource(Protocol):
-    """Canonical tensors by name (a checkpoint reader): streamed by :func:`export_hf`."""
-
-    def names(self) -> list[str]: ...
-
-    def tensor(self, name: str) -> torch.Tensor: ...
 
 
 def hf_tokenizer_of(tok: Tokenizer) -> Any:
@@ -277,7 +269,7 @@ def open_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> LazySou
     and each canonical full tensor is built when asked for (then the pages read are given back),
     so writing a checkpoint holds one full tensor beside the file being written, not the model.
     The same tensors, in the same order, as :func:`import_hf`."""
-    from pretrain.checkpoint.pages import PageReleaser
+    from pretrain.checkpoint.legacy.pages import PageReleaser
 
     spec, makers = _hf_makers(hf_dir, make_vocab_size_divisible_by)
     pages = PageReleaser(_weight_files(hf_dir))  # after the files are mapped (read_hf_state)

@@ -36,12 +36,12 @@ import torch
 from torch import nn
 
 from pretrain.checkpoint.plan import ModelSpec
+from pretrain.checkpoint.types import TensorSource
 from pretrain.checkpoint.verify import ours_probe, probe_ids
 from pretrain.models.base import ShardedModule
 from pretrain.models.sharding import load_full_state_dict
 from pretrain.parallel.state import ParallelState
 from pretrain.utils.errors import UserError
-from tools.hf_io import TensorSource
 from tools.hf_shards import INDEX_FILE
 
 VerifyMode = Literal["auto", "full", "per-layer"]

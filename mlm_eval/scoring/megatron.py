@@ -20,6 +20,7 @@ from mlm_eval.scoring.scorer import DTYPE_FLAGS, ScoreOutput
 from mlm_eval.scoring.vocab import score_hidden, scored_hidden
 from pretrain.checkpoint.fingerprint import fingerprint_tensors
 from pretrain.checkpoint.opener import open_checkpoint
+from pretrain.checkpoint.types import CheckpointReader
 from pretrain.config import DTypeName, ModelConfig
 from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import load_full_state_dict
@@ -127,8 +128,9 @@ class TokenizerChoice:
     force: bool = False
 
 
-def _open_with_tokenizer(ckpt: str, choice: TokenizerChoice) -> tuple[Any, ResolvedTokenizer]:
-    """The opened checkpoint and its checked tokenizer (see ``pretrain.tokenizer.loader``)."""
+def _open_with_tokenizer(ckpt: str, choice: TokenizerChoice) -> tuple[CheckpointReader, ResolvedTokenizer]:
+    """The opened checkpoint and its checked tokenizer (see ``pretrain.tokenizer.loader``); where
+    the checkpoint does not record its vocabulary, the tokenizer's size tells it (a view, not a reopen)."""
     reader = open_checkpoint(ckpt)
     if choice.megatron is not None:
         tok = build_tokenizer(choice.megatron)
@@ -140,11 +142,10 @@ def _open_with_tokenizer(ckpt: str, choice: TokenizerChoice) -> tuple[Any, Resol
         resolved = resolve_tokenizer(reader, required=True, force=choice.force)
         assert resolved is not None
         if not reader.info.vocab_known:
-            reader = open_checkpoint(ckpt, tokenizer_size=resolved.tokenizer.vocab_size,
-                                     tokenizer_source=resolved.source)  # fmt: skip
+            reader = reader.with_vocab(resolved.tokenizer.vocab_size, source=resolved.source)
         return reader, resolved
     if not reader.info.vocab_known:  # the flag's tokenizer tells the true vocabulary
-        reader = open_checkpoint(ckpt, tokenizer_size=tok.vocab_size, tokenizer_source=what)
+        reader = reader.with_vocab(tok.vocab_size, source=what)
     meta = reader.metadata
     forced = check_tokenizer(tok, what=what, model_vocab=reader.spec.cfg.vocab_size,
                              recorded=None if meta is None else meta.tokenizer,

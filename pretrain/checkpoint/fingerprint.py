@@ -5,7 +5,7 @@ The fingerprint identifies *weights*, not files: a tp2/pp2 checkpoint, its tp1 r
 leaderboard shows them as one model. What is hashed, per canonical tensor name (sorted):
 
 * the canonical full tensor (all TP shards joined, pipeline stages merged, upstream QKV orders
-  converted: exactly what :class:`~pretrain.checkpoint.reader.CanonicalSource` yields);
+  converted: exactly what a :class:`~pretrain.checkpoint.types.TensorSource` yields);
 * vocabulary tensors cut to the true vocabulary (``vocab_size`` rows): padding rows are a layout
   detail (``make_vocab_size_divisible_by`` x TP) and never enter the hash;
 * floating-point values normalised to little-endian float32 (fp16 and bf16 widen exactly, so a
@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from pretrain.checkpoint.types import TensorSource
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.utils.errors import UserError
 
@@ -86,7 +87,9 @@ def fingerprint_tensors(
     return f"{SCHEME}:{total.hexdigest()}"
 
 
-def weights_fingerprint(source: Any, *, vocab_size: int | None = None) -> str:
+def weights_fingerprint(
+    source: TensorSource | Mapping[str, torch.Tensor], *, vocab_size: int | None = None
+) -> str:
     """The fingerprint of a canonical source (``names()``/``tensor(name)``/``spec``: a checkpoint
     reader, ``DictSource``, ``import_hf``) or of a ``{canonical name: full tensor}`` mapping.
 

@@ -2,23 +2,24 @@
 
 :func:`open_checkpoint` finds the iteration directory (a checkpoint root with its tracker file,
 or one iteration directory) and dispatches to the legacy ``torch`` reader
-(:mod:`pretrain.checkpoint.reader`) or the ``torch_dist`` reader
-(:mod:`pretrain.checkpoint.torch_dist`). Both return objects with ``spec``, ``info``
-(:class:`~pretrain.checkpoint.types.CheckpointInfo`), ``metadata`` (our record or ``None``),
-``names()`` and ``tensor(name)``. :func:`load_canonical` is the one-call entry for in-memory use.
+(:mod:`pretrain.checkpoint.legacy.reader`) or the ``torch_dist`` reader
+(:mod:`pretrain.checkpoint.torch_dist.reader`). Both are a
+:class:`~pretrain.checkpoint.types.CheckpointReader`: ``spec``, ``info``, ``metadata`` (our record
+or ``None``), ``args``, ``names()``, ``tensor(name)``, ``stored_rows(name)`` and ``with_vocab(n)``
+(a size learnt after opening, e.g. from the tokenizer, gives a view: nothing is read again).
+:func:`load_canonical` is the one-call entry for in-memory use.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from pretrain.checkpoint.layout import TRACKER, iteration_dir, read_tracker
+from pretrain.checkpoint.legacy.layout import TRACKER, iteration_dir, read_tracker
 from pretrain.checkpoint.plan import ModelSpec
-from pretrain.checkpoint.types import CheckpointInfo
-from pretrain.checkpoint.upstream_args import VocabOptions
+from pretrain.checkpoint.types import CheckpointInfo, CheckpointReader
+from pretrain.checkpoint.upstream.args import VocabOptions
 from pretrain.utils.errors import UserError
 
 
@@ -46,7 +47,7 @@ def open_checkpoint(
     vocab_size: int | None = None,
     tokenizer_size: int | None = None,
     tokenizer_source: str = "",
-) -> Any:
+) -> CheckpointReader:
     """Open a checkpoint root or one iteration directory, any format (nothing materialised).
 
     ``vocab_size`` (``--vocab-size``) or ``tokenizer_size`` (the size of a tokenizer the caller
@@ -58,10 +59,10 @@ def open_checkpoint(
         size=vocab_size, tokenizer_size=tokenizer_size, tokenizer_source=tokenizer_source, root=str(root)
     )
     if (it_dir / "metadata.json").exists() or (it_dir / ".metadata").exists():
-        from pretrain.checkpoint.torch_dist import open_torch_dist
+        from pretrain.checkpoint.torch_dist.reader import open_torch_dist
 
         return open_torch_dist(it_dir, it, vocab=vocab, root=root)
-    from pretrain.checkpoint.reader import open_legacy
+    from pretrain.checkpoint.legacy.reader import open_legacy
 
     return open_legacy(it_dir, it, vocab=vocab, root=root)
 

@@ -17,6 +17,10 @@ uses ``torch.load`` with a restricted ``pickle_module``:
   name and arguments;
 * everything else (``os.system``, ``builtins.eval``, ``subprocess.Popen``, any function) is
   refused with :class:`UnsafePickleError` before it can run.
+
+:func:`load_dcp_metadata` reads a ``torch_dist`` ``.metadata`` file (torch's own reader calls plain
+``pickle.load``) with a stricter list: exactly the ``torch.distributed.checkpoint`` metadata
+classes (:data:`DCP_METADATA_GLOBALS`), torch dtypes and ``torch.Size``; no placeholders.
 """
 
 from __future__ import annotations
@@ -162,6 +166,62 @@ def resolve_global(module: str, name: str) -> Any:
     if root not in _DANGEROUS_ROOTS and name[:1].isupper() and name.isidentifier():
         return _placeholder(module, name)
     raise UnsafePickleError(f"refusing to unpickle global {module}.{name} (not on the allow-list)")
+
+
+# What dcp ``Metadata`` pickles reference (torch 2.x and megatron-core's; ``_shard`` paths: torch <= 2.1). Each is a
+# dataclass, an enum looked up by value, a path value or a name -> layout lookup: none runs code.
+DCP_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata", "StorageMeta", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata",
+        "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.planner", name)  # megatron-core keeps the save plans (all_local_plans)
+    for name in ("SavePlan", "WriteItem", "WriteItemType", "TensorWriteData", "BytesIOWriteData")
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch.distributed._shard.sharded_tensor.metadata", "TensorProperties"),
+    ("torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib._local", "PosixPath"),
+    ("pathlib._local", "PurePosixPath"),
+}  # fmt: skip
+
+
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    """Resolves only :data:`DCP_METADATA_GLOBALS`, torch dtypes, ``torch.Size`` and ``OrderedDict``."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in DCP_METADATA_GLOBALS:
+            import importlib
+
+            return getattr(importlib.import_module(module), name)
+        if _is_torch_dtype(module, name) or (module, name) in {
+            ("torch", "Size"),
+            ("collections", "OrderedDict"),
+        }:
+            return resolve_global(module, name)
+        raise UnsafePickleError(f"refusing to unpickle global {module}.{name} (not on the allow-list)")
+
+
+def load_dcp_metadata(path: Path) -> object:
+    """The ``Metadata`` object a ``torch_dist`` ``.metadata`` file pickles, read without trusting it.
+
+    A global off the list is one-line :class:`UserError` naming the file (nothing of the pickle runs);
+    a truncated file too.
+    """
+    try:
+        with open(path, "rb") as f:
+            return _DcpMetadataUnpickler(f).load()
+    except UnsafePickleError as exc:
+        raise UserError(f"{path}: unsafe checkpoint file: {exc}") from None
+    except Exception as exc:
+        raise UserError(
+            f"{path}: cannot be read, truncated or corrupt? ({type(exc).__name__}: {exc})"
+        ) from None
 
 
 class Unpickler(pickle.Unpickler):

@@ -5,52 +5,30 @@
   model kind and architecture (the whole :class:`~pretrain.config.ModelConfig`), parallel layout,
   the tokenizer (:class:`TokenizerRecord`) and provenance (:class:`Provenance`).
 * :class:`CheckpointInfo` -- what a reader tells about a checkpoint on disk (``mlm-convert inspect``).
-* :class:`CanonicalSource` -- anything that yields canonical full tensors; :class:`DictSource`
-  holds them in memory, :class:`LazySource` makes each on demand (e.g. converted from Hugging Face).
+* :class:`TensorSource` -- the one protocol of anything that yields canonical full tensors (every
+  reader, the streamed Hugging Face source); :class:`CheckpointReader` adds what an opened Megatron
+  checkpoint tells (``info``, ``metadata``, ``args``). :class:`DictSource` holds tensors in memory,
+  :class:`LazySource` makes each on demand (e.g. converted from Hugging Face).
 
 This module imports nothing from the readers or writers, so every one of them can import it.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import dataclasses
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Self, runtime_checkable
 
 import torch
 
 from pretrain.checkpoint.plan import ModelSpec
 from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.models.sharding import is_vocab_tensor
+from pretrain.tokenizer.record import TokenizerRecord
 from pretrain.utils.errors import UserError
 
 METADATA_SCHEMA = "mlm-toolkit/checkpoint/v2"
-TOKENIZER_SUBDIR = "tokenizer"  # the tokenizer's files, beside the iteration directories
-# Encoded by every tokenizer we record; another tokenizer must encode it to the same ids.
-PROBE_TEXT = "The quick brown fox jumps over the lazy dog. 1234 Zürich!\nHello, world: ünïcödé?"
-
-
-@dataclass(frozen=True, kw_only=True)
-class TokenizerRecord:
-    """The tokenizer of a checkpoint: how to load its files from ``CKPT/tokenizer/`` and what
-    it must look like (vocabulary size, special ids, the ids of :data:`PROBE_TEXT`).
-
-    ``tokenizer_type`` is Megatron's name (``GPT2BPETokenizer``, ``BertWordPieceLowerCase``,
-    ``BertWordPieceCase``, ``SentencePieceTokenizer``, ``GPTSentencePieceTokenizer``,
-    ``HuggingFaceTokenizer``); ``files`` are the file names inside the tokenizer directory.
-    """
-
-    tokenizer_type: str
-    files: tuple[str, ...] = ()
-    vocab_size: int = 0
-    eod: int | None = None
-    cls: int | None = None
-    sep: int | None = None
-    pad: int | None = None
-    mask: int | None = None
-    probe_ids: tuple[int, ...] = ()
-
-    def special_ids(self) -> dict[str, int | None]:
-        return {"eod": self.eod, "cls": self.cls, "sep": self.sep, "pad": self.pad, "mask": self.mask}
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -128,14 +106,51 @@ class CheckpointInfo:
     vocab_known: bool = True  # False: the true vocabulary size is unknown (padded rows counted)
 
 
-class CanonicalSource(Protocol):
-    """Anything that yields canonical full tensors (a checkpoint reader, an HF model, ...)."""
+@runtime_checkable
+class TensorSource(Protocol):
+    """Canonical full tensors by name: a checkpoint reader (legacy ``torch``, ``torch_dist``), a
+    Hugging Face directory streamed (:class:`LazySource`) or tensors in memory (:class:`DictSource`).
 
-    spec: ModelSpec
+    ``tensor(name)`` has the true vocabulary's rows; ``stored_rows(name)`` every row the source
+    keeps (a Megatron checkpoint's vocabulary padding included; the same as ``tensor`` elsewhere).
+    ``with_vocab(n)`` is a view with another true vocabulary size (``source`` says who told it),
+    checked against what the source records: a source is never reopened to learn it.
+    """
+
+    @property
+    def spec(self) -> ModelSpec: ...
 
     def names(self) -> list[str]: ...
 
     def tensor(self, name: str) -> torch.Tensor: ...
+
+    def stored_rows(self, name: str) -> torch.Tensor: ...
+
+    def with_vocab(self, vocab_size: int, *, source: str = "") -> Self: ...
+
+
+class CheckpointReader(TensorSource, Protocol):
+    """An opened Megatron checkpoint (any format): its tensors, what it is, and what it records."""
+
+    @property
+    def info(self) -> CheckpointInfo: ...
+
+    @property
+    def metadata(self) -> CheckpointMetadata | None: ...  # our record; None for upstream checkpoints
+
+    @property
+    def args(self) -> Mapping[str, object]: ...  # the Megatron-named args (names the tokenizer)
+
+
+def _spec_with_vocab(spec: ModelSpec, vocab_size: int) -> ModelSpec:
+    return dataclasses.replace(spec, cfg=dataclasses.replace(spec.cfg, vocab_size=vocab_size))
+
+
+def _check_rows(rows: int, vocab_size: int, source: str) -> None:
+    if not 0 < vocab_size <= rows:
+        raise UserError(
+            f"{source or 'the vocabulary size'}: {vocab_size} tokens, but the source has {rows} rows"
+        )
 
 
 @dataclass
@@ -153,6 +168,19 @@ class DictSource:
             raise UserError(f"source has no tensor {name!r}")
         return self.full[name]
 
+    def stored_rows(self, name: str) -> torch.Tensor:
+        return self.tensor(name)
+
+    def with_vocab(self, vocab_size: int, *, source: str = "") -> DictSource:
+        """The first ``vocab_size`` rows of every vocabulary tensor."""
+        full = {}
+        for name, t in self.full.items():
+            if is_vocab_tensor(name):
+                _check_rows(t.shape[0], vocab_size, source)
+                t = t[:vocab_size]
+            full[name] = t
+        return DictSource(spec=_spec_with_vocab(self.spec, vocab_size), full=full)
+
 
 @dataclass
 class LazySource:
@@ -160,7 +188,7 @@ class LazySource:
 
     ``makers[name]()`` builds one full tensor; nothing is kept, so a writer that asks for one
     tensor at a time holds one. ``after`` (optional) runs after each tensor is made: it gives back
-    the resident pages of the mapped input files (see :class:`~pretrain.checkpoint.pages.PageReleaser`)."""
+    the resident pages of the mapped input files (see :class:`~pretrain.checkpoint.legacy.pages.PageReleaser`)."""
 
     spec: ModelSpec
     makers: dict[str, Callable[[], torch.Tensor]]
@@ -176,3 +204,20 @@ class LazySource:
         if self.after is not None:
             self.after()
         return t
+
+    def stored_rows(self, name: str) -> torch.Tensor:
+        return self.tensor(name)
+
+    def with_vocab(self, vocab_size: int, *, source: str = "") -> LazySource:
+        """Every vocabulary tensor cut to its first ``vocab_size`` rows when made."""
+
+        def cut(make: Callable[[], torch.Tensor]) -> Callable[[], torch.Tensor]:
+            def made() -> torch.Tensor:
+                t = make()
+                _check_rows(t.shape[0], vocab_size, source)
+                return t[:vocab_size]
+
+            return made
+
+        makers = {n: cut(m) if is_vocab_tensor(n) else m for n, m in self.makers.items()}
+        return LazySource(_spec_with_vocab(self.spec, vocab_size), makers, after=self.after)

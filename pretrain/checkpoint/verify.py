@@ -105,8 +105,8 @@ def verify_optimizer(source: Path, target: Path) -> int:
     """Every optimizer state tensor of ``target`` equals the source's, bit for bit (resharding only
     moves them), as do the step, the group hyperparameters and the LR schedule; returns the count."""
     from pretrain.checkpoint.opener import open_checkpoint
-    from pretrain.checkpoint.optimizer_reshard import open_optimizer_source
-    from pretrain.checkpoint.optimizer_state import OPTIM_STATES
+    from pretrain.checkpoint.optimizer.reshard import open_optimizer_source
+    from pretrain.checkpoint.optimizer.state import OPTIM_STATES
 
     src_reader, dst_reader = open_checkpoint(source), open_checkpoint(target)
     src, dst = open_optimizer_source(src_reader), open_optimizer_source(dst_reader)

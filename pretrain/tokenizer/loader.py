@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from pretrain.checkpoint.types import PROBE_TEXT, TOKENIZER_SUBDIR, TokenizerRecord
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.tokenizer.factory import TOKENIZER_TYPES, TokenizerConfig, build_tokenizer
 from pretrain.tokenizer.hf import HuggingFaceTokenizer
+from pretrain.tokenizer.record import PROBE_TEXT, TOKENIZER_SUBDIR, TokenizerRecord
 from pretrain.utils.atomic import atomic_open
 from pretrain.utils.errors import UserError
 

@@ -19,8 +19,8 @@ from typing import Any
 import torch.distributed as dist
 
 from pretrain.checkpoint.args import parallel_config_from_args
-from pretrain.checkpoint.io import load_checkpoint, load_rank_file, restore_rng_state, save_checkpoint
-from pretrain.checkpoint.layout import (
+from pretrain.checkpoint.legacy.io import load_checkpoint, load_rank_file, restore_rng_state, save_checkpoint
+from pretrain.checkpoint.legacy.layout import (
     DISTRIB_OPTIM_FILE,
     MODEL_FILE,
     list_rank_dirs,

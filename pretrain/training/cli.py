@@ -254,7 +254,7 @@ def check_data_fits(args: Any, vocab_size: int) -> None:
 
 def check_outputs(args: Any) -> None:
     """Before any work: --save is writable and not a finished run unless resumed or --overwrite."""
-    from pretrain.checkpoint.layout import TRACKER
+    from pretrain.checkpoint.legacy.layout import TRACKER
 
     if args.log_json:
         check_writable_output(args.log_json, kind="file", flag="--log-json")

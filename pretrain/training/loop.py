@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pretrain.checkpoint.layout import iteration_dir
+from pretrain.checkpoint.legacy.layout import iteration_dir
 from pretrain.config import ParallelConfig
 from pretrain.distributed.ddp import DDPConfig, DistributedDataParallel, finalize_model_grads
 from pretrain.models.base import ShardedModule

@@ -27,20 +27,21 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from pretrain.checkpoint.args_semantics import OUTPUT_LAYER, is_zero_centred_norm
-from pretrain.checkpoint.dcp_failures import dcp_failures, first_line
 from pretrain.checkpoint.metadata import as_mapping, read_metadata
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
 from pretrain.checkpoint.safe_unpickle import load_untrusted, load_untrusted_bytes
+from pretrain.checkpoint.torch_dist.dcp_failures import dcp_failures, first_line
+from pretrain.checkpoint.torch_dist.storage import SafeFileSystemReader, read_dcp_metadata
 from pretrain.checkpoint.types import CheckpointInfo, CheckpointMetadata
-from pretrain.checkpoint.upstream_args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
-from pretrain.checkpoint.upstream_names import to_local_name
+from pretrain.checkpoint.upstream.args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
+from pretrain.checkpoint.upstream.args_semantics import OUTPUT_LAYER, is_zero_centred_norm
+from pretrain.checkpoint.upstream.names import to_local_name
+from pretrain.checkpoint.vocab_view import vocab_view
 from pretrain.model_options import layernorm_1p
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.utils.errors import UserError
@@ -118,8 +119,11 @@ class _BytesPlanner(DefaultLoadPlanner):
         self.data = value.read()
 
 
-def read_region(path: Path, md: TensorStorageMetadata, key: str, layer: int | None) -> torch.Tensor:
-    """Tensor ``key`` (one ``layer`` of a stacked key) of the checkpoint at ``path``, into CPU memory."""
+def read_region(
+    path: Path, md: TensorStorageMetadata, key: str, layer: int | None, storage: Metadata | None = None
+) -> torch.Tensor:
+    """Tensor ``key`` (one ``layer`` of a stacked key) of the checkpoint at ``path``, into CPU memory
+    (``storage``: its ``.metadata`` already read, else read again)."""
     size = tuple(md.size) if layer is None else (1, *md.size[1:])
     out = torch.empty(size, dtype=md.properties.dtype)
     offsets = (0,) * len(size) if layer is None else (layer, *(0,) * (len(size) - 1))
@@ -131,7 +135,7 @@ def read_region(path: Path, md: TensorStorageMetadata, key: str, layer: int | No
     try:
         with dcp_failures(describe), warnings.catch_warnings():  # "assuming ... a single process": intended
             warnings.simplefilter("ignore", UserWarning)
-            dcp.load({}, storage_reader=FileSystemReader(str(path)), planner=planner, no_dist=True)
+            dcp.load({}, storage_reader=SafeFileSystemReader(path, storage), planner=planner, no_dist=True)
     except UserError:
         raise
     except Exception as exc:
@@ -150,14 +154,28 @@ class TorchDistReader:
     refs: dict[str, _Ref]  # canonical name -> location
     head: _Ref | None = None
     metadata: CheckpointMetadata | None = None  # our record (None for upstream checkpoints)
+    storage: Metadata | None = None  # the dcp .metadata, read once (safely) when opened
     norm_1p: bool = False  # upstream apply_layernorm_1p: norm weights are stored minus 1
     args: dict[str, Any] = field(default_factory=dict)  # common.pt's args (names the tokenizer)
+    common: dict[str, Any] = field(default_factory=dict)  # all of common.pt (optimizer, scheduler), read once
 
     def names(self) -> list[str]:
         return list(self.refs)
 
+    def with_vocab(self, vocab_size: int, *, source: str = "") -> TorchDistReader:
+        """This checkpoint with the true vocabulary ``vocab_size`` (``.metadata`` not read again)."""
+        row = sum(
+            int(torch.Size(self.meta[r.key].size[1:]).numel())
+            for n, r in self.refs.items()
+            if is_vocab_tensor(n)
+        )
+        spec, info = vocab_view(
+            self.spec, self.info, self.args, vocab_size=vocab_size, source=source, tp=1, row_numel=row
+        )
+        return dataclasses.replace(self, spec=spec, info=info)
+
     def _read(self, ref: _Ref, vocab: bool) -> torch.Tensor:
-        t = read_region(self.path, self.meta[ref.key], ref.key, ref.layer)
+        t = read_region(self.path, self.meta[ref.key], ref.key, ref.layer, self.storage)
         return t[: self.spec.cfg.vocab_size] if vocab else t
 
     def stored_rows(self, name: str) -> torch.Tensor:
@@ -185,17 +203,15 @@ class TorchDistReader:
         return full[: self.spec.cfg.vocab_size] if is_vocab_tensor(name) else full
 
 
-def _read_metadata(it_dir: Path) -> tuple[dict[str, TensorStorageMetadata], set[str]]:
-    """The tensors' metadata, and every key (tensors and byte objects)."""
-    try:
-        md = FileSystemReader(str(it_dir)).read_metadata()
-        tensors = {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
-    except Exception as exc:
-        raise UserError(
-            f"{it_dir / '.metadata'}: cannot be read, truncated or corrupt? ({first_line(exc)})"
-        ) from None
+def _read_metadata(it_dir: Path) -> Metadata:
+    """The dcp ``.metadata`` (restricted unpickler), its data files checked."""
+    md = read_dcp_metadata(it_dir)
     _check_data_files(it_dir, md.storage_data)
-    return tensors, set(md.state_dict_metadata)
+    return md
+
+
+def _tensors(md: Metadata) -> dict[str, TensorStorageMetadata]:
+    return {k: v for k, v in md.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
 
 def _check_data_files(it_dir: Path, storage: object) -> None:
@@ -220,15 +236,15 @@ def _check_data_files(it_dir: Path, storage: object) -> None:
             )
 
 
-def read_common(it_dir: Path, keys: set[str] | None = None) -> dict[str, Any]:
+def read_common(it_dir: Path, storage: Metadata | None = None) -> dict[str, Any]:
     """The non-sharded state (``args``, ``iteration``, ...): ``common.pt``, or (megatron-core >= 0.19,
     which no longer writes ``common.pt``) the ``common_state`` sharded object in the ``.distcp``
     files, a ``torch.save``d one-element list. Neither: one line (the model's args are gone)."""
     if (it_dir / "common.pt").is_file():
         return load_untrusted(it_dir / "common.pt", mmap=False)
-    if keys is None:
-        keys = _read_metadata(it_dir)[1]
-    if _COMMON_STATE not in keys:
+    if storage is None:
+        storage = _read_metadata(it_dir)
+    if _COMMON_STATE not in storage.state_dict_metadata:
         raise UserError(
             f"{it_dir}: common.pt is missing (it holds the args that describe the model; "
             f"megatron-core >= 0.19 keeps them as {_COMMON_STATE} in the .distcp files, absent too)"
@@ -242,7 +258,8 @@ def read_common(it_dir: Path, keys: set[str] | None = None) -> dict[str, Any]:
         with dcp_failures(describe), warnings.catch_warnings():  # "assuming ... a single process": intended
             warnings.simplefilter("ignore", UserWarning)
             dcp.load(
-                {_COMMON_STATE: io.BytesIO()}, storage_reader=FileSystemReader(str(it_dir)), planner=planner,
+                {_COMMON_STATE: io.BytesIO()}, storage_reader=SafeFileSystemReader(it_dir, storage),
+                planner=planner,
                 no_dist=True,
             )  # fmt: skip
     except UserError:
@@ -264,8 +281,9 @@ def open_torch_dist(
     root: Path | None = None,
 ) -> TorchDistReader:
     """Open a ``torch_dist`` iteration directory (metadata only; tensors are read on demand)."""
-    meta, keys = _read_metadata(it_dir)
-    common = read_common(it_dir, keys)
+    storage = _read_metadata(it_dir)
+    meta = _tensors(storage)
+    common = read_common(it_dir, storage)
     args = dict(as_mapping(common.get("args")))
     ours = read_metadata(args, source=str(it_dir))
     refs, shapes = _map_keys(meta)
@@ -326,6 +344,6 @@ def open_torch_dist(
     )
     ordered = {s.canonical: refs[s.local] for s in slots}
     return TorchDistReader(
-        spec=spec, info=info, path=it_dir, meta=meta, refs=ordered, head=head, metadata=ours,
-        norm_1p=ours is None and layernorm_1p(args), args=args,
+        spec=spec, info=info, path=it_dir, meta=meta, refs=ordered, head=head, metadata=ours, storage=storage,
+        norm_1p=ours is None and layernorm_1p(args), args=args, common=common,
     )  # fmt: skip

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.args_semantics import check_bert_gelu
+from pretrain.checkpoint.upstream.args_semantics import check_bert_gelu
 from pretrain.config import ModelConfig
 from pretrain.model_options import config_kwargs_from_args, need_int
 from pretrain.utils.errors import UserError

@@ -6,7 +6,7 @@ megatron-core's ``dist_checkpointing.load`` (and Megatron-LM ``--ckpt-format tor
 it at any TP/PP: ``ROOT/latest_checkpointed_iteration.txt`` and ``ROOT/iter_N/`` with
 
 * ``.metadata`` + ``__0_0.distcp``: a PyTorch distributed checkpoint keyed by megatron-core's
-  sharded-state-dict keys (:func:`~pretrain.checkpoint.upstream_names.to_mcore_key`): global
+  sharded-state-dict keys (:func:`~pretrain.checkpoint.upstream.names.to_mcore_key`): global
   shapes, layers stacked along a leading axis ``[num_layers, ...]`` and stored one chunk per layer
   (the chunks megatron-core itself writes along that axis); the word embeddings (and an untied
   ``output_layer``, and BERT's MLM output bias ``output_layer.bias``) padded for the target TP; the ``_extra_state`` byte entries of every linear
@@ -38,15 +38,15 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
-from pretrain.checkpoint.dcp_failures import dcp_failures, first_line
-from pretrain.checkpoint.layout import CHECKPOINT_VERSION, iteration_dir, write_tracker
+from pretrain.checkpoint.legacy.layout import CHECKPOINT_VERSION, iteration_dir, write_tracker
+from pretrain.checkpoint.legacy.writer import WriteOptions, _target_metadata, vocab_rows
 from pretrain.checkpoint.metadata import to_args
-from pretrain.checkpoint.optimizer_state import MCORE_STATE_PREFIX, OptimizerSource
+from pretrain.checkpoint.optimizer.state import MCORE_STATE_PREFIX, OptimizerSource
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
-from pretrain.checkpoint.reshard import WriteOptions, _target_metadata, vocab_rows
-from pretrain.checkpoint.torch_dist_optimizer import optimizer_common, optimizer_entry_kinds
-from pretrain.checkpoint.types import CanonicalSource
-from pretrain.checkpoint.upstream_names import MCORE_BLOCK, to_mcore_key
+from pretrain.checkpoint.torch_dist.dcp_failures import dcp_failures, first_line
+from pretrain.checkpoint.torch_dist.optimizer import optimizer_common, optimizer_entry_kinds
+from pretrain.checkpoint.types import TensorSource
+from pretrain.checkpoint.upstream.names import MCORE_BLOCK, to_mcore_key
 from pretrain.config import ParallelConfig
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.atomic import atomic_directory, atomic_open
@@ -98,7 +98,7 @@ def _check_representable(spec: ModelSpec) -> None:
         )
 
 
-def _entries(source: CanonicalSource, tp: int) -> list[_Entry]:
+def _entries(source: TensorSource, tp: int) -> list[_Entry]:
     spec = source.spec
     cfg = spec.cfg
     _check_representable(spec)
@@ -184,7 +184,7 @@ def _optimizer_entries(entries: list[_Entry], params_dtype: str, *, distributed:
     ]
 
 
-def _fetcher(source: CanonicalSource, opt: OptimizerSource | None) -> Callable[[_Entry, str], torch.Tensor]:
+def _fetcher(source: TensorSource, opt: OptimizerSource | None) -> Callable[[_Entry, str], torch.Tensor]:
     def fetch(entry: _Entry, name: str) -> torch.Tensor:
         pad_rows = entry.pad_rows
         if entry.state_kind is None:
@@ -205,7 +205,7 @@ def _fetcher(source: CanonicalSource, opt: OptimizerSource | None) -> Callable[[
 
 
 def write_torch_dist(
-    source: CanonicalSource,
+    source: TensorSource,
     save: str | Path,
     target: ParallelConfig,
     *,
@@ -220,7 +220,7 @@ def write_torch_dist(
     tensors are global, so megatron-core may load them at any TP/PP. ``optimizer``: its state
     is written as megatron-core's non-distributed optimizer saves it, or with
     ``distributed_optimizer`` as its ``DistributedOptimizer`` saves the ``fully_reshardable``
-    format (see :mod:`pretrain.checkpoint.torch_dist_optimizer`), with the LR schedule.
+    format (see :mod:`pretrain.checkpoint.torch_dist.optimizer`), with the LR schedule.
     """
     source.spec.cfg.check_tensor_parallel(target.tp)
     entries = _entries(source, target.tp)

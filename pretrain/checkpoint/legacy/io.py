@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pretrain.checkpoint.layout import (
+from pretrain.checkpoint.legacy.layout import (
     CHECKPOINT_VERSION,
     MODEL_FILE,
     flatten,
@@ -30,8 +30,8 @@ from pretrain.checkpoint.layout import (
     resolve_iteration,
     write_tracker,
 )
+from pretrain.checkpoint.legacy.module_names import chunk_from_file, chunk_to_file, file_keys
 from pretrain.checkpoint.metadata import SAFE_GLOBALS, as_mapping, read_metadata, to_args
-from pretrain.checkpoint.module_names import chunk_from_file, chunk_to_file, file_keys
 from pretrain.checkpoint.types import CheckpointMetadata
 from pretrain.models.base import ShardedModule
 from pretrain.parallel.state import ParallelState
@@ -48,7 +48,7 @@ def model_state(
     chunks: Sequence[ShardedModule], *, names: str = "legacy", kind: str = "gpt"
 ) -> dict[str, Any]:
     """``{"model": ...}`` or ``{"model0": ..., "modelV-1": ...}`` for virtual chunks, each under
-    ``names`` (see :mod:`pretrain.checkpoint.module_names`)."""
+    ``names`` (see :mod:`pretrain.checkpoint.legacy.module_names`)."""
     entries = [
         chunk_to_file({k: v.detach().cpu() for k, v in c.state_dict().items()}, names=names, kind=kind)
         for c in chunks

@@ -11,7 +11,6 @@ Vocabulary padding is recomputed for the target TP; the last stage gets its
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,22 +19,22 @@ from typing import Any
 import torch
 
 from pretrain.checkpoint.args import build_metadata
-from pretrain.checkpoint.layout import (
+from pretrain.checkpoint.legacy.layout import (
     CHECKPOINT_VERSION,
     MODEL_FILE,
     iteration_dir,
     rank_dir_name,
     write_tracker,
 )
+from pretrain.checkpoint.legacy.module_names import chunk_to_file
 from pretrain.checkpoint.metadata import to_args
-from pretrain.checkpoint.module_names import chunk_to_file
 from pretrain.checkpoint.plan import LayoutPlan, Slot
 from pretrain.checkpoint.types import (
-    CanonicalSource,
     CheckpointMetadata,
     DictSource,
     FinetuneRecord,
     Provenance,
+    TensorSource,
     TokenizerRecord,
 )
 from pretrain.config import ParallelConfig
@@ -44,7 +43,7 @@ from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.atomic import atomic_directory, atomic_open
 from pretrain.utils.errors import UserError
 
-__all__ = ["DictSource", "WriteOptions", "check_output_dir", "vocab_rows", "with_vocab", "write_layout"]
+__all__ = ["DictSource", "WriteOptions", "check_output_dir", "vocab_rows", "write_layout"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,20 +86,18 @@ def _shard(full: torch.Tensor, slot: Slot, *, tp_rank: int, tp: int, padded: int
     return out.contiguous()
 
 
-def vocab_rows(source: CanonicalSource, name: str, padded: int) -> torch.Tensor:
+def vocab_rows(source: TensorSource, name: str, padded: int) -> torch.Tensor:
     """Vocabulary tensor ``name`` for a target padded to ``padded`` rows: the true vocabulary,
     then as many of the padding rows the source stores as fit (the shard writer zero-fills the
     rest). megatron-core's softmax spans the padded vocabulary, so its runs train the padding
     rows of the output layer (and, tied, of the embedding); carrying them keeps a resumed Megatron
     run exact whenever the padded size is kept. Our models never read them (padded logits are
     excluded); sources without stored rows (Hugging Face) give the true vocabulary only."""
-    if hasattr(source, "stored_rows"):
-        return source.stored_rows(name)[:padded]
-    return source.tensor(name)
+    return source.stored_rows(name)[:padded]
 
 
 def _chunk_state(
-    source: CanonicalSource, slots: list[Slot], *, tp_rank: int, tp: int, padded: int
+    source: TensorSource, slots: list[Slot], *, tp_rank: int, tp: int, padded: int
 ) -> dict[str, torch.Tensor]:
     flat = {}
     for slot in slots:
@@ -110,7 +107,7 @@ def _chunk_state(
 
 
 def _target_metadata(
-    source: CanonicalSource, target: ParallelConfig, options: WriteOptions
+    source: TensorSource, target: ParallelConfig, options: WriteOptions
 ) -> CheckpointMetadata:
     spec = source.spec
     tok = options.tokenizer
@@ -128,7 +125,7 @@ def _target_metadata(
 
 
 def write_layout(
-    source: CanonicalSource,
+    source: TensorSource,
     save: str | Path,
     target: ParallelConfig,
     *,
@@ -180,8 +177,3 @@ def write_layout(
         if extra_files is not None:
             extra_files(tmp)
     return save
-
-
-def with_vocab(source_spec: Any, vocab_size: int) -> Any:
-    """The spec with another true vocabulary size (the config is frozen)."""
-    return dataclasses.replace(source_spec, cfg=dataclasses.replace(source_spec.cfg, vocab_size=vocab_size))

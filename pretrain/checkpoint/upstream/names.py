@@ -3,7 +3,7 @@
 Every era of upstream checkpoints is read through two pure functions:
 
 * :func:`to_local_name` maps one flat key of a model chunk (``model`` / ``model{i}``, flattened
-  with :func:`pretrain.checkpoint.layout.flatten`) to the local parameter name of our
+  with :func:`pretrain.checkpoint.legacy.layout.flatten`) to the local parameter name of our
   ``GPTModel`` / ``BertModel`` chunk (layer indices stay local to the chunk). It accepts the
   legacy names (``language_model.encoder``), their older spellings (``transformer`` for
   ``encoder``, ``attention`` for ``self_attention``, top-level ``word_embeddings``), the newer

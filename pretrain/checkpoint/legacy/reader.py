@@ -19,20 +19,21 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.args_semantics import is_zero_centred_norm, untie_head_names
-from pretrain.checkpoint.layout import MODEL_FILE, flatten, list_rank_dirs
+from pretrain.checkpoint.legacy.layout import MODEL_FILE, flatten, list_rank_dirs
+from pretrain.checkpoint.legacy.pages import PageReleaser
 from pretrain.checkpoint.metadata import CheckpointMetadata, as_mapping, read_metadata
-from pretrain.checkpoint.pages import PageReleaser
 from pretrain.checkpoint.plan import ModelSpec, Slot, chunk_slots, layers_from_counts
 from pretrain.checkpoint.safe_unpickle import load_untrusted
-from pretrain.checkpoint.types import CanonicalSource, CheckpointInfo
-from pretrain.checkpoint.upstream_args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
-from pretrain.checkpoint.upstream_names import is_qkv, qkv_to_canonical, to_local_name
+from pretrain.checkpoint.types import CheckpointInfo
+from pretrain.checkpoint.upstream.args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
+from pretrain.checkpoint.upstream.args_semantics import is_zero_centred_norm, untie_head_names
+from pretrain.checkpoint.upstream.names import is_qkv, qkv_to_canonical, to_local_name
+from pretrain.checkpoint.vocab_view import vocab_view
 from pretrain.model_options import layernorm_1p
 from pretrain.models.sharding import row_layout, unshard_tensors
 from pretrain.utils.errors import UserError
 
-__all__ = ["CanonicalSource", "CheckpointInfo", "LegacyReader", "open_legacy"]
+__all__ = ["CheckpointInfo", "LegacyReader", "open_legacy"]
 _CHUNK_KEY = re.compile(r"^model(\d*)$")
 _LOCAL_LAYER = re.compile(r"\.layers\.(\d+)\.")
 
@@ -64,6 +65,20 @@ class LegacyReader:
 
     def names(self) -> list[str]:
         return list(self.entries)
+
+    def with_vocab(self, vocab_size: int, *, source: str = "") -> LegacyReader:
+        """This checkpoint with the true vocabulary ``vocab_size`` (files not read again)."""
+        row = sum(int(torch.Size(e.slot.shape[1:]).numel()) for e in self.entries.values() if e.slot.vocab)
+        spec, info = vocab_view(
+            self.spec,
+            self.info,
+            self.args,
+            vocab_size=vocab_size,
+            source=source,
+            tp=self.info.tp,
+            row_numel=row,
+        )
+        return dataclasses.replace(self, spec=spec, info=info)
 
     def _part(self, ref: tuple[int, str, str]) -> torch.Tensor:
         i, chunk, key = ref
@@ -107,7 +122,7 @@ class LegacyReader:
         """The full tensor ``name`` with every stored row: a vocabulary tensor keeps its padding
         rows after the true vocabulary (``[p, h]``). megatron-core's softmax spans the padded
         vocabulary, so upstream runs train those rows; writers carry them
-        (:func:`pretrain.checkpoint.reshard.vocab_rows`)."""
+        (:func:`pretrain.checkpoint.legacy.writer.vocab_rows`)."""
         if name not in self.entries:
             raise UserError(f"{self.info.path}: no tensor {name!r}")
         vocab = self.spec.cfg.vocab_size if self.entries[name].slot.vocab else None
@@ -321,11 +336,3 @@ def open_legacy(
         pages=PageReleaser(files), metadata=meta,
         norm_1p=meta is None and layernorm_1p(as_mapping(states[0].get("args"))),
     )  # fmt: skip
-
-
-def __getattr__(name: str) -> Any:  # the earlier home of these entry points
-    if name in ("open_checkpoint", "load_canonical"):
-        from pretrain.checkpoint import opener
-
-        return getattr(opener, name)
-    raise AttributeError(name)

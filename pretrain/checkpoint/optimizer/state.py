@@ -1,7 +1,7 @@
 """Optimizer state as canonical full tensors, and its megatron-core ``torch_dist`` form.
 
 Every optimizer state tensor is shaped like its parameter, so a source of optimizer state is, like
-a :class:`~pretrain.checkpoint.types.CanonicalSource` of weights, "full tensor by canonical name"
+a :class:`~pretrain.checkpoint.types.TensorSource` of weights, "full tensor by canonical name"
 (:class:`OptimizerSource`), one tensor per state kind (:data:`OPTIM_STATES`: the fp32 main
 ``param``, ``exp_avg``, ``exp_avg_sq``), plus the non-tensor part (:class:`OptimizerCommon`: the
 Adam step, the hyperparameters per group, the loss scaler) and the LR schedule. Readers of our

@@ -22,9 +22,8 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.args_semantics import is_zero_centred_norm
 from pretrain.checkpoint.metadata import as_mapping
-from pretrain.checkpoint.optimizer_state import (
+from pretrain.checkpoint.optimizer.state import (
     OptimizerCommon,
     OptimizerSource,
     from_mcore_common,
@@ -34,7 +33,8 @@ from pretrain.checkpoint.optimizer_state import (
     to_mcore_distributed_common,
     to_mcore_scheduler,
 )
-from pretrain.checkpoint.torch_dist import TorchDistReader, read_common, read_region
+from pretrain.checkpoint.torch_dist.reader import TorchDistReader, read_common, read_region
+from pretrain.checkpoint.upstream.args_semantics import is_zero_centred_norm
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.utils.errors import UserError
 
@@ -74,7 +74,7 @@ class TorchDistOptimizerSource:
                 f"{r.path}: {key} has shape {tuple(r.meta[key].size)}, its parameter "
                 f"{tuple(r.meta[ref.key].size)} (a flattened distributed-optimizer layout is not read)"
             )
-        full = read_region(r.path, r.meta[key], key, ref.layer).float()
+        full = read_region(r.path, r.meta[key], key, ref.layer, r.storage).float()
         if kind == "param" and r.norm_1p and is_zero_centred_norm(canonical):
             full = full + 1
         return full
@@ -83,7 +83,7 @@ class TorchDistOptimizerSource:
 def open_optimizer(reader: TorchDistReader) -> TorchDistOptimizerSource:
     """The optimizer state of ``reader``'s checkpoint (one line and exit 2 when it has none)."""
     common_pt = reader.path / "common.pt"
-    common = read_common(reader.path)
+    common = reader.common or read_common(reader.path, reader.storage)
     if not any(k.startswith("optimizer.state.") for k in reader.meta):
         raise UserError(f"--with-optimizer: {reader.path} holds no optimizer state")
     args = dict(as_mapping(common.get("args")))

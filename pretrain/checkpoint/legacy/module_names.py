@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.layout import flatten, nest_megatron
-from pretrain.checkpoint.upstream_names import to_mcore_state_name
+from pretrain.checkpoint.legacy.layout import flatten, nest_megatron
+from pretrain.checkpoint.upstream.names import to_mcore_state_name
 from pretrain.utils.errors import UserError
 
 MODULE_NAMES = ("mcore", "legacy")
@@ -31,7 +31,7 @@ _LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.line
 
 def mcore_name(local: str) -> str:
     """megatron-core's flat name of one of our GPT chunk's local parameter names (the one name
-    table, :func:`pretrain.checkpoint.upstream_names.to_mcore_state_name`)."""
+    table, :func:`pretrain.checkpoint.upstream.names.to_mcore_state_name`)."""
     try:
         return to_mcore_state_name(local, "gpt")
     except ValueError:

@@ -22,20 +22,21 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.args_semantics import untie_head_names
-from pretrain.checkpoint.layout import DISTRIB_OPTIM_FILE
-from pretrain.checkpoint.optimizer_state import (
+from pretrain.checkpoint.legacy.layout import DISTRIB_OPTIM_FILE
+from pretrain.checkpoint.legacy.reader import LegacyReader
+from pretrain.checkpoint.legacy.writer import _shard
+from pretrain.checkpoint.optimizer.state import (
     OPTIM_STATES,
     OptimizerCommon,
     OptimizerSource,
     from_mcore_scheduler,
 )
 from pretrain.checkpoint.plan import ModelSpec, Slot
-from pretrain.checkpoint.reader import LegacyReader
-from pretrain.checkpoint.reshard import _shard
 from pretrain.checkpoint.safe_unpickle import load_untrusted
-from pretrain.checkpoint.upstream_names import to_local_name
-from pretrain.checkpoint.upstream_optimizer import UpstreamParam, upstream_full_state
+from pretrain.checkpoint.types import CheckpointReader
+from pretrain.checkpoint.upstream.args_semantics import untie_head_names
+from pretrain.checkpoint.upstream.names import to_local_name
+from pretrain.checkpoint.upstream.optimizer import UpstreamParam, upstream_full_state
 from pretrain.config import ParallelConfig
 from pretrain.model_options import is_mcore
 from pretrain.optim.distrib_optimizer import reassemble_full_state
@@ -149,7 +150,7 @@ class _OptimizerView(LegacyReader):
 @dataclasses.dataclass
 class LegacyOptimizerSource:
     """The optimizer state of our per-rank files as canonical full fp32 tensors
-    (an :class:`~pretrain.checkpoint.optimizer_state.OptimizerSource`)."""
+    (an :class:`~pretrain.checkpoint.optimizer.state.OptimizerSource`)."""
 
     views: dict[str, _OptimizerView]
     common: OptimizerCommon
@@ -163,7 +164,7 @@ class LegacyOptimizerSource:
         return self.views[kind].stored_rows(canonical).float()
 
 
-def open_legacy_optimizer(reader: Any) -> LegacyOptimizerSource:
+def open_legacy_optimizer(reader: CheckpointReader) -> LegacyOptimizerSource:
     """The optimizer state of our checkpoint ``reader`` (one line and exit 2 when it has none)."""
     if not isinstance(reader, LegacyReader):
         raise UserError("--with-optimizer: this checkpoint format carries no optimizer state we read")
@@ -201,7 +202,7 @@ def open_legacy_optimizer(reader: Any) -> LegacyOptimizerSource:
 
 def _state_rows(opt: OptimizerSource, kind: str, slot: Slot, padded: int) -> torch.Tensor:
     """State ``kind`` of ``slot``'s tensor; a vocabulary tensor's with its stored padding rows
-    (as many as fit in ``padded``, as :func:`pretrain.checkpoint.reshard.vocab_rows`)."""
+    (as many as fit in ``padded``, as :func:`pretrain.checkpoint.legacy.writer.vocab_rows`)."""
     return (
         opt.state_stored_rows(kind, slot.canonical)[:padded]
         if slot.vocab
@@ -212,7 +213,7 @@ def _state_rows(opt: OptimizerSource, kind: str, slot: Slot, padded: int) -> tor
 def optimizer_writer(
     opt: OptimizerSource, spec: ModelSpec, target: ParallelConfig
 ) -> Callable[[int, int, list[list[Slot]]], dict[str, Any] | None]:
-    """The ``optimizer`` callback of :func:`pretrain.checkpoint.reshard.write_layout`: each target
+    """The ``optimizer`` callback of :func:`pretrain.checkpoint.legacy.writer.write_layout`: each target
     rank file's full-form ``optimizer`` entry, every state split exactly like its parameter."""
     cfg = spec.cfg
     padded = padded_vocab_size(cfg.vocab_size, tp=target.tp, divisible_by=cfg.make_vocab_size_divisible_by)
@@ -237,18 +238,18 @@ def optimizer_writer(
     return build
 
 
-def open_optimizer_source(reader: Any) -> OptimizerSource:
+def open_optimizer_source(reader: CheckpointReader) -> OptimizerSource:
     """The optimizer state of an opened checkpoint (our per-rank files or ``torch_dist``)."""
-    from pretrain.checkpoint.torch_dist import TorchDistReader
+    from pretrain.checkpoint.torch_dist.reader import TorchDistReader
 
     if isinstance(reader, TorchDistReader):
-        from pretrain.checkpoint.torch_dist_optimizer import open_optimizer
+        from pretrain.checkpoint.torch_dist.optimizer import open_optimizer
 
         return open_optimizer(reader)
     return open_legacy_optimizer(reader)
 
 
-def describe_optimizer(reader: Any) -> dict[str, Any]:
+def describe_optimizer(reader: CheckpointReader) -> dict[str, Any]:
     """What ``mlm-convert inspect`` says of a checkpoint's optimizer state: ``{"present",
     "reshardable", "step", "why"}`` (``why``: the one-line reason it cannot be carried)."""
     try:
