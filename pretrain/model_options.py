@@ -15,10 +15,8 @@ Everything about an option's name outside the model code is derived from :data:`
   stays with the family's converter.
 
 A row whose Megatron meaning is not one field to one field (GQA's two fields, the GeLU flavour, QKV
-bias, RoPE's older spelling) names a *codec*: a reader from ``args`` and a writer to ``args``, both
-beside the table. Megatron's GeLU differs between its two model families (see :func:`gelu_kind`):
-legacy models run tanh GeLU for ``openai_gelu`` and for the fused bias-GeLU kernel; megatron-core
-ignores ``openai_gelu`` and runs exact ``F.gelu`` unless the fused bias-GeLU kernel (tanh) is on.
+bias, RoPE's older spelling) names a *codec*: a reader from ``args`` and a writer to ``args``
+(:mod:`pretrain.model_option_codecs`, which also explains Megatron's two GeLU rules).
 
 ``tests/test_model_options.py`` walks the table and round-trips every field through each direction.
 """
@@ -31,13 +29,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from pretrain import model_option_codecs as codecs
 from pretrain.config import ModelConfig
+from pretrain.model_option_codecs import Args, ArgsReader, ArgsWriter, gelu_kind, is_mcore, need_int
 from pretrain.utils.errors import UserError
 
 Status = Literal["implemented", "refused", "numerics"]
-Args = Mapping[str, object]
-ArgsReader = Callable[[Args, str], object]  # (args, source) -> our field's value
-ArgsWriter = Callable[[ModelConfig, bool], dict[str, object]]  # (cfg, mcore) -> Megatron fields
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,130 +70,6 @@ class Option:
     meaning: str = ""
     read: ArgsReader | None = None
     write: ArgsWriter | None = None
-
-
-# --- codecs (Megatron meanings that are not one field to one field) -------------------------------
-
-
-def is_mcore(args: Args) -> bool:
-    """Whether ``args`` describe a megatron-core model (``use_legacy_models`` false).
-
-    megatron-core 0.18 removed the legacy models and ``use_legacy_models`` with them; its args keep
-    ``deprecated_use_mcore_models`` (the dead ``--use-mcore-models`` flag), so they are megatron-core.
-    """
-    if "use_legacy_models" in args:
-        return not args["use_legacy_models"]
-    if "use_mcore_models" in args:
-        return bool(args["use_mcore_models"])
-    return "deprecated_use_mcore_models" in args
-
-
-def gelu_kind(args: Args, *, mcore: bool) -> str:
-    """``tanh`` or ``erf``: what GeLU the model ran (see the module docstring)."""
-    fused = bool(args.get("bias_gelu_fusion")) and bool(args.get("add_bias_linear", True))
-    if mcore:
-        return "tanh" if fused else "erf"
-    if args.get("openai_gelu"):
-        return "tanh"
-    if args.get("onnx_safe"):
-        return "erf"
-    return "tanh" if fused else "erf"
-
-
-def _read_gelu(args: Args, source: str) -> object:
-    return gelu_kind(args, mcore=is_mcore(args))
-
-
-def _write_gelu(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
-    # megatron-core runs exact GeLU unless the fused bias-GeLU kernel (tanh) is on; legacy takes openai_gelu.
-    tanh = cfg.gelu == "tanh"
-    return {"openai_gelu": tanh, "bias_gelu_fusion": mcore and tanh and cfg.add_bias_linear}
-
-
-def need_int(args: Args, key: str, source: str) -> int:
-    """``int(args[key])``, or one line naming the field and the Megatron-LM flag that sets it."""
-    value = args.get(key)
-    if not isinstance(value, int | float | str) or isinstance(value, bool):
-        raise UserError(
-            f"{source}: args lack {key} (Megatron-LM's --{key.replace('_', '-')}), needed to read this checkpoint"
-        )
-    return int(value)
-
-
-def _read_groups(args: Args, source: str) -> object:
-    if not args.get("group_query_attention"):
-        return None
-    return need_int(args, "num_query_groups", source)
-
-
-def _write_groups(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
-    gqa = cfg.num_query_groups
-    return {"group_query_attention": bool(gqa) and gqa != cfg.num_attention_heads,
-            "num_query_groups": gqa or cfg.num_attention_heads}  # fmt: skip
-
-
-def _read_position(args: Args, source: str) -> object:
-    pos = str(args.get("position_embedding_type") or "learned_absolute")
-    if args.get("use_rotary_position_embeddings"):
-        pos = "rope"
-    if pos not in ("learned_absolute", "rope"):
-        raise UserError(
-            f"{source}: args.position_embedding_type={pos}: only learned_absolute and rope are supported"
-        )
-    if pos == "learned_absolute" and args.get("add_position_embedding") is False:
-        raise UserError(f"{source}: args.add_position_embedding=False without rope: no position information")
-    return pos
-
-
-def _write_position(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
-    rope = cfg.position_embedding_type == "rope"
-    return {"position_embedding_type": cfg.position_embedding_type, "add_position_embedding": not rope,
-            "use_rotary_position_embeddings": False}  # fmt: skip
-
-
-def _read_qkv_bias(args: Args, source: str) -> object:
-    # Megatron adds a QKV bias for add_bias_linear or add_qkv_bias; ours is the QKV-only extra.
-    return bool(args.get("add_qkv_bias")) and args.get("add_bias_linear", True) is False
-
-
-def _write_qkv_bias(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
-    return {"add_qkv_bias": cfg.qkv_bias}
-
-
-def _read_bias(args: Args, source: str) -> object:
-    return args.get("add_bias_linear", True) is not False
-
-
-def _read_kv_channels(args: Args, source: str) -> object:
-    kv = args.get("kv_channels")
-    hidden, heads = args.get("hidden_size"), args.get("num_attention_heads")
-    if not kv or (isinstance(hidden, int) and isinstance(heads, int) and heads and kv == hidden // heads):
-        return None
-    return int(kv)  # type: ignore[call-overload]
-
-
-def _write_kv_channels(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
-    return {"kv_channels": cfg.head_dim}
-
-
-def _read_normalization(args: Args, source: str) -> object:
-    norm = str(args.get("normalization") or "LayerNorm")
-    if norm not in ("LayerNorm", "RMSNorm"):
-        raise UserError(f"{source}: args.normalization={norm}: only LayerNorm and RMSNorm are supported")
-    return norm
-
-
-def _read_epsilon(args: Args, source: str) -> object:
-    return float(args.get("layernorm_epsilon", args.get("norm_epsilon", 1e-5)) or 1e-5)  # type: ignore[arg-type]
-
-
-def _write_epsilon(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
-    return {"layernorm_epsilon": cfg.layernorm_epsilon, "norm_epsilon": cfg.layernorm_epsilon}
-
-
-def _read_interpolation(args: Args, source: str) -> object:
-    factor = args.get("rotary_seq_len_interpolation_factor")
-    return None if factor in (None, 1, 1.0) else float(factor)  # type: ignore[arg-type]
 
 
 def _value(name: str, *, default: object, cast: Callable[[Any], object]) -> ArgsReader:
@@ -253,28 +126,28 @@ OPTIONS: tuple[Option, ...] = (
     # the layer
     Option(field="layernorm_epsilon", megatron="norm_epsilon", aliases=("layernorm_epsilon",),
            hf={_G: "layer_norm_epsilon", _L: "rms_norm_eps", _B: "layer_norm_eps"},
-           read=_read_epsilon, write=_write_epsilon,
+           read=codecs.read_epsilon, write=codecs.write_epsilon,
            flag=_flag("--norm-epsilon", "--layernorm-epsilon"), meaning="norm epsilon"),
     Option(field="gelu", megatron="openai_gelu", aliases=("bias_gelu_fusion", "onnx_safe", "use_legacy_models",
-           "use_mcore_models"), read=_read_gelu, write=_write_gelu,
+           "use_mcore_models"), read=codecs.read_gelu, write=codecs.write_gelu,
            flag=_flag("--gelu", choices=("tanh", "erf"), help="GeLU flavour (mlm-toolkit's flag)"),
            meaning="tanh or erf GeLU (from openai_gelu, bias_gelu_fusion and the model family)"),
-    Option(field="normalization", megatron="normalization", read=_read_normalization,
+    Option(field="normalization", megatron="normalization", read=codecs.read_normalization,
            flag=_flag("--normalization", choices=("LayerNorm", "RMSNorm")), meaning="LayerNorm or RMSNorm"),
     Option(field="swiglu", megatron="swiglu", flag=_flag("--swiglu", kind="store_true",
            help="gated SiLU MLP (fc1 holds gate and up)"), meaning="SwiGLU MLP"),
     Option(field="squared_relu", megatron="squared_relu", flag=_flag("--squared-relu", kind="store_true"),
            meaning="relu(x)^2 MLP"),
     Option(field="position_embedding_type", megatron="position_embedding_type",
-           aliases=("use_rotary_position_embeddings", "add_position_embedding"), read=_read_position,
-           write=_write_position, flag=_flag("--position-embedding-type", choices=("learned_absolute", "rope")),
+           aliases=("use_rotary_position_embeddings", "add_position_embedding"), read=codecs.read_position,
+           write=codecs.write_position, flag=_flag("--position-embedding-type", choices=("learned_absolute", "rope")),
            meaning="learned_absolute or rope"),
     Option(field="rotary_base", megatron="rotary_base", read=_value("rotary_base", default=10000.0, cast=float),
            flag=_flag("--rotary-base"), meaning="RoPE base"),
     Option(field="rotary_percent", megatron="rotary_percent", read=_value("rotary_percent", default=1.0, cast=float),
            flag=_flag("--rotary-percent"), meaning="partial rotary"),
     Option(field="rotary_seq_len_interpolation_factor", megatron="rotary_seq_len_interpolation_factor",
-           read=_read_interpolation, flag=_flag("--rotary-seq-len-interpolation-factor",
+           read=codecs.read_interpolation, flag=_flag("--rotary-seq-len-interpolation-factor",
            help="linear RoPE scaling: positions divided by this factor"), meaning="linear RoPE scaling"),
     Option(field="use_rope_scaling", megatron="use_rope_scaling",
            flag=_flag("--use-rope-scaling", kind="store_true", help="Llama-3.1 RoPE frequency scaling"),
@@ -287,14 +160,14 @@ OPTIONS: tuple[Option, ...] = (
     Option(field="rope_original_max_position_embeddings",
            meaning="Llama-3.1 RoPE original context (fixed 8192 in Megatron)"),
     Option(field="num_query_groups", megatron="num_query_groups", aliases=("group_query_attention",),
-           read=_read_groups, write=_write_groups, meaning="key-value heads (GQA)"),
-    Option(field="kv_channels", megatron="kv_channels", read=_read_kv_channels, write=_write_kv_channels,
+           read=codecs.read_groups, write=codecs.write_groups, meaning="key-value heads (GQA)"),
+    Option(field="kv_channels", megatron="kv_channels", read=codecs.read_kv_channels, write=codecs.write_kv_channels,
            flag=_flag("--kv-channels", help="per-head size (default hidden/heads)"), meaning="per-head channels"),
     Option(field="untie_embeddings_and_output_weights", megatron="untie_embeddings_and_output_weights",
            flag=_flag("--untie-embeddings-and-output-weights", kind="store_true"), meaning="untied output layer"),
-    Option(field="add_bias_linear", megatron="add_bias_linear", read=_read_bias,
+    Option(field="add_bias_linear", megatron="add_bias_linear", read=codecs.read_bias,
            flag=_flag("--disable-bias-linear", kind="store_false"), meaning="linear biases"),
-    Option(field="add_qkv_bias", megatron="add_qkv_bias", read=_read_qkv_bias, write=_write_qkv_bias,
+    Option(field="add_qkv_bias", megatron="add_qkv_bias", read=codecs.read_qkv_bias, write=codecs.write_qkv_bias,
            flag=_flag("--add-qkv-bias", kind="store_true"), meaning="QKV bias without other biases (Qwen2)"),
     Option(field="qk_layernorm", megatron="qk_layernorm", flag=_flag("--qk-layernorm", kind="store_true"),
            meaning="per-head query/key norms (Qwen3)"),
