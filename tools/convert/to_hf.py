@@ -14,8 +14,8 @@ if TYPE_CHECKING:
     from tools.hf_verify import VerifyMode
 
 # transformers' save_pretrained default (tools.hf_shards.DEFAULT_MAX_SHARD_SIZE; a test keeps them equal).
-# The heavy modules (torch, transformers) are imported inside the functions that use them, so that
-# ``mlm-convert --help`` and flag errors answer at once.
+# Imported by the parser for --max-shard-size's default: like every command module, this one imports the
+# heavy modules (torch, transformers) only inside its functions, so that ``mlm-convert --help`` stays fast.
 DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 

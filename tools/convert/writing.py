@@ -1,4 +1,4 @@
-"""What the writing commands (reshard, from-hf) share: the output format, progress bars, tokenizer files."""
+"""What the converting commands share: the output format (reshard, from-hf), progress bars, tokenizer files."""
 
 from __future__ import annotations
 
