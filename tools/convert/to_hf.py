@@ -1,0 +1,72 @@
+"""``mlm-convert to-hf``: export a checkpoint to a Hugging Face model directory, verified before it is kept."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from pretrain.utils.errors import UserError
+from tools.convert.writing import progress_bar
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from tools.convert.source import SourceOptions
+    from tools.hf_verify import VerifyMode
+
+# transformers' save_pretrained default (tools.hf_shards.DEFAULT_MAX_SHARD_SIZE; a test keeps them equal).
+# Imported by the parser for --max-shard-size's default: like every command module, this one imports the
+# heavy modules (torch, transformers) only inside its functions, so that ``mlm-convert --help`` stays fast.
+DEFAULT_MAX_SHARD_SIZE = "5GB"
+
+
+def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
+              max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, verify: VerifyMode | None = "auto",
+              verify_tol: float = 1e-4) -> int:  # fmt: skip
+    """Export; ``verify`` (``auto``/``full``/``per-layer``; None: skip) checks the written directory
+    against the checkpoint before it is renamed to ``save`` (:mod:`tools.hf_verify`)."""
+    from pretrain.checkpoint.legacy.writer import check_output_dir
+    from tools.hf_io import check_exportable, export_hf
+
+    check_output_dir(save, sources=(source.load,))
+    reader, given = source.open()
+    check_exportable(reader.spec)  # an option the target lacks: refused before any tensor is read
+    try:
+        tok = source.tokenizer(reader, required=not weights_only, given=given)
+    except UserError as exc:
+        if "no usable tokenizer" not in str(exc):
+            raise
+        raise UserError(f"{exc} (or --weights-only to export the weights alone)") from None
+    if not reader.info.vocab_known:
+        raise UserError(
+            f"--load {source.load}: the true vocabulary size is unknown; pass --vocab-size or --tokenizer-dir"
+        )
+    meta = reader.metadata
+    family = None if meta is None else meta.provenance.source_model_type  # e.g. Mistral stays Mistral
+    bars: list[Any] = []
+
+    def start_bar(total: int) -> Any:
+        bars.append(progress_bar(total, "to-hf", unit="tensor"))
+        return lambda _name: bars[0].update(1)
+
+    def check(directory: Path) -> None:
+        from tools.hf_verify import verify_export
+
+        for bar in bars:
+            bar.close()
+        try:
+            result = verify_export(
+                reader, reader.spec, directory, mode=verify or "auto", tolerance=verify_tol
+            )
+        except UserError as exc:
+            raise UserError(f"{exc}; {save} not written (--no-verify skips the check)") from None
+        print(result.line())
+
+    try:
+        export_hf(reader, reader.spec, save, tokenizer=None if tok is None else tok.tokenizer, family=family,
+                  max_shard_size=max_shard_size, progress=start_bar,
+                  check=None if verify is None else check)  # fmt: skip
+    finally:
+        for bar in bars:
+            bar.close()
+    print(f"wrote {save} ({reader.spec.kind}, {reader.info.num_parameters} parameters)")
+    return 0
