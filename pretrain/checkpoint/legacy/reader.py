@@ -275,6 +275,15 @@ def _num_params(spec: ModelSpec, entries: dict[str, _Entry], tp: int) -> int:
     return total
 
 
+def _same_chunk_keys(files: list[Path], states: list[dict[str, Any]]) -> list[str]:
+    """The model chunk keys (``model`` or ``model0..``) every rank file holds, the same in each."""
+    chunk_keys = _chunk_keys(states[0], files[0])
+    for f, st in zip(files, states, strict=True):
+        if _chunk_keys(st, f) != chunk_keys:
+            raise UserError(f"{f}: holds chunks {_chunk_keys(st, f)}, {files[0]} holds {chunk_keys}")
+    return chunk_keys
+
+
 def open_legacy(
     it_dir: Path,
     iteration: int | str | None,
@@ -291,10 +300,7 @@ def open_legacy(
     states = [
         first_state if f.parent == next(iter(probe_dirs.values())) else load_untrusted(f) for f in files
     ]
-    chunk_keys = _chunk_keys(states[0], files[0])
-    for f, st in zip(files, states, strict=True):
-        if _chunk_keys(st, f) != chunk_keys:
-            raise UserError(f"{f}: holds chunks {_chunk_keys(st, f)}, {files[0]} holds {chunk_keys}")
+    chunk_keys = _same_chunk_keys(files, states)
     vp = len(chunk_keys)
     flats = [{ck: flatten(st[ck]) for ck in chunk_keys} for st in states]
     locals_ = {
@@ -314,23 +320,12 @@ def open_legacy(
         {str(t.dtype).removeprefix("torch.") for flat in flats for t in flat[chunk_keys[0]].values()}
     )
     info = CheckpointInfo(
-        path=source,
-        format="torch",
-        iteration=states[0].get("iteration", iteration),
-        checkpoint_version=float(states[0].get("checkpoint_version", 0) or 0),
-        kind=spec.kind,
-        tp=tp,
-        pp=pp,
-        vp=vp,
-        vocab_size=spec.cfg.vocab_size,
-        vocab_source=how,
-        padded_vocab_size=padded,
-        num_parameters=_num_params(spec, entries, tp),
-        dtypes=tuple(dtypes),
-        ours=meta is not None,
-        root=str(root or ""),
-        vocab_known=not how.startswith("padded"),
-    )
+        path=source, format="torch", iteration=states[0].get("iteration", iteration),
+        checkpoint_version=float(states[0].get("checkpoint_version", 0) or 0), kind=spec.kind, tp=tp, pp=pp,
+        vp=vp, vocab_size=spec.cfg.vocab_size, vocab_source=how, padded_vocab_size=padded,
+        num_parameters=_num_params(spec, entries, tp), dtypes=tuple(dtypes), ours=meta is not None,
+        root=str(root or ""), vocab_known=not how.startswith("padded"),
+    )  # fmt: skip
     return LegacyReader(
         spec=spec, info=info, files=files, states=states, flats=flats, entries=entries, head_copies=heads,
         pages=PageReleaser(files), metadata=meta,

@@ -33,7 +33,7 @@ from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from pretrain.checkpoint.metadata import as_mapping, read_metadata
-from pretrain.checkpoint.plan import ModelSpec, chunk_slots
+from pretrain.checkpoint.plan import ModelSpec, Slot, chunk_slots
 from pretrain.checkpoint.safe_unpickle import load_untrusted, load_untrusted_bytes
 from pretrain.checkpoint.torch_dist.dcp_failures import dcp_failures, first_line
 from pretrain.checkpoint.torch_dist.storage import SafeFileSystemReader, read_dcp_metadata
@@ -273,6 +273,28 @@ def read_common(it_dir: Path, storage: Metadata | None = None) -> dict[str, Any]
     return state
 
 
+def _check_slots(
+    it_dir: Path, slots: list[Slot], refs: dict[str, _Ref], shapes: dict[str, tuple[int, ...]]
+) -> None:
+    """Every tensor the model needs is stored, with its shape (vocabulary rows aside)."""
+    by_local = {s.local: s for s in slots}
+    missing = sorted(set(by_local) - set(refs))
+    if missing:
+        raise UserError(f"{it_dir}: torch_dist checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
+    for name, slot in by_local.items():
+        want = slot.shape[1:] if slot.vocab else slot.shape
+        have = shapes[name][1:] if slot.vocab else shapes[name]
+        if tuple(have) != tuple(want):
+            raise UserError(
+                f"{it_dir}: tensor {refs[name].key} has shape {shapes[name]}, expected {slot.shape}"
+            )
+
+
+def _num_parameters(slots: list[Slot], vocab_size: int) -> int:
+    """Parameters of the model, vocabulary tensors counted at the true vocabulary size."""
+    return sum(int(torch.Size((vocab_size, *s.shape[1:]) if s.vocab else s.shape).numel()) for s in slots)
+
+
 def open_torch_dist(
     it_dir: Path,
     iteration: int | str | None,
@@ -310,38 +332,16 @@ def open_torch_dist(
         refs[OUTPUT_LAYER], shapes[OUTPUT_LAYER], head = head, shapes[_HEAD], None
     spec = ModelSpec(kind=kind, cfg=cfg, add_binary_head=any(n.startswith("binary_head.") for n in refs))
     slots = chunk_slots(spec, tp=1, pre_process=True, post_process=True, layer_numbers=range(cfg.num_layers))
-    by_local = {s.local: s for s in slots}
-    missing = sorted(set(by_local) - set(refs))
-    if missing:
-        raise UserError(f"{it_dir}: torch_dist checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
-    for name, slot in by_local.items():
-        want = slot.shape[1:] if slot.vocab else slot.shape
-        have = shapes[name][1:] if slot.vocab else shapes[name]
-        if tuple(have) != tuple(want):
-            raise UserError(
-                f"{it_dir}: tensor {refs[name].key} has shape {shapes[name]}, expected {slot.shape}"
-            )
+    _check_slots(it_dir, slots, refs, shapes)
     dtypes = sorted({str(meta[r.key].properties.dtype).removeprefix("torch.") for r in refs.values()})
     info = CheckpointInfo(
-        path=source,
-        format="torch_dist",
-        iteration=common.get("iteration", iteration),
-        checkpoint_version=float(common.get("checkpoint_version", 3.0) or 0),
-        kind=kind,
-        tp=int(args.get("tensor_model_parallel_size") or 1),
-        pp=int(args.get("pipeline_model_parallel_size") or 1),
-        vp=int(args.get("virtual_pipeline_model_parallel_size") or 1),
-        vocab_size=cfg.vocab_size,
-        vocab_source=how,
-        padded_vocab_size=padded,
-        num_parameters=sum(
-            int(torch.Size((cfg.vocab_size, *s.shape[1:]) if s.vocab else s.shape).numel()) for s in slots
-        ),
-        dtypes=tuple(dtypes),
-        ours=ours is not None,
-        root=str(root or ""),
-        vocab_known=not how.startswith("padded"),
-    )
+        path=source, format="torch_dist", iteration=common.get("iteration", iteration),
+        checkpoint_version=float(common.get("checkpoint_version", 3.0) or 0), kind=kind,
+        tp=int(args.get("tensor_model_parallel_size") or 1), pp=int(args.get("pipeline_model_parallel_size") or 1),
+        vp=int(args.get("virtual_pipeline_model_parallel_size") or 1), vocab_size=cfg.vocab_size,
+        vocab_source=how, padded_vocab_size=padded, num_parameters=_num_parameters(slots, cfg.vocab_size),
+        dtypes=tuple(dtypes), ours=ours is not None, root=str(root or ""), vocab_known=not how.startswith("padded"),
+    )  # fmt: skip
     ordered = {s.canonical: refs[s.local] for s in slots}
     return TorchDistReader(
         spec=spec, info=info, path=it_dir, meta=meta, refs=ordered, head=head, metadata=ours, storage=storage,
