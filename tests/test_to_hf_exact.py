@@ -224,11 +224,11 @@ def test_per_layer_mode_holds_one_layer_at_a_time(tmp_path: Path, monkeypatch: p
 
     ck, _, _ = _checkpoint(tmp_path, num_layers=4)
     real_counts: list[int] = []
-    original = hv._layer_loader
+    original = hv.layer_loader
 
     def spying_loader(model, files):  # type: ignore[no-untyped-def]
         materialize, release = original(model, files)
-        layers = hv._layers_of(model)
+        layers = hv.layers_of(model)
 
         def counted(i: int) -> None:
             materialize(i)
@@ -236,7 +236,7 @@ def test_per_layer_mode_holds_one_layer_at_a_time(tmp_path: Path, monkeypatch: p
 
         return counted, release
 
-    monkeypatch.setattr(hv, "_layer_loader", spying_loader)
+    monkeypatch.setattr(hv, "layer_loader", spying_loader)
     assert main(_to_hf(ck, tmp_path / "hf", "--verify", "per-layer")) == 0
     assert real_counts == [1, 1, 1, 1]
 

@@ -23,12 +23,9 @@ keep their peak memory near the model's size, which the full mode would not):
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import json
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -42,7 +39,16 @@ from pretrain.models.base import ShardedModule
 from pretrain.models.sharding import load_full_state_dict
 from pretrain.parallel.state import ParallelState
 from pretrain.utils.errors import UserError
-from tools.hf_shards import INDEX_FILE
+from tools.hf_layered_model import (
+    SafetensorsDir,
+    auto_class,
+    layer_hooks,
+    layer_loader,
+    layers_of,
+    output,
+    per_layer_model,
+    quiet_transformers,
+)
 
 VerifyMode = Literal["auto", "full", "per-layer"]
 MODES: tuple[VerifyMode, ...] = ("auto", "full", "per-layer")
@@ -153,114 +159,13 @@ class OurPieces:
         return model.full_logits(local)  # type: ignore[no-any-return]
 
 
-# --- the transformers side -------------------------------------------------------------------------
-class SafetensorsDir:
-    """Tensors of a written Hugging Face directory, read one at a time (``model.safetensors`` or shards)."""
-
-    def __init__(self, hf_dir: Path) -> None:
-        from safetensors import safe_open
-
-        index = hf_dir / INDEX_FILE
-        if index.is_file():
-            files = json.loads(index.read_text())["weight_map"]
-        else:
-            with safe_open(str(hf_dir / "model.safetensors"), "pt") as f:
-                files = dict.fromkeys(f.keys(), "model.safetensors")
-        self.dir, self.files = hf_dir, dict(files)
-
-    def get(self, key: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        with safe_open(str(self.dir / self.files[key]), "pt") as f:
-            return f.get_tensor(key).float()
-
-    def numel(self) -> int:
-        from safetensors import safe_open
-
-        total = 0
-        for name in sorted(set(self.files.values())):
-            with safe_open(str(self.dir / name), "pt") as f:
-                for key in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                    shape = f.get_slice(key).get_shape()
-                    total += int(torch.Size(shape).numel())
-        return total
-
-
-@contextmanager
-def _quiet_transformers() -> Iterator[None]:
-    """No "Loading weights" bars or load reports from ``transformers`` while verifying."""
-    from transformers.utils import logging as hf_logging
-
-    bars, level = hf_logging.is_progress_bar_enabled(), hf_logging.get_verbosity()
-    hf_logging.disable_progress_bar()
-    hf_logging.set_verbosity_error()
-    try:
-        yield
-    finally:
-        hf_logging.set_verbosity(level)
-        if bars:
-            hf_logging.enable_progress_bar()
-
-
-def _auto_class(spec: ModelSpec) -> Any:
-    import transformers
-
-    return transformers.AutoModelForCausalLM if spec.kind == "gpt" else transformers.AutoModel
-
-
-def _layers_of(model: nn.Module) -> nn.ModuleList:
-    """The transformer layers of a GPT-2 / Llama-family / BERT model from ``transformers``."""
-    base: Any = model.base_model
-    for path in ("h", "layers", "encoder.layer"):
-        obj: Any = base
-        for part in path.split("."):
-            obj = getattr(obj, part, None)
-        if isinstance(obj, nn.ModuleList):
-            return obj
-    raise RuntimeError(f"verify: cannot find the layers of {type(model).__name__}")
-
-
-def _layer_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
-    """The state-dict prefix of ``layers`` in ``model`` (``transformer.h.`` ...)."""
-    for name, module in model.named_modules():
-        if module is layers:
-            return f"{name}."
-    raise RuntimeError("verify: layers not in the model")
-
-
-def _output(model: nn.Module, ids: torch.Tensor, gpt: bool) -> torch.Tensor:
-    out = model(input_ids=ids)
-    return out.logits if gpt else out.last_hidden_state  # type: ignore[no-any-return]
-
-
-@contextmanager
-def _layer_hooks(layers: nn.ModuleList, *, pre: Callable[[int], None] | None,
-                 post: Callable[[int, torch.Tensor, torch.Tensor], None]) -> Iterator[None]:  # fmt: skip
-    """``pre(i)`` before layer ``i`` runs, ``post(i, input hidden states, output hidden states)`` after."""
-    handles = []
-    for i, layer in enumerate(layers):
-        if pre is not None:
-            handles.append(layer.register_forward_pre_hook(lambda _m, _a, i=i: pre(i)))
-
-        def after(_m: nn.Module, args: Any, kwargs: Any, output: Any, i: int = i) -> None:
-            x = args[0] if args else kwargs["hidden_states"]
-            post(i, x, output[0] if isinstance(output, tuple) else output)
-
-        handles.append(layer.register_forward_hook(after, with_kwargs=True))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
-
-
 @torch.inference_mode()
 def layer_by_layer(model: nn.Module, ours: OurPieces, ids: torch.Tensor, *, tolerance: float,
                    materialize: Callable[[int], None] | None = None,
                    release: Callable[[int], None] | None = None) -> list[Comparison]:  # fmt: skip
     """Run ``model`` on ``ids`` comparing every stage with ours on the same inputs (see the module
     docstring); ``materialize``/``release`` load and free each layer around its forward."""
-    layers, gpt = _layers_of(model), ours.spec.kind == "gpt"
+    layers, gpt = layers_of(model), ours.spec.kind == "gpt"
     found: list[Comparison] = []
     last: list[torch.Tensor] = []
 
@@ -272,81 +177,10 @@ def layer_by_layer(model: nn.Module, ours: OurPieces, ids: torch.Tensor, *, tole
         if release is not None:
             release(i)
 
-    with _layer_hooks(layers, pre=materialize, post=post):
-        final = _output(model, ids, gpt)
+    with layer_hooks(layers, pre=materialize, post=post):
+        final = output(model, ids, gpt)
     found.append(compare("output", ours.head(last[0]), final, tolerance))
     return found
-
-
-def _per_layer_model(hf_dir: Path, spec: ModelSpec) -> tuple[nn.Module, SafetensorsDir]:
-    """The ``transformers`` model of ``hf_dir`` with real embeddings and head and ``meta`` layers."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(str(hf_dir), local_files_only=True)
-    auto = _auto_class(spec)
-    empty = copy.deepcopy(config)
-    empty.num_hidden_layers = 0
-    model = auto.from_config(empty, dtype=torch.float32).eval()
-    with torch.device("meta"):
-        skeleton = auto.from_config(config, dtype=torch.float32)
-    holder = _layers_of(model)
-    parent = next(m for m in model.modules() if any(c is holder for c in m.children()))
-    attr = next(n for n, c in parent.named_children() if c is holder)
-    setattr(parent, attr, _layers_of(skeleton))
-    for module in model.modules():  # the model now has the real number of layers
-        if getattr(module, "config", None) is empty:
-            module.config = config
-    files = SafetensorsDir(hf_dir)
-    _load_outside_layers(model, files, _layer_prefix(model, _layers_of(model)))
-    return model, files
-
-
-def _file_key(files: SafetensorsDir, key: str, model: nn.Module) -> str | None:
-    """The name of ``key`` (a state-dict key of ``model``) in the files: itself or with the base
-    model's prefix (a ``BertModel`` read from a ``BertForPreTraining`` export)."""
-    prefixed = f"{getattr(model, 'base_model_prefix', '')}.{key}"
-    return key if key in files.files else prefixed if prefixed in files.files else None
-
-
-def _load_outside_layers(model: nn.Module, files: SafetensorsDir, layer_prefix: str) -> None:
-    state = model.state_dict()
-    loaded: dict[str, torch.Tensor] = {}
-    for key in state:
-        if key.startswith(layer_prefix):
-            continue
-        name = _file_key(files, key, model)
-        if name is not None:
-            loaded[key] = files.get(name)
-    model.load_state_dict(loaded, strict=False)
-    ptrs = {state[k].data_ptr() for k in loaded}
-    for key, t in state.items():  # anything not loaded must be tied to something that was
-        if not key.startswith(layer_prefix) and key not in loaded and t.data_ptr() not in ptrs:
-            raise UserError(f"to-hf verify: the export has no tensor {key}")
-
-
-def _layer_loader(
-    model: nn.Module, files: SafetensorsDir
-) -> tuple[Callable[[int], None], Callable[[int], None]]:
-    layers = _layers_of(model)
-    prefix = _layer_prefix(model, layers)
-
-    def materialize(i: int) -> None:
-        layer = layers[i].to_empty(device="cpu")
-        state = {}
-        for key, param in layer.state_dict().items():
-            name = _file_key(files, f"{prefix}{i}.{key}", model)
-            if name is None:
-                raise UserError(f"to-hf verify: the export has no tensor {prefix}{i}.{key}")
-            state[key] = files.get(name)
-            if state[key].shape != param.shape:
-                raise UserError(f"to-hf verify: {name} has shape {tuple(state[key].shape)}, "
-                                f"transformers expects {tuple(param.shape)}")  # fmt: skip
-        layer.load_state_dict(state, strict=True)
-
-    def release(i: int) -> None:
-        layers[i].to("meta")
-
-    return materialize, release
 
 
 def _available_bytes() -> int:
@@ -382,7 +216,7 @@ def verify_export(source: TensorSource, spec: ModelSpec, hf_dir: Path, *, mode: 
     ids = probe_ids(spec)
     what = "logit" if spec.kind == "gpt" else "hidden-state"
     try:
-        with _quiet_transformers():
+        with quiet_transformers():
             found = _run(source, spec, hf_dir, ids, chosen, tolerance)
     except UserError:
         raise
@@ -407,8 +241,8 @@ def _run(source: TensorSource, spec: ModelSpec, hf_dir: Path, ids: torch.Tensor,
          tolerance: float) -> list[Comparison]:  # fmt: skip
     if chosen == "full":
         return _full(source, spec, hf_dir, ids, tolerance)
-    model, files = _per_layer_model(hf_dir, spec)
-    materialize, release = _layer_loader(model, files)
+    model, files = per_layer_model(hf_dir, spec)
+    materialize, release = layer_loader(model, files)
     return layer_by_layer(model, OurPieces(source, spec), ids, tolerance=tolerance,
                           materialize=materialize, release=release)  # fmt: skip
 
@@ -416,9 +250,9 @@ def _run(source: TensorSource, spec: ModelSpec, hf_dir: Path, ids: torch.Tensor,
 def _full(source: TensorSource, spec: ModelSpec, hf_dir: Path, ids: torch.Tensor,
           tolerance: float) -> list[Comparison]:  # fmt: skip
     """End to end; on a mismatch, the per-layer comparison on the loaded models names where."""
-    model = _auto_class(spec).from_pretrained(str(hf_dir), dtype=torch.float32, local_files_only=True).eval()
+    model = auto_class(spec).from_pretrained(str(hf_dir), dtype=torch.float32, local_files_only=True).eval()
     ours = ours_probe({n: source.tensor(n) for n in source.names()}, spec, ids)
-    end = compare("logits" if spec.kind == "gpt" else "hidden states", ours, _output(model, ids, spec.kind == "gpt"),
+    end = compare("logits" if spec.kind == "gpt" else "hidden states", ours, output(model, ids, spec.kind == "gpt"),
                   tolerance)  # fmt: skip
     if end.ok:
         return [end]
