@@ -13,9 +13,9 @@ import base64
 import html
 from collections.abc import Sequence
 
+from mlm_eval.report.board import Cell, Leaderboard, Row
 from mlm_eval.report.columns import MISSING, Column, format_params
 from mlm_eval.report.plots import Plot
-from mlm_eval.report.table import Cell, Leaderboard, Row
 from mlm_eval.report.text import ReportMeta, cell_text, details_text, notes, rank_header, rank_text
 
 _CSS = """

@@ -23,8 +23,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+from mlm_eval.report.board import Leaderboard, Row
 from mlm_eval.report.columns import Column
-from mlm_eval.report.table import Leaderboard, Row
 
 MAX_PANELS = 6
 _COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#17becf", "#8c564b", "#e377c2", "#7f7f7f")

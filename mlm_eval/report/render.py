@@ -1,4 +1,4 @@
-"""Render a :class:`~mlm_eval.report.table.Leaderboard` as Markdown, CSV, JSON and one HTML page.
+"""Render a :class:`~mlm_eval.report.board.Leaderboard` as Markdown, CSV, JSON and one HTML page.
 
 All four carry the same content: one row per model with its fingerprint, parameters, iteration
 and the layouts/formats it was evaluated in; the values as printed (significant digits, see
@@ -16,12 +16,12 @@ import json
 from pathlib import Path
 from typing import Any
 
+from mlm_eval.report.board import Cell, Leaderboard, Row
 from mlm_eval.report.columns import Column, format_params
 from mlm_eval.report.html import render_html
 from mlm_eval.report.paper_reference import PAPER_CITATION
 from mlm_eval.report.plots import render_plots
 from mlm_eval.report.records import LEADERBOARD_SCHEMA
-from mlm_eval.report.table import Cell, Leaderboard, Row
 from mlm_eval.report.text import (
     META_HEADERS,
     ReportMeta,

@@ -12,10 +12,10 @@ import datetime as _dt
 from dataclasses import dataclass
 from pathlib import Path
 
+from mlm_eval.report.board import MARK_LEGEND, Cell, Leaderboard, Row
 from mlm_eval.report.columns import MISSING, Column, format_value
 from mlm_eval.report.paper_reference import PAPER_CITATION
 from mlm_eval.report.records import SkippedFile
-from mlm_eval.report.table import MARK_LEGEND, Cell, Leaderboard, Row
 from pretrain.checkpoint.fingerprint import short_fingerprint
 
 META_HEADERS = ("#", "Model", "Params", "Details")
