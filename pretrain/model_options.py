@@ -57,7 +57,8 @@ class Option:
     ``hf``: family group -> ``config.json`` key, one to one; ``flag``: the ``mlm-pretrain`` flag;
     ``status``: ``implemented``, ``refused`` (any value outside ``harmless`` stops with one line)
     or ``numerics`` (changes precision or speed, never the function); ``read``/``write``: codecs
-    for a Megatron meaning that is not one field to one field.
+    for a Megatron meaning that is not one field to one field; ``hf_fixed``: family group -> (the
+    only value that group's architecture holds, what it has instead), for the export refusal.
     """
 
     field: str | None
@@ -70,6 +71,7 @@ class Option:
     meaning: str = ""
     read: ArgsReader | None = None
     write: ArgsWriter | None = None
+    hf_fixed: Mapping[str, tuple[object, str]] = dataclasses.field(default_factory=dict)
 
 
 def _value(name: str, *, default: object, cast: Callable[[Any], object]) -> ArgsReader:
@@ -133,19 +135,23 @@ OPTIONS: tuple[Option, ...] = (
            flag=_flag("--gelu", choices=("tanh", "erf"), help="GeLU flavour (mlm-toolkit's flag)"),
            meaning="tanh or erf GeLU (from openai_gelu, bias_gelu_fusion and the model family)"),
     Option(field="normalization", megatron="normalization", read=codecs.read_normalization,
-           flag=_flag("--normalization", choices=("LayerNorm", "RMSNorm")), meaning="LayerNorm or RMSNorm"),
+           flag=_flag("--normalization", choices=("LayerNorm", "RMSNorm")), hf_fixed={_G: ("LayerNorm", "has LayerNorm only"), _B: ("LayerNorm", "has LayerNorm only"), _L: ("RMSNorm", "has RMSNorm only")},
+           meaning="LayerNorm or RMSNorm"),
     Option(field="swiglu", megatron="swiglu", flag=_flag("--swiglu", kind="store_true",
-           help="gated SiLU MLP (fc1 holds gate and up)"), meaning="SwiGLU MLP"),
+           help="gated SiLU MLP (fc1 holds gate and up)"), hf_fixed={_G: (False, "has an ungated MLP"), _B: (False, "has an ungated MLP"), _L: (True, "has a SwiGLU MLP")},
+           meaning="SwiGLU MLP"),
     Option(field="squared_relu", megatron="squared_relu", flag=_flag("--squared-relu", kind="store_true"),
            meaning="relu(x)^2 MLP"),
     Option(field="position_embedding_type", megatron="position_embedding_type",
            aliases=("use_rotary_position_embeddings", "add_position_embedding"), read=codecs.read_position,
            write=codecs.write_position, flag=_flag("--position-embedding-type", choices=("learned_absolute", "rope")),
+           hf_fixed={_G: ("learned_absolute", "has learned positions"), _B: ("learned_absolute", "has learned positions"), _L: ("rope", "has RoPE only")},
            meaning="learned_absolute or rope"),
     Option(field="rotary_base", megatron="rotary_base", read=_value("rotary_base", default=10000.0, cast=float),
            flag=_flag("--rotary-base"), meaning="RoPE base"),
     Option(field="rotary_percent", megatron="rotary_percent", read=_value("rotary_percent", default=1.0, cast=float),
-           flag=_flag("--rotary-percent"), meaning="partial rotary"),
+           flag=_flag("--rotary-percent"), hf_fixed={_L: (1.0, "rotates whole heads")},
+           meaning="partial rotary"),
     Option(field="rotary_seq_len_interpolation_factor", megatron="rotary_seq_len_interpolation_factor",
            read=codecs.read_interpolation, flag=_flag("--rotary-seq-len-interpolation-factor",
            help="linear RoPE scaling: positions divided by this factor"), meaning="linear RoPE scaling"),
@@ -164,17 +170,23 @@ OPTIONS: tuple[Option, ...] = (
     Option(field="kv_channels", megatron="kv_channels", read=codecs.read_kv_channels, write=codecs.write_kv_channels,
            flag=_flag("--kv-channels", help="per-head size (default hidden/heads)"), meaning="per-head channels"),
     Option(field="untie_embeddings_and_output_weights", megatron="untie_embeddings_and_output_weights",
-           flag=_flag("--untie-embeddings-and-output-weights", kind="store_true"), meaning="untied output layer"),
+           flag=_flag("--untie-embeddings-and-output-weights", kind="store_true"), hf_fixed={_B: (False, "ties its decoder to the embeddings")},
+           meaning="untied output layer"),
     Option(field="add_bias_linear", megatron="add_bias_linear", read=codecs.read_bias,
-           flag=_flag("--disable-bias-linear", kind="store_false"), meaning="linear biases"),
+           flag=_flag("--disable-bias-linear", kind="store_false"), hf_fixed={_L: (False, "has no o_proj or MLP biases; --disable-bias-linear")},
+           meaning="linear biases"),
     Option(field="add_qkv_bias", megatron="add_qkv_bias", read=codecs.read_qkv_bias, write=codecs.write_qkv_bias,
            flag=_flag("--add-qkv-bias", kind="store_true"), meaning="QKV bias without other biases (Qwen2)"),
     Option(field="qk_layernorm", megatron="qk_layernorm", flag=_flag("--qk-layernorm", kind="store_true"),
+           hf_fixed={_G: (False, "has no QK-norm"), _B: (False, "has no QK-norm")},
            meaning="per-head query/key norms (Qwen3)"),
     # BERT's arrangement (from the model kind and shapes, never from Megatron args)
-    Option(field="bidirectional", meaning="bidirectional attention (BERT)"),
-    Option(field="num_tokentypes", hf={_B: "type_vocab_size"}, meaning="token types (BERT)"),
-    Option(field="post_layernorm", meaning="post-LN arrangement (original BERT)"),
+    Option(field="bidirectional", hf_fixed={_G: (False, "is causal"), _L: (False, "is causal"), _B: (True, "is bidirectional")},
+           meaning="bidirectional attention (BERT)"),
+    Option(field="num_tokentypes", hf={_B: "type_vocab_size"}, hf_fixed={_G: (0, "has no token-type embeddings"), _L: (0, "has no token-type embeddings")},
+           meaning="token types (BERT)"),
+    Option(field="post_layernorm", hf_fixed={_G: (False, "is pre-LN"), _L: (False, "is pre-norm")},
+           meaning="post-LN arrangement (original BERT)"),
     # zero-centred norm weights: a tensor transform of the readers, never a ModelConfig field
     Option(field=None, megatron="apply_layernorm_1p", aliases=("layernorm_zero_centered_gamma",),
            meaning="zero-centred gamma (weight + 1), undone on reading"),
@@ -332,6 +344,18 @@ def _field_type(name: str) -> Callable[[str], object]:
 # --- Hugging Face config.json ----------------------------------------------------------------------
 
 
+def hf_unsupported(cfg: ModelConfig, group: str, architecture: str) -> list[str]:
+    """``field=value (ARCHITECTURE has ...)`` for every option whose value family ``group``'s
+    architecture cannot hold (the :attr:`Option.hf_fixed` column), in table order."""
+    out = []
+    for option in OPTIONS:
+        if option.field and group in option.hf_fixed:
+            value, what = option.hf_fixed[group]
+            if getattr(cfg, option.field) != value:
+                out.append(f"{option.field}={getattr(cfg, option.field)} ({architecture} {what})")
+    return out
+
+
 def hf_kwargs(cfg: ModelConfig, group: str) -> dict[str, object]:
     """The one-to-one ``config.json`` keys of family ``group`` for ``cfg``."""
     return {o.hf[group]: getattr(cfg, o.field) for o in OPTIONS if o.field and group in o.hf}
@@ -359,6 +383,8 @@ __all__ = [
     "config_kwargs_from_flags",
     "config_kwargs_from_hf",
     "gelu_kind",
+    "hf_unsupported",
+    "hf_unsupported",
     "hf_kwargs",
     "is_mcore",
     "layernorm_1p",

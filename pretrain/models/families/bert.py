@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from pretrain.config import ModelConfig
-from pretrain.model_options import config_kwargs_from_hf, hf_kwargs
+from pretrain.model_options import config_kwargs_from_hf, hf_kwargs, hf_unsupported
 from pretrain.models.families.converter import HFImport
 from pretrain.models.families.registry import Family
 from pretrain.utils.errors import UserError
@@ -141,24 +141,12 @@ def _check_keys(what: str, given: Mapping[str, Any], expected: set[str], ignored
 
 def unsupported(cfg: ModelConfig) -> list[str]:
     """The options of ``cfg`` that HF's BERT / MegatronBERT cannot express (empty: exportable)."""
-    out = []
-    if not cfg.bidirectional:
-        out.append("bidirectional=False (BERT is bidirectional)")
-    if cfg.normalization != "LayerNorm":
-        out.append(f"normalization={cfg.normalization} (BERT has LayerNorm only)")
-    if cfg.swiglu:
-        out.append("swiglu=True (BERT's MLP is not gated)")
-    if cfg.position_embedding_type != "learned_absolute":
-        out.append(f"position_embedding_type={cfg.position_embedding_type} (BERT has learned positions)")
+    out = hf_unsupported(cfg, "bert", "BERT")  # the fixed-value options (pretrain.model_options)
     if cfg.query_groups != cfg.num_attention_heads:
         out.append(f"num_query_groups={cfg.query_groups} (BERT has no grouped-query attention)")
     if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
         out.append(f"kv_channels={cfg.head_dim} with hidden_size {cfg.hidden_size} and "
                    f"{cfg.num_attention_heads} heads (BERT's head size is hidden/heads)")  # fmt: skip
-    if cfg.qk_layernorm:
-        out.append("qk_layernorm=True (BERT has no QK-norm)")
-    if cfg.untie_embeddings_and_output_weights:
-        out.append("untie_embeddings_and_output_weights=True (BERT's decoder is tied to the embeddings)")
     return out
 
 

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from pretrain.config import ModelConfig
-from pretrain.model_options import config_kwargs_from_hf, hf_kwargs
+from pretrain.model_options import config_kwargs_from_hf, hf_kwargs, hf_unsupported
 from pretrain.models.families.converter import HFImport
 from pretrain.models.families.registry import Family
 from pretrain.utils.errors import UserError
@@ -78,19 +78,7 @@ def unsupported(cfg: ModelConfig) -> list[str]:
     Every :class:`ModelConfig` field is exact (sizes, epsilon, GeLU kind, squared ReLU as
     ``relu2``, dropout, init std), writable (untied head, missing linear biases as zeros) or listed
     here. Rotary fields only matter with RoPE, which is listed itself."""
-    out = []
-    if cfg.bidirectional:
-        out.append("bidirectional=True (GPT-2 is causal)")
-    if cfg.post_layernorm:
-        out.append("post_layernorm=True (GPT-2 is pre-LN)")
-    if cfg.num_tokentypes:
-        out.append(f"num_tokentypes={cfg.num_tokentypes} (GPT-2 has no token-type embeddings)")
-    if cfg.normalization != "LayerNorm":
-        out.append(f"normalization={cfg.normalization} (GPT-2 has LayerNorm only)")
-    if cfg.swiglu:
-        out.append("swiglu=True (GPT-2's MLP is not gated)")
-    if cfg.position_embedding_type != "learned_absolute":
-        out.append(f"position_embedding_type={cfg.position_embedding_type} (GPT-2 has learned positions)")
+    out = hf_unsupported(cfg, "gpt2", "GPT-2")  # the fixed-value options (pretrain.model_options)
     if cfg.query_groups != cfg.num_attention_heads:
         out.append(f"num_query_groups={cfg.query_groups} (GPT-2 has no grouped-query attention)")
     if cfg.head_dim * cfg.num_attention_heads != cfg.hidden_size:
@@ -98,8 +86,6 @@ def unsupported(cfg: ModelConfig) -> list[str]:
             f"kv_channels={cfg.head_dim} with hidden_size {cfg.hidden_size} and {cfg.num_attention_heads} heads "
             "(GPT-2's head size is n_embd/n_head)"
         )
-    if cfg.qk_layernorm:
-        out.append("qk_layernorm=True (GPT-2 has no QK-norm)")
     return out
 
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from pretrain.config import ModelConfig
-from pretrain.model_options import config_kwargs_from_hf, hf_kwargs
+from pretrain.model_options import config_kwargs_from_hf, hf_kwargs, hf_unsupported
 from pretrain.models.families.converter import HFImport
 from pretrain.models.families.registry import Family, export_family, family_of_model_type
 from pretrain.utils.errors import UserError
@@ -106,25 +106,7 @@ def unsupported(cfg: ModelConfig) -> list[str]:
     Exact: sizes, GQA, ``kv_channels`` (``head_dim``), epsilon, RoPE base and scaling, untied head,
     QKV bias (Qwen2), QK-norm (Qwen3). Refused: everything listed here (GeLU and squared ReLU
     are excluded by SwiGLU in :class:`ModelConfig`)."""
-    out = []
-    if cfg.bidirectional:
-        out.append("bidirectional=True (the Llama family is causal)")
-    if cfg.post_layernorm:
-        out.append("post_layernorm=True (the Llama family is pre-norm)")
-    if cfg.num_tokentypes:
-        out.append(f"num_tokentypes={cfg.num_tokentypes} (the Llama family has no token-type embeddings)")
-    if cfg.normalization != "RMSNorm":
-        out.append(f"normalization={cfg.normalization} (the Llama family has RMSNorm only)")
-    if not cfg.swiglu:
-        out.append("swiglu=False (the Llama family's MLP is SwiGLU)")
-    if cfg.position_embedding_type != "rope":
-        out.append(f"position_embedding_type={cfg.position_embedding_type} (the Llama family has RoPE only)")
-    if cfg.add_bias_linear:
-        out.append(
-            "add_bias_linear=True (the Llama family has no o_proj or MLP biases; --disable-bias-linear)"
-        )
-    if cfg.rotary_percent != 1.0:
-        out.append(f"rotary_percent={cfg.rotary_percent} (the Llama family rotates whole heads)")
+    out = hf_unsupported(cfg, "llama", "the Llama family")  # the fixed-value options (pretrain.model_options)
     if cfg.use_rope_scaling and cfg.rotary_seq_len_interpolation_factor is not None:
         out.append("use_rope_scaling with rotary_seq_len_interpolation_factor (one RoPE scaling only)")
     if cfg.qk_layernorm and cfg.add_qkv_bias:
