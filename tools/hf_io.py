@@ -119,16 +119,22 @@ def hf_state_and_config(
     """The HF state dict (tied copies omitted) and ``PretrainedConfig`` of canonical tensors;
     the special-token ids are the tokenizer's (``None`` where it has none). ``family``: the HF
     ``model_type`` the checkpoint was converted from, written back when it holds the model."""
+    fam = export_family_of(spec, family)
+    return fam.module().export_tensors(full, spec.cfg, fresh_heads=spec.fresh_heads), _hf_config(
+        fam, spec, tokenizer
+    )
+
+
+def _hf_config(fam: Family, spec: ModelSpec, tokenizer: Tokenizer | None) -> Any:
+    """``fam``'s ``PretrainedConfig`` of ``spec`` (refused first when the architecture lacks an option)."""
     from transformers import AutoConfig
 
-    fam = export_family_of(spec, family)
     converter = fam.module()
     converter.check_exportable(spec.cfg)
     kw = converter.export_config(
         spec.cfg, fam, special_ids=_special_ids(tokenizer), fresh_heads=spec.fresh_heads
     )
-    config = AutoConfig.for_model(fam.model_type, **kw)
-    return converter.export_tensors(full, spec.cfg, fresh_heads=spec.fresh_heads), config
+    return AutoConfig.for_model(fam.model_type, **kw)
 
 
 def export_hf(
@@ -144,7 +150,8 @@ def export_hf(
 ) -> Path:
     """Write a HF model directory at ``save`` (atomically) from canonical ``tensors``: weights,
     ``config.json``, ``generation_config.json`` and the complete tokenizer (``tokenizer.json``,
-    ``tokenizer_config.json``, ``special_tokens_map.json``) with the tokenizer's true special ids.
+    ``tokenizer_config.json``: transformers 5 keeps the special tokens there) with the tokenizer's
+    true special ids.
 
     Weights are sharded safetensors as ``save_pretrained`` writes them (``max_shard_size``). A
     source with ``names()`` and ``tensor(name)`` (a checkpoint reader) is streamed one layer at a
@@ -170,13 +177,16 @@ def export_hf(
     else:
         full = dict(tensors)
         names, get = list(full), full.__getitem__
-    hf_metas, config = hf_state_and_config(
-        {n: meta_like(get(n)) for n in names}, spec, tokenizer, family=family
-    )
+    fam = export_family_of(spec, family)  # resolved once: the per-layer conversion maps tensors only
+    config = _hf_config(fam, spec, tokenizer)
+
+    def convert(chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return fam.module().export_tensors(chunk, spec.cfg, fresh_heads=spec.fresh_heads)
+
+    hf_metas = convert({n: meta_like(get(n)) for n in names})
     written = progress(len(hf_metas)) if progress is not None else None
     with atomic_directory(save) as tmp:
         writer = ShardWriter(tmp, max_shard_size=max_bytes)
-        convert = lambda m: hf_state_and_config(m, spec, tokenizer, family=family)[0]  # noqa: E731
         for name, t in stream_hf_tensors(names, get, convert):
             writer.add(name, t)
             if written is not None:
@@ -186,7 +196,7 @@ def export_hf(
         if spec.kind == "gpt":
             GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
         if hf_tok is not None:
-            hf_tok.save_pretrained(str(tmp))  # tokenizer.json + tokenizer_config + special tokens map
+            hf_tok.save_pretrained(str(tmp))  # tokenizer.json + tokenizer_config.json
         if check is not None:
             check(tmp)
     return save
