@@ -16,6 +16,7 @@ GeluKind = Literal["tanh", "erf"]
 Normalization = Literal["LayerNorm", "RMSNorm"]
 PositionEmbeddingType = Literal["learned_absolute", "rope"]
 DTypeName = Literal["float32", "bfloat16", "float16"]
+RouterScore = Literal["softmax", "sigmoid"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -73,6 +74,16 @@ class ModelConfig:
     add_qkv_bias: bool = False  # QKV bias even without linear biases (Qwen2)
     qk_layernorm: bool = False  # per-head norm of queries and keys before RoPE (Qwen3)
     squared_relu: bool = False  # relu(x)^2 instead of GeLU (Megatron's --squared-relu; not with swiglu)
+    # Mixture of experts (Megatron's --num-experts etc.; None = a dense MLP in every layer).
+    num_experts: int | None = None  # routed experts per MoE layer
+    moe_router_topk: int = 2  # experts each token is sent to
+    moe_ffn_hidden_size: int | None = None  # width of each routed expert (None: ffn_hidden_size)
+    moe_layer_freq: int | tuple[int, ...] = 1  # every N-th layer is MoE, or a 0/1 pattern per layer
+    moe_router_pre_softmax: bool = False  # softmax over all experts before top-k (no renormalisation)
+    moe_router_score_function: RouterScore = "softmax"
+    moe_router_topk_scaling_factor: float | None = None  # multiplies the top-k probabilities
+    moe_shared_expert_intermediate_size: int | None = None  # width of the always-on shared expert
+    moe_shared_expert_gate: bool = False  # sigmoid(x . gate) scales the shared expert (Qwen2-MoE)
 
     def __post_init__(self) -> None:
         for name in (
@@ -99,6 +110,52 @@ class ModelConfig:
         self._check_llama_options()
         if self.squared_relu and self.swiglu:
             raise UserError("model config: squared_relu and swiglu exclude each other")
+        if self.num_experts is not None:
+            self._check_moe_options()
+
+    def _check_moe_options(self) -> None:
+        experts, topk = int(self.num_experts or 0), self.moe_router_topk
+        if experts < 1:
+            raise UserError(f"model config: num_experts must be positive, got {self.num_experts}")
+        if not 1 <= topk <= experts:
+            raise UserError(f"model config: moe_router_topk {topk} must be in [1, num_experts {experts}]")
+        if self.moe_router_score_function not in ("softmax", "sigmoid"):
+            raise UserError(
+                "model config: moe_router_score_function must be softmax or sigmoid, "
+                f"got {self.moe_router_score_function!r}"
+            )
+        if self.add_bias_linear:
+            raise UserError(
+                "model config: mixture-of-experts layers need add_bias_linear=False (--disable-bias-linear)"
+            )
+        if self.post_layernorm or self.bidirectional:
+            raise UserError("model config: mixture-of-experts layers are supported in decoders only")
+        freq = self.moe_layer_freq
+        if isinstance(freq, int) and freq < 1:
+            raise UserError(f"model config: moe_layer_freq must be positive, got {freq}")
+        if not isinstance(freq, int) and (len(freq) != self.num_layers or set(freq) - {0, 1}):
+            raise UserError(
+                f"model config: moe_layer_freq pattern {list(freq)} must hold one 0/1 per layer ({self.num_layers})"
+            )
+        for name in ("moe_ffn_hidden_size", "moe_shared_expert_intermediate_size"):
+            value = getattr(self, name)
+            if value is not None and int(value) <= 0:
+                raise UserError(f"model config: {name} must be positive, got {value}")
+        if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
+            raise UserError("model config: moe_shared_expert_gate needs moe_shared_expert_intermediate_size")
+
+    def is_moe_layer(self, layer_number: int) -> bool:
+        """Whether global layer ``layer_number`` (0-based) has a mixture-of-experts MLP (Megatron's
+        ``--moe-layer-freq``: every N-th layer starting with the first, or a 0/1 pattern)."""
+        if self.num_experts is None:
+            return False
+        freq = self.moe_layer_freq
+        return layer_number % freq == 0 if isinstance(freq, int) else bool(freq[layer_number])
+
+    @property
+    def moe_ffn_size(self) -> int:
+        """Width of each routed expert: ``moe_ffn_hidden_size``, else the dense MLP width."""
+        return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
 
     def _check_llama_options(self) -> None:
         if self.normalization not in ("LayerNorm", "RMSNorm"):
@@ -179,6 +236,14 @@ class ModelConfig:
             raise UserError(f"num_attention_heads {self.num_attention_heads} is not divisible by --tp {tp}")
         if self.ffn_size % tp:
             raise UserError(f"ffn_hidden_size {self.ffn_size} is not divisible by --tp {tp}")
+        if self.num_experts is not None:
+            widths = {
+                "moe_ffn_hidden_size": self.moe_ffn_size,
+                "moe_shared_expert_intermediate_size": self.moe_shared_expert_intermediate_size,
+            }
+            for name, width in widths.items():
+                if width is not None and width % tp:
+                    raise UserError(f"{name} {width} is not divisible by --tp {tp}")
         groups = self.query_groups
         if groups % tp and tp % groups:
             raise UserError(

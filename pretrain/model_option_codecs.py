@@ -138,3 +138,35 @@ def write_epsilon(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
 def read_interpolation(args: Args, source: str) -> object:
     factor = args.get("rotary_seq_len_interpolation_factor")
     return None if factor in (None, 1, 1.0) else float(factor)  # type: ignore[arg-type]
+
+
+def parse_layer_freq(text: str) -> int | tuple[int, ...]:
+    """``--moe-layer-freq``: an integer N (every N-th layer is MoE) or a 0/1 list per layer, written
+    as a list (``[1,0,1,1]``) or Megatron's expression form (``([1]*3+[0]*1)``)."""
+    text = text.strip()
+    if text.lstrip("-").isdigit():
+        return int(text)
+    import re
+
+    body = text.strip("()").replace(" ", "")
+    out: list[int] = []
+    for part in body.split("+"):
+        m = re.fullmatch(r"\[([01](?:,[01])*)\](?:\*(\d+))?", part)
+        if m is None:
+            raise UserError(f"--moe-layer-freq: {text!r} is neither an integer nor a 0/1 list like [1,0,1,1]")
+        out += [int(v) for v in m.group(1).split(",")] * int(m.group(2) or 1)
+    return tuple(out)
+
+
+def read_layer_freq(args: Args, source: str) -> object:
+    value = args.get("moe_layer_freq", 1)
+    if isinstance(value, str):
+        return parse_layer_freq(value)
+    if isinstance(value, list | tuple):
+        return tuple(int(v) for v in value)
+    return int(value) if value else 1  # type: ignore[call-overload]
+
+
+def write_layer_freq(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
+    freq = cfg.moe_layer_freq
+    return {"moe_layer_freq": freq if isinstance(freq, int) else list(freq)}

@@ -46,6 +46,7 @@ class Flag:
     choices: tuple[str, ...] | None = None
     required: bool = False
     help: str = ""
+    parse: Callable[[str], object] | None = None  # argparse type (default: from the field's type)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,8 +81,9 @@ def _value(name: str, *, default: object, cast: Callable[[Any], object]) -> Args
 
 
 def _flag(*names: str, kind: Literal["value", "store_true", "store_false"] = "value",
-          choices: tuple[str, ...] | None = None, required: bool = False, help: str = "") -> Flag:  # fmt: skip
-    return Flag(names=names, kind=kind, choices=choices, required=required, help=help)
+          choices: tuple[str, ...] | None = None, required: bool = False, help: str = "",
+          parse: Callable[[str], object] | None = None) -> Flag:  # fmt: skip
+    return Flag(names=names, kind=kind, choices=choices, required=required, help=help, parse=parse)
 
 
 def _write_ffn(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
@@ -180,6 +182,32 @@ OPTIONS: tuple[Option, ...] = (
     Option(field="qk_layernorm", megatron="qk_layernorm", flag=_flag("--qk-layernorm", kind="store_true"),
            hf_fixed={_G: (False, "has no QK-norm"), _B: (False, "has no QK-norm")},
            meaning="per-head query/key norms (Qwen3)"),
+    # mixture of experts (Megatron's MoE flags and semantics; pretrain.models.moe)
+    Option(field="num_experts", megatron="num_experts", read=_value("num_experts", default=None, cast=int),
+           flag=_flag("--num-experts", help="routed experts per MoE layer (default: dense MLPs)"),
+           hf_fixed={_G: (None, "has dense MLPs only"), _L: (None, "has dense MLPs only"), _B: (None, "has dense MLPs only")},
+           meaning="routed experts"),
+    Option(field="moe_router_topk", megatron="moe_router_topk", read=_value("moe_router_topk", default=2, cast=int),
+           flag=_flag("--moe-router-topk"), meaning="experts per token"),
+    Option(field="moe_ffn_hidden_size", megatron="moe_ffn_hidden_size",
+           read=_value("moe_ffn_hidden_size", default=None, cast=int), flag=_flag("--moe-ffn-hidden-size"),
+           meaning="routed expert width"),
+    Option(field="moe_layer_freq", megatron="moe_layer_freq", read=codecs.read_layer_freq, write=codecs.write_layer_freq,
+           flag=_flag("--moe-layer-freq", parse=codecs.parse_layer_freq, help="every N-th layer is MoE, or a 0/1 list per layer"),
+           meaning="which layers are MoE"),
+    Option(field="moe_router_pre_softmax", megatron="moe_router_pre_softmax",
+           flag=_flag("--moe-router-pre-softmax", kind="store_true"), meaning="softmax before top-k (no renormalisation)"),
+    Option(field="moe_router_score_function", megatron="moe_router_score_function",
+           read=_value("moe_router_score_function", default="softmax", cast=str),
+           flag=_flag("--moe-router-score-function", choices=("softmax", "sigmoid")), meaning="router score function"),
+    Option(field="moe_router_topk_scaling_factor", megatron="moe_router_topk_scaling_factor",
+           read=_value("moe_router_topk_scaling_factor", default=None, cast=float),
+           flag=_flag("--moe-router-topk-scaling-factor"), meaning="top-k probability scaling"),
+    Option(field="moe_shared_expert_intermediate_size", megatron="moe_shared_expert_intermediate_size",
+           read=_value("moe_shared_expert_intermediate_size", default=None, cast=int),
+           flag=_flag("--moe-shared-expert-intermediate-size"), meaning="shared expert width"),
+    Option(field="moe_shared_expert_gate", megatron="moe_shared_expert_gate",
+           flag=_flag("--moe-shared-expert-gate", kind="store_true"), meaning="sigmoid-gated shared expert (Qwen2-MoE)"),
     # BERT's arrangement (from the model kind and shapes, never from Megatron args)
     Option(field="bidirectional", hf_fixed={_G: (False, "is causal"), _L: (False, "is causal"), _B: (True, "is bidirectional")},
            meaning="bidirectional attention (BERT)"),
@@ -194,7 +222,14 @@ OPTIONS: tuple[Option, ...] = (
     *(Option(field=None, megatron=name, status="refused", harmless=ok, meaning=what) for name, (ok, what) in {
         "apply_residual_connection_post_layernorm": ((False, None), "residual from the norm output"),
         "rotary_interleaved": ((False, None), "interleaved RoPE"),
-        "num_experts": ((None, 0, 1), "mixture of experts"),
+        "moe_router_enable_expert_bias": ((False, None), "aux-loss-free expert bias routing"),
+        "moe_router_num_groups": ((None,), "group-limited routing"),
+        "moe_router_group_topk": ((None,), "group-limited routing"),
+        "moe_input_jitter_eps": ((None,), "router input jitter"),
+        "moe_apply_probs_on_input": ((False, None), "router probabilities applied to the expert input"),
+        "moe_latent_size": ((None,), "latent mixture of experts"),
+        "moe_router_force_load_balancing": ((False, None), "forced (random) load balancing"),
+        "moe_expert_capacity_factor": ((None,), "expert capacity with token dropping"),
         "multi_latent_attention": ((False, None), "multi-latent attention"),
         "qk_l2_norm": ((False, None), "L2 query/key norm"),
         "window_size": ((None,), "sliding-window attention"),
@@ -228,6 +263,13 @@ OPTIONS: tuple[Option, ...] = (
         # added after core_v0.16: fusions and low-precision paths of the same function
         "fused_residual_rmsnorm", "use_transformer_engine_op_fuser", "flash_attention_version", "fp8_output_proj",
         "fp4_param_gather", "mlp_chunks_for_training",
+        # mixture of experts: kernels, dispatch and logging of the same function
+        "moe_grouped_gemm", "moe_use_legacy_grouped_gemm", "moe_token_dispatcher_type", "moe_router_dtype",
+        "moe_permute_fusion", "moe_router_fusion", "moe_shared_expert_overlap", "moe_layer_recompute",
+        "moe_enable_deepep", "moe_flex_dispatcher_backend", "moe_per_layer_logging", "moe_router_padding_for_fp8",
+        "moe_router_padding_for_quantization", "moe_deepep_num_sms", "moe_hybridep_num_sms",
+        # training losses only (the forward function is unchanged)
+        "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
     )),
 )  # fmt: skip
 BY_FIELD: dict[str, Option] = {o.field: o for o in OPTIONS if o.field is not None}
@@ -309,7 +351,7 @@ def add_model_flags(group: argparse._ArgumentGroup) -> None:
         elif flag.required:
             group.add_argument(*flag.names, dest=name, type=_field_type(name), required=True)
         else:
-            group.add_argument(*flag.names, dest=name, type=_field_type(name), choices=flag.choices,
+            group.add_argument(*flag.names, dest=name, type=flag.parse or _field_type(name), choices=flag.choices,
                                default=default, help=flag.help or None)  # fmt: skip
     group.add_argument("--group-query-attention", action="store_true")
     group.add_argument("--num-query-groups", type=int, default=None,

@@ -22,7 +22,7 @@ from pretrain.models.base import ShardedModule
 from pretrain.models.sharding import is_vocab_tensor, local_rows, row_layout, shard_tensor
 from pretrain.tensor_parallel.layers import partition_dim
 
-SCALED_OUTPUT_LAYERS = ("self_attention.dense.weight", "mlp.dense_4h_to_h.weight")
+SCALED_OUTPUT_LAYERS = ("self_attention.dense.weight", "dense_4h_to_h.weight")  # dense MLP and experts
 
 
 def _is_layernorm(name: str) -> bool:

@@ -35,7 +35,8 @@ VOCAB_TENSORS = (
     "word_embeddings.weight", "word_embeddings_for_head.weight", "lm_head.bias", "output_layer.weight",
 )  # fmt: skip
 QKV_TENSORS = ("query_key_value.weight", "query_key_value.bias")
-SWIGLU_TENSORS = ("mlp.dense_h_to_4h.weight", "mlp.dense_h_to_4h.bias")
+# the dense MLP's, each routed expert's (mlp.experts.{e}.) and the shared expert's fc1
+SWIGLU_TENSORS = ("dense_h_to_4h.weight", "dense_h_to_4h.bias")
 Replicas = Literal["check", "first", "sum"]
 
 

@@ -25,6 +25,7 @@ from pretrain.models.forward_context import (
     gather_positions,
     query_rows_mask,
 )
+from pretrain.models.moe.layer import MoEMLP
 from pretrain.models.norms import DTYPES, layer_norm
 from pretrain.models.rotary import RotaryEmbedding, apply_rotary
 from pretrain.parallel.rng import checkpointed
@@ -167,17 +168,18 @@ class TransformerLayer(nn.Module):
     """One layer. Pre-LN (default): ``x + drop(attn(ln(x)))`` then ``x + drop(mlp(ln(x)))``.
 
     Post-LN (original BERT): ``ln(x + drop(attn(x)))`` then ``ln(x + drop(mlp(x)))``, with the
-    LayerNorms named ``post_attention_layernorm`` and ``post_mlp_layernorm``.
+    LayerNorms named ``post_attention_layernorm`` and ``post_mlp_layernorm``. The MLP is a
+    mixture of experts where ``cfg.is_moe_layer(layer_number)`` (global index).
     """
 
-    def __init__(self, cfg: ModelConfig, ps: ParallelState) -> None:
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, *, layer_number: int = 0) -> None:
         super().__init__()
         self.post_ln = cfg.post_layernorm
         if not self.post_ln:
             self.input_layernorm = layer_norm(cfg, ps)
         self.self_attention = ParallelAttention(cfg, ps)
         self.post_attention_layernorm = layer_norm(cfg, ps)
-        self.mlp = ParallelMLP(cfg, ps)
+        self.mlp = MoEMLP(cfg, ps) if cfg.is_moe_layer(layer_number) else ParallelMLP(cfg, ps)
         if self.post_ln:
             self.post_mlp_layernorm = layer_norm(cfg, ps)
         self.hidden_dropout = cfg.hidden_dropout
@@ -213,7 +215,7 @@ class TransformerBlock(nn.Module):
     ) -> None:
         super().__init__()
         self.layer_numbers = tuple(layer_numbers)
-        self.layers = nn.ModuleList(TransformerLayer(cfg, ps) for _ in self.layer_numbers)
+        self.layers = nn.ModuleList(TransformerLayer(cfg, ps, layer_number=n) for n in self.layer_numbers)
         if final_layernorm and not cfg.post_layernorm:
             self.final_layernorm = layer_norm(cfg, ps)
         self.recompute = cfg.recompute_activations
