@@ -17,6 +17,8 @@ Normalization = Literal["LayerNorm", "RMSNorm"]
 PositionEmbeddingType = Literal["learned_absolute", "rope"]
 DTypeName = Literal["float32", "bfloat16", "float16"]
 RouterScore = Literal["softmax", "sigmoid"]
+LoadBalancing = Literal["aux_loss", "none"]
+DropPolicy = Literal["probs", "position"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -84,6 +86,11 @@ class ModelConfig:
     moe_router_topk_scaling_factor: float | None = None  # multiplies the top-k probabilities
     moe_shared_expert_intermediate_size: int | None = None  # width of the always-on shared expert
     moe_shared_expert_gate: bool = False  # sigmoid(x . gate) scales the shared expert (Qwen2-MoE)
+    moe_router_load_balancing_type: LoadBalancing = "aux_loss"  # training only
+    moe_aux_loss_coeff: float = 0.0  # load-balancing loss weight (training only; 0: off)
+    moe_z_loss_coeff: float | None = None  # router z-loss weight (training only)
+    moe_expert_capacity_factor: float | None = None  # None: dropless routing
+    moe_token_drop_policy: DropPolicy = "probs"  # which routed slots past capacity are dropped
 
     def __post_init__(self) -> None:
         for name in (
@@ -114,6 +121,8 @@ class ModelConfig:
             self._check_moe_options()
 
     def _check_moe_options(self) -> None:
+        if isinstance(self.moe_layer_freq, list):  # from JSON metadata: a hashable tuple
+            object.__setattr__(self, "moe_layer_freq", tuple(self.moe_layer_freq))
         experts, topk = int(self.num_experts or 0), self.moe_router_topk
         if experts < 1:
             raise UserError(f"model config: num_experts must be positive, got {self.num_experts}")
@@ -143,6 +152,18 @@ class ModelConfig:
                 raise UserError(f"model config: {name} must be positive, got {value}")
         if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
             raise UserError("model config: moe_shared_expert_gate needs moe_shared_expert_intermediate_size")
+        choices = {
+            "moe_router_load_balancing_type": ("aux_loss", "none"),
+            "moe_token_drop_policy": ("probs", "position"),
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise UserError(
+                    f"model config: {name} must be one of {', '.join(allowed)}, got {getattr(self, name)!r}"
+                )
+        factor = self.moe_expert_capacity_factor
+        if factor is not None and factor <= 0:
+            raise UserError(f"model config: moe_expert_capacity_factor must be positive, got {factor}")
 
     def is_moe_layer(self, layer_number: int) -> bool:
         """Whether global layer ``layer_number`` (0-based) has a mixture-of-experts MLP (Megatron's

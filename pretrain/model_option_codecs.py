@@ -170,3 +170,24 @@ def read_layer_freq(args: Args, source: str) -> object:
 def write_layer_freq(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
     freq = cfg.moe_layer_freq
     return {"moe_layer_freq": freq if isinstance(freq, int) else list(freq)}
+
+
+def read_load_balancing(args: Args, source: str) -> object:
+    """``aux_loss`` or ``none``; Megatron's other balancing types (a list of several, ``seq_aux_loss``,
+    ``global_aux_loss``, ``sinkhorn``) are refused with one line."""
+    value = args.get("moe_router_load_balancing_type") or "aux_loss"
+    if value not in ("aux_loss", "none"):
+        raise UserError(
+            f"{source}: args.moe_router_load_balancing_type={value!r} is not supported (aux_loss or none)"
+        )
+    return value
+
+
+def read_aux_coeff(args: Args, source: str) -> object:
+    """``moe_aux_loss_coeff`` (a per-type list in newer Megatron: one value only)."""
+    value = args.get("moe_aux_loss_coeff") or 0.0
+    if isinstance(value, list | tuple):
+        if len(value) != 1:
+            raise UserError(f"{source}: args.moe_aux_loss_coeff={value!r}: one coefficient only")
+        value = value[0]
+    return float(value)  # type: ignore[arg-type]

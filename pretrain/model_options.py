@@ -208,6 +208,20 @@ OPTIONS: tuple[Option, ...] = (
            flag=_flag("--moe-shared-expert-intermediate-size"), meaning="shared expert width"),
     Option(field="moe_shared_expert_gate", megatron="moe_shared_expert_gate",
            flag=_flag("--moe-shared-expert-gate", kind="store_true"), meaning="sigmoid-gated shared expert (Qwen2-MoE)"),
+    Option(field="moe_router_load_balancing_type", megatron="moe_router_load_balancing_type",
+           read=codecs.read_load_balancing, flag=_flag("--moe-router-load-balancing-type", choices=("aux_loss", "none")),
+           meaning="router load balancing (training)"),
+    Option(field="moe_aux_loss_coeff", megatron="moe_aux_loss_coeff", read=codecs.read_aux_coeff,
+           flag=_flag("--moe-aux-loss-coeff"), meaning="load-balancing loss weight (training)"),
+    Option(field="moe_z_loss_coeff", megatron="moe_z_loss_coeff", read=_value("moe_z_loss_coeff", default=None, cast=float),
+           flag=_flag("--moe-z-loss-coeff"), meaning="router z-loss weight (training)"),
+    Option(field="moe_expert_capacity_factor", megatron="moe_expert_capacity_factor",
+           read=_value("moe_expert_capacity_factor", default=None, cast=float),
+           flag=_flag("--moe-expert-capacity-factor", help="expert capacity (default: dropless)"),
+           meaning="expert capacity with token dropping"),
+    Option(field="moe_token_drop_policy", megatron="moe_token_drop_policy",
+           read=_value("moe_token_drop_policy", default="probs", cast=str),
+           flag=_flag("--moe-token-drop-policy", choices=("probs", "position")), meaning="token drop policy"),
     # BERT's arrangement (from the model kind and shapes, never from Megatron args)
     Option(field="bidirectional", hf_fixed={_G: (False, "is causal"), _L: (False, "is causal"), _B: (True, "is bidirectional")},
            meaning="bidirectional attention (BERT)"),
@@ -229,7 +243,6 @@ OPTIONS: tuple[Option, ...] = (
         "moe_apply_probs_on_input": ((False, None), "router probabilities applied to the expert input"),
         "moe_latent_size": ((None,), "latent mixture of experts"),
         "moe_router_force_load_balancing": ((False, None), "forced (random) load balancing"),
-        "moe_expert_capacity_factor": ((None,), "expert capacity with token dropping"),
         "multi_latent_attention": ((False, None), "multi-latent attention"),
         "qk_l2_norm": ((False, None), "L2 query/key norm"),
         "window_size": ((None,), "sliding-window attention"),
@@ -268,8 +281,7 @@ OPTIONS: tuple[Option, ...] = (
         "moe_permute_fusion", "moe_router_fusion", "moe_shared_expert_overlap", "moe_layer_recompute",
         "moe_enable_deepep", "moe_flex_dispatcher_backend", "moe_per_layer_logging", "moe_router_padding_for_fp8",
         "moe_router_padding_for_quantization", "moe_deepep_num_sms", "moe_hybridep_num_sms",
-        # training losses only (the forward function is unchanged)
-        "moe_router_load_balancing_type", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+        "moe_pad_expert_input_to_capacity",  # zero-weight padding tokens: the same function
     )),
 )  # fmt: skip
 BY_FIELD: dict[str, Option] = {o.field: o for o in OPTIONS if o.field is not None}

@@ -179,7 +179,8 @@ class TransformerLayer(nn.Module):
             self.input_layernorm = layer_norm(cfg, ps)
         self.self_attention = ParallelAttention(cfg, ps)
         self.post_attention_layernorm = layer_norm(cfg, ps)
-        self.mlp = MoEMLP(cfg, ps) if cfg.is_moe_layer(layer_number) else ParallelMLP(cfg, ps)
+        moe = cfg.is_moe_layer(layer_number)
+        self.mlp = MoEMLP(cfg, ps, layer_number=layer_number) if moe else ParallelMLP(cfg, ps)
         if self.post_ln:
             self.post_mlp_layernorm = layer_norm(cfg, ps)
         self.hidden_dropout = cfg.hidden_dropout

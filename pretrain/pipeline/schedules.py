@@ -16,6 +16,7 @@ import torch
 
 from pretrain.models.base import ShardedModule
 from pretrain.models.forward_context import ForwardContext
+from pretrain.models.moe.layer import set_aux_loss_scale
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.p2p import PipelineComm
 from pretrain.pipeline.schedule_table import Action, build_table
@@ -123,6 +124,7 @@ def forward_backward(
     forward_step: ForwardStep = gpt_forward_step,
     schedule: str = "1f1b",
     stats: dict[str, Any] | None = None,
+    loss_scale: float = 1.0,
 ) -> tuple[list[torch.Tensor], list[Any]]:
     """Run this rank's schedule; returns ``(losses, outputs)`` on the last stage.
 
@@ -132,8 +134,12 @@ def forward_backward(
     last-stage outputs when ``collect_outputs``. ``finalize_grads`` (data-parallel and embedding gradient sync) is called
     exactly once, after the last backward. ``schedule`` is ``1f1b`` (interleaved when several
     chunks) or ``fthenb``; ``stats`` receives ``max_inflight`` (peak stored activations).
+    ``loss_scale``: the fp16 loss scale ``loss_fn`` applies; mixture-of-experts router losses get
+    their gradient scaled alike, divided by microbatches x DP (Megatron's aux-loss scaling).
     Collectives: p2p over the pipeline group.
     """
+    if not forward_only:
+        set_aux_loss_scale(chunks, loss_scale / (len(microbatches) * ps.dp_size))
     table = build_table(
         p=ps.pp_size, r=ps.pp_rank, m=len(microbatches), vp=len(chunks), group=microbatch_group_size,
         train=not forward_only, kind=schedule,

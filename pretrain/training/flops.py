@@ -10,7 +10,8 @@ scores, i.e. with ``q = kv_channels x heads`` (query width), ``g / n`` query gro
 Training takes 3 passes of that (forward, data gradient, weight gradient), 4 with full activation
 recomputation (a second forward), and the output layer adds ``6 s h V`` per sequence (never
 recomputed). For GPT-2 (``q = h``, ``g = n``, ``f = 4h``) this is Narayanan et al. 2021, eq. 3:
-``96 B s l h^2 (1 + s/(6h) + V/(16 l h))`` with recomputation.
+``96 B s l h^2 (1 + s/(6h) + V/(16 l h))`` with recomputation. Mixture-of-experts layers count
+the experts a token is routed to (:func:`mlp_width`), so TFLOP/s are those of active parameters.
 """
 
 from __future__ import annotations
@@ -18,13 +19,22 @@ from __future__ import annotations
 from pretrain.config import ModelConfig
 
 
-def layer_forward_flops_per_token(cfg: ModelConfig, *, seq_length: int) -> float:
-    """FLOPs of one forward pass of one transformer layer, per token."""
+def mlp_width(cfg: ModelConfig, layer_number: int) -> int:
+    """The MLP width a token passes through in layer ``layer_number``: the dense ``ffn_size``, or
+    for a mixture-of-experts layer its *active* width, ``topk x moe_ffn_size`` plus the shared
+    expert (Megatron's ``moe_layer_flops``; the router's ``h x E`` GEMM is not counted, as there)."""
+    if not cfg.is_moe_layer(layer_number):
+        return cfg.ffn_size
+    return cfg.moe_router_topk * cfg.moe_ffn_size + (cfg.moe_shared_expert_intermediate_size or 0)
+
+
+def layer_forward_flops_per_token(cfg: ModelConfig, *, seq_length: int, layer_number: int = 0) -> float:
+    """FLOPs of one forward pass of transformer layer ``layer_number``, per token."""
     h, s, n = cfg.hidden_size, seq_length, cfg.num_attention_heads
     q = cfg.head_dim * n
     gated = 1.5 if cfg.swiglu else 1.0
     attention = (1 + cfg.query_groups / n + s / h) * q / h
-    return 4.0 * h * h * (attention + cfg.ffn_size / h * gated)
+    return 4.0 * h * h * (attention + mlp_width(cfg, layer_number) / h * gated)
 
 
 def gpt_flops_per_iteration(
@@ -33,6 +43,9 @@ def gpt_flops_per_iteration(
     """Model FLOPs of one training iteration of ``global_batch`` sequences of ``seq_length``."""
     tokens = float(global_batch) * seq_length
     passes = 4 if cfg.recompute_activations else 3
-    layers = passes * cfg.num_layers * layer_forward_flops_per_token(cfg, seq_length=seq_length)
+    layers = passes * sum(
+        layer_forward_flops_per_token(cfg, seq_length=seq_length, layer_number=i)
+        for i in range(cfg.num_layers)
+    )
     logits = 6.0 * cfg.hidden_size * padded_vocab
     return tokens * (layers + logits)

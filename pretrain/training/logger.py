@@ -45,6 +45,17 @@ class TrainingLogger:
                 f"skipped {record['skipped_iterations']} | {record['tokens_per_s']:.0f} tok/s | "
                 f"{record['tflops_per_rank']:.3f} TFLOP/s/rank"
             )
+            if "tokens_per_expert" in record:
+                self._router_lines(record)
+
+    def _router_lines(self, record: dict[str, Any]) -> None:
+        """Mixture of experts: the router losses, then each MoE layer's tokens per expert."""
+        self.write(
+            f"  router | load balancing loss {record['load_balancing_loss']:.6f} | z loss {record['z_loss']:.6f} | "
+            f"dropped tokens {record['dropped_tokens']}"
+        )
+        for layer, counts in record["tokens_per_expert"].items():
+            self.write(f"  layer {layer:>3} tokens per expert: {' '.join(str(c) for c in counts)}")
 
     def validation(self, iteration: int, loss: float, split: str = "valid") -> None:
         if not self.enabled:

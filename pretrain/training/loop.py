@@ -41,6 +41,7 @@ from pretrain.training.checkpointing import (
 from pretrain.training.config import TrainingConfig
 from pretrain.training.exit import ExitConditions
 from pretrain.training.logger import TrainingLogger
+from pretrain.training.moe_stats import collect_router_stats
 from pretrain.training.task import Microbatch, TrainTask
 from pretrain.utils.errors import UserError
 
@@ -119,6 +120,7 @@ class Trainer:
         forward_backward(
             chunks=self.chunks, ps=self.ps, microbatches=mbs, loss_fn=loss_fn, forward_only=forward_only,
             finalize_grads=finalize, forward_step=self.task.forward_step, schedule=self.cfg.schedule,
+            loss_scale=self.optimizer.loss_scale,
         )  # fmt: skip
         return self._reduce_parts(parts)
 
@@ -150,7 +152,7 @@ class Trainer:
         elapsed = time.perf_counter() - start
         tokens = self.cfg.global_batch_size * self.cfg.seq_length
         world = self.ps.layout.world_size
-        record = {
+        record: dict[str, Any] = {
             "iteration": iteration + 1,
             **{name: float(v) for name, v in zip(self.task.loss_names, losses, strict=True)},
             "loss": float(losses.sum()),
@@ -165,6 +167,9 @@ class Trainer:
             / world
             / 1e12,
         }
+        router = collect_router_stats(self.chunks, self.task.model_cfg, self.ps)
+        if router is not None:
+            record.update(router.record())
         return record
 
     def evaluate(self, split: str, call_index: int) -> float:
