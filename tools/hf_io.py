@@ -193,7 +193,7 @@ def export_hf(
                 written(name)
         writer.close()
         config.save_pretrained(str(tmp))
-        if spec.kind == "gpt":
+        if spec.model_kind.causal_lm:
             GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
         if hf_tok is not None:
             hf_tok.save_pretrained(str(tmp))  # tokenizer.json + tokenizer_config.json

@@ -71,7 +71,7 @@ def quiet_transformers() -> Iterator[None]:
 def auto_class(spec: ModelSpec) -> Any:
     import transformers
 
-    return transformers.AutoModelForCausalLM if spec.kind == "gpt" else transformers.AutoModel
+    return getattr(transformers, spec.model_kind.hf_auto_class)
 
 
 def layers_of(model: nn.Module) -> nn.ModuleList:

@@ -15,6 +15,7 @@ from typing import Any
 from pretrain.checkpoint.metadata import parallel_of, require_metadata, to_args
 from pretrain.checkpoint.types import CheckpointMetadata, FinetuneRecord, Provenance, TokenizerRecord
 from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.models.kinds import kind_of
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.tokenizer.loader import checkpoint_tokenizer_dir, record_of, save_tokenizer
 from pretrain.utils.errors import UserError
@@ -40,7 +41,7 @@ def build_metadata(
     return CheckpointMetadata(
         kind=kind, model=model, parallel=parallel, tokenizer=tokenizer, provenance=provenance,
         add_binary_head=add_binary_head, fresh_heads=fresh_heads, finetune=finetune,
-        module_names=module_names or ("mcore" if kind == "gpt" else "legacy"),
+        module_names=module_names or kind_of(kind).default_module_names,
     )  # fmt: skip
 
 
@@ -95,4 +96,4 @@ def training_metadata(
         save_tokenizer(tokenizer, checkpoint_tokenizer_dir(save))
     prov = Provenance(argv=tuple(argv), global_batch_size=global_batch_size, data_hash=data_hash)
     return build_metadata(model, parallel, kind=kind, tokenizer=record, provenance=prov,
-                          add_binary_head=kind == "bert", finetune=finetune, module_names=module_names)  # fmt: skip
+                          add_binary_head=kind_of(kind).has_binary_head, finetune=finetune, module_names=module_names)  # fmt: skip

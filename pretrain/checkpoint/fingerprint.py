@@ -126,9 +126,11 @@ def hf_weights_fingerprint(state: Mapping[str, torch.Tensor], hf_config: Any) ->
     export of our checkpoint matches the checkpoint); any other architecture is hashed under its
     own names (stable, but not comparable with a Megatron-layout checkpoint)."""
     from pretrain.models.families import family_of_model_type
+    from pretrain.models.kinds import kind_of
 
     family = family_of_model_type(getattr(hf_config, "model_type", None))
-    if family is not None and family.kind == "gpt":
+    # a causal-LM family holds all its tensors in HF; an HF BERT may lack the heads we would add
+    if family is not None and kind_of(family.kind).causal_lm:
         try:
             imported = family.module().import_hf(state, hf_config, family)
             tensors = ((name, make()) for name, make in imported.makers.items())

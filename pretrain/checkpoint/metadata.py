@@ -27,6 +27,7 @@ from pretrain.checkpoint.types import (
 )
 from pretrain.config import ModelConfig, ParallelConfig
 from pretrain.model_options import args_from_config
+from pretrain.models.kinds import is_kind, kind_of, kind_of_config
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.errors import UserError
 
@@ -169,9 +170,11 @@ def _from_plain(ours: Mapping[str, Any], args: Mapping[str, Any], source: str) -
         )
     ft = ours.get("finetune")
     finetune = _known(FinetuneRecord, ft) if isinstance(ft, Mapping) and ft.get("task") else None
-    kind = ours.get("kind") or args.get("model_type")
-    if kind not in ("gpt", "bert"):
-        kind = "bert" if model.bidirectional else "gpt"
+    recorded, megatron = ours.get("kind"), args.get("model_type")
+    if recorded is not None:  # recorded by us: a kind this version lacks is an error, not a guess
+        kind = kind_of(recorded, where=f"{source}: {OURS}.kind").name
+    else:  # earlier records: Megatron's model_type, else what the config says
+        kind = megatron if isinstance(megatron, str) and is_kind(megatron) else kind_of_config(model).name
     return CheckpointMetadata(
         kind=kind,
         model=model,

@@ -11,18 +11,17 @@ import torch
 from pretrain.checkpoint.upstream.args_semantics import check_bert_gelu
 from pretrain.config import ModelConfig
 from pretrain.model_options import config_kwargs_from_args, need_int
+from pretrain.models.kinds import is_kind, kind_of, kind_of_names
 from pretrain.utils.errors import UserError
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
 def model_kind(args: Mapping[str, Any], local_names: set[str]) -> str:
-    """``gpt`` or ``bert``: our args name it; upstream BERT has heads/token types GPT lacks."""
+    """The recorded kind: our args name it; else the tensors tell (upstream BERT has heads and
+    token types GPT lacks, see :func:`pretrain.models.kinds.kind_of_names`)."""
     ours = args.get("model_type")
-    if isinstance(ours, str) and ours in ("gpt", "bert"):
-        return ours
-    bert_markers = ("lm_head.", "binary_head.", "language_model.embedding.tokentype_embeddings.")
-    return "bert" if any(n.startswith(bert_markers) for n in local_names) else "gpt"
+    return ours if isinstance(ours, str) and is_kind(ours) else kind_of_names(local_names).name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -149,7 +148,8 @@ def upstream_model_config(
     ``shapes`` maps our local names of the first layer / embeddings (TP rank 0) to tensors.
     """
     options = config_kwargs_from_args(args, source=source)
-    if kind == "bert":
+    model_kind = kind_of(kind)
+    if model_kind.has_mlm_head:
         check_bert_gelu(args, options["gelu"], source)
     lm = "language_model."
     pos = shapes.get(lm + "embedding.position_embeddings.weight")
@@ -175,7 +175,7 @@ def upstream_model_config(
         max_position_embeddings=int(max_pos),
         ffn_hidden_size=int(ffn),
         params_dtype=_dtype_name(args, next(iter(shapes.values()))),  # type: ignore[arg-type]
-        bidirectional=kind == "bert",
+        bidirectional=model_kind.bidirectional,
         num_tokentypes=0 if tokentypes is None else int(tokentypes.shape[0]),
         post_layernorm=False,
         **options,  # type: ignore[arg-type]
