@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from pretrain.config import ModelConfig
-from pretrain.model_options import config_kwargs_from_hf, hf_kwargs, hf_unsupported
+from pretrain.model_options import absent_modules, config_kwargs_from_hf, hf_kwargs, hf_unsupported
 from pretrain.models.families.converter import HFImport
-from pretrain.models.families.registry import Family, export_family, family_of_model_type
+from pretrain.models.families.registry import Family, export_family, families, family_of_model_type
 from pretrain.utils.errors import UserError
 
 LM = "language_model."
@@ -73,11 +73,8 @@ def split_qkv(
 
 def _layer_pairs(cfg: ModelConfig, i: int) -> list[tuple[str, str]]:
     ours, hf = f"{LM}encoder.layers.{i}.", f"model.layers.{i}."
-    return [
-        (ours + a, hf + b)
-        for a, b in LAYER_TABLE
-        if cfg.qk_layernorm or "q_layernorm" not in a and "k_layernorm" not in a
-    ]
+    absent = set(absent_modules(cfg))  # e.g. the QK-norms of a model without them
+    return [(ours + a, hf + b) for a, b in LAYER_TABLE if absent.isdisjoint(a.split("."))]
 
 
 def name_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
@@ -109,11 +106,22 @@ def unsupported(cfg: ModelConfig) -> list[str]:
     out = hf_unsupported(cfg, "llama", "the Llama family")  # the fixed-value options (pretrain.model_options)
     if cfg.use_rope_scaling and cfg.rotary_seq_len_interpolation_factor is not None:
         out.append("use_rope_scaling with rotary_seq_len_interpolation_factor (one RoPE scaling only)")
-    if cfg.qk_layernorm and cfg.add_qkv_bias:
-        out.append(
-            "qk_layernorm=True with add_qkv_bias=True (Qwen3 has QK-norm, Qwen2 the QKV bias, none both)"
-        )
+    if not out:  # each family fixes its switches (registry): a mix of two siblings' is none of them
+        out += _unmatched_switches(dataclasses.asdict(cfg))
     return out
+
+
+def _unmatched_switches(values: Mapping[str, object]) -> list[str]:
+    """``a=x with b=y (no family of the Llama group has both)`` when no registered family of this
+    converter holds ``values``' switches (e.g. Qwen2's QKV bias with Qwen3's QK-norm)."""
+    group = [f for f in families() if f.converter == "llama"]
+    if any(f.holds(values) for f in group):
+        return []
+    keys = {k: v for f in group for k, v in f.switches.items() if values.get(k) != v}
+    on = " with ".join(f"{k}={values[k]}" for k in keys)
+    return [
+        f"{on} (no family of the Llama group ({'/'.join(f.model_type for f in group)}) has that combination)"
+    ]
 
 
 def check_supported(cfg: ModelConfig) -> None:
