@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Mapping
 from importlib import metadata as _dist
-from typing import Any
 
 from pretrain.checkpoint.metadata import parallel_of, require_metadata, to_args
 from pretrain.checkpoint.types import CheckpointMetadata, FinetuneRecord, Provenance, TokenizerRecord
@@ -53,19 +53,24 @@ def _toolkit_version() -> str | None:
 
 
 def checkpoint_args(
-    model: ModelConfig, parallel: ParallelConfig, *, model_type: str, extra: dict[str, Any] | None = None
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    model_type: str,
+    extra: Mapping[str, object] | None = None,
 ) -> argparse.Namespace:
     """Megatron-named ``args`` (kept for callers of the earlier API); ``extra`` may hold ``argv``."""
-    argv = tuple((extra or {}).get("argv") or ())
+    given = (extra or {}).get("argv")
+    argv = tuple(str(a) for a in given) if isinstance(given, (list, tuple)) else ()
     return to_args(build_metadata(model, parallel, kind=model_type, provenance=Provenance(argv=argv)))
 
 
-def model_config_from_args(args: Any, *, source: str = "checkpoint") -> ModelConfig:
+def model_config_from_args(args: object, *, source: str = "checkpoint") -> ModelConfig:
     """The ``ModelConfig`` of one of our checkpoints' ``args``."""
     return require_metadata(args, source=source).model
 
 
-def parallel_config_from_args(args: Any) -> ParallelConfig:
+def parallel_config_from_args(args: object) -> ParallelConfig:
     """The layout a checkpoint was saved with."""
     return parallel_of(args)
 

@@ -40,7 +40,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _TOKENIZER_FILE_ARGS = {"vocab.json": "vocab_file", "vocab.txt": "vocab_file", "merges.txt": "merge_file"}
 
 
-def as_mapping(args: Any) -> Mapping[str, Any]:
+def as_mapping(args: object) -> Mapping[str, Any]:
     """``args`` of any checkpoint as a mapping: a Namespace's fields, a dict, or ``{}``."""
     if isinstance(args, argparse.Namespace):
         return vars(args)
@@ -196,7 +196,7 @@ def _upstream_parallel(args: Mapping[str, Any]) -> ParallelConfig:
     )
 
 
-def read_metadata(args: Any, *, source: str = "checkpoint") -> CheckpointMetadata | None:
+def read_metadata(args: object, *, source: str = "checkpoint") -> CheckpointMetadata | None:
     """Our record from a checkpoint's ``args`` (Namespace or dict); ``None`` for upstream files."""
     mapping = as_mapping(args)
     ours = mapping.get(OURS)
@@ -207,7 +207,7 @@ def read_metadata(args: Any, *, source: str = "checkpoint") -> CheckpointMetadat
     return _from_plain(ours, mapping, source)
 
 
-def require_metadata(args: Any, *, source: str) -> CheckpointMetadata:
+def require_metadata(args: object, *, source: str) -> CheckpointMetadata:
     """:func:`read_metadata`, refusing checkpoints without our record with one line."""
     meta = read_metadata(args, source=source)
     if meta is None:
@@ -215,7 +215,7 @@ def require_metadata(args: Any, *, source: str) -> CheckpointMetadata:
     return meta
 
 
-def parallel_of(args: Any) -> ParallelConfig:
+def parallel_of(args: object) -> ParallelConfig:
     """The layout a checkpoint was saved with (our record, else Megatron's fields)."""
     meta = read_metadata(args)
     return meta.parallel if meta is not None else _upstream_parallel(as_mapping(args))
