@@ -136,7 +136,7 @@ def _from_ckpt(path: Path, tokenizer: Tokenizer | None, force: bool) -> Pretrain
     if not path.exists():
         raise UserError(f"--ckpt {path}: no such directory")
     reader = open_checkpoint(path)
-    if reader.spec.kind != "bert":
+    if not reader.spec.model_kind.has_binary_head:  # the BERT encoder finetuning builds on
         raise UserError(f"--ckpt {path}: holds a {reader.spec.kind} model; finetuning needs a BERT")
     info = getattr(reader, "info", None)
     if tokenizer is None:

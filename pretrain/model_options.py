@@ -59,7 +59,10 @@ class Option:
     ``status``: ``implemented``, ``refused`` (any value outside ``harmless`` stops with one line)
     or ``numerics`` (changes precision or speed, never the function); ``read``/``write``: codecs
     for a Megatron meaning that is not one field to one field; ``hf_fixed``: family group -> (the
-    only value that group's architecture holds, what it has instead), for the export refusal.
+    only value that group's architecture holds, what it has instead), for the export refusal;
+    ``switches``: Hugging Face ``model_type`` -> the value that family fixes, where families with
+    the same converter differ by it (the registry's ``Family.switches``, :func:`family_switches`);
+    ``tensors``: the per-layer modules that exist only while the option is on.
     """
 
     field: str | None
@@ -73,6 +76,8 @@ class Option:
     read: ArgsReader | None = None
     write: ArgsWriter | None = None
     hf_fixed: Mapping[str, tuple[object, str]] = dataclasses.field(default_factory=dict)
+    switches: Mapping[str, object] = dataclasses.field(default_factory=dict)
+    tensors: tuple[str, ...] = ()
 
 
 def _value(name: str, *, default: object, cast: Callable[[Any], object]) -> ArgsReader:
@@ -93,6 +98,7 @@ def _write_ffn(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
 # --- the table -------------------------------------------------------------------------------------
 
 _G, _L, _B = "gpt2", "llama", "bert"
+_LLAMAS = ("llama", "mistral", "qwen2", "qwen3")  # the model_types of the Llama group's families
 OPTIONS: tuple[Option, ...] = (
     # sizes
     Option(field="num_layers", megatron="num_layers", hf={_G: "n_layer", _L: "num_hidden_layers", _B: "num_hidden_layers"},
@@ -148,7 +154,7 @@ OPTIONS: tuple[Option, ...] = (
            aliases=("use_rotary_position_embeddings", "add_position_embedding"), read=codecs.read_position,
            write=codecs.write_position, flag=_flag("--position-embedding-type", choices=("learned_absolute", "rope")),
            hf_fixed={_G: ("learned_absolute", "has learned positions"), _B: ("learned_absolute", "has learned positions"), _L: ("rope", "has RoPE only")},
-           meaning="learned_absolute or rope"),
+           switches={"gpt2": "learned_absolute", **dict.fromkeys(_LLAMAS, "rope")}, meaning="learned_absolute or rope"),
     Option(field="rotary_base", megatron="rotary_base", read=_value("rotary_base", default=10000.0, cast=float),
            flag=_flag("--rotary-base"), meaning="RoPE base"),
     Option(field="rotary_percent", megatron="rotary_percent", read=_value("rotary_percent", default=1.0, cast=float),
@@ -178,9 +184,11 @@ OPTIONS: tuple[Option, ...] = (
            flag=_flag("--disable-bias-linear", kind="store_false"), hf_fixed={_L: (False, "has no o_proj or MLP biases; --disable-bias-linear")},
            meaning="linear biases"),
     Option(field="add_qkv_bias", megatron="add_qkv_bias", read=codecs.read_qkv_bias, write=codecs.write_qkv_bias,
-           flag=_flag("--add-qkv-bias", kind="store_true"), meaning="QKV bias without other biases (Qwen2)"),
+           flag=_flag("--add-qkv-bias", kind="store_true"), switches={**dict.fromkeys(_LLAMAS, False), "qwen2": True},
+           meaning="QKV bias without other biases (Qwen2)"),
     Option(field="qk_layernorm", megatron="qk_layernorm", flag=_flag("--qk-layernorm", kind="store_true"),
            hf_fixed={_G: (False, "has no QK-norm"), _B: (False, "has no QK-norm")},
+           switches={**dict.fromkeys(_LLAMAS, False), "qwen3": True}, tensors=("q_layernorm", "k_layernorm"),
            meaning="per-head query/key norms (Qwen3)"),
     # mixture of experts (Megatron's MoE flags and semantics; pretrain.models.moe)
     Option(field="num_experts", megatron="num_experts", read=_value("num_experts", default=None, cast=int),
@@ -228,6 +236,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(field="num_tokentypes", hf={_B: "type_vocab_size"}, hf_fixed={_G: (0, "has no token-type embeddings"), _L: (0, "has no token-type embeddings")},
            meaning="token types (BERT)"),
     Option(field="post_layernorm", hf_fixed={_G: (False, "is pre-LN"), _L: (False, "is pre-norm")},
+           switches={"bert": True, "megatron-bert": False},
            meaning="post-LN arrangement (original BERT)"),
     # zero-centred norm weights: a tensor transform of the readers, never a ModelConfig field
     Option(field=None, megatron="apply_layernorm_1p", aliases=("layernorm_zero_centered_gamma",),
@@ -410,6 +419,17 @@ def hf_unsupported(cfg: ModelConfig, group: str, architecture: str) -> list[str]
     return out
 
 
+def family_switches(model_type: str) -> dict[str, object]:
+    """The ``ModelConfig`` values the Hugging Face family ``model_type`` fixes (the
+    :attr:`Option.switches` column, in table order)."""
+    return {o.field: o.switches[model_type] for o in OPTIONS if o.field and model_type in o.switches}
+
+
+def absent_modules(cfg: ModelConfig) -> tuple[str, ...]:
+    """The per-layer modules (:attr:`Option.tensors`) ``cfg`` lacks because their option is off."""
+    return tuple(t for o in OPTIONS if o.field and o.tensors and not getattr(cfg, o.field) for t in o.tensors)
+
+
 def hf_kwargs(cfg: ModelConfig, group: str) -> dict[str, object]:
     """The one-to-one ``config.json`` keys of family ``group`` for ``cfg``."""
     return {o.hf[group]: getattr(cfg, o.field) for o in OPTIONS if o.field and group in o.hf}
@@ -436,6 +456,8 @@ __all__ = [
     "config_kwargs_from_args",
     "config_kwargs_from_flags",
     "config_kwargs_from_hf",
+    "absent_modules",
+    "family_switches",
     "gelu_kind",
     "hf_unsupported",
     "hf_unsupported",

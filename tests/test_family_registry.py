@@ -90,3 +90,23 @@ def test_export_keeps_the_recorded_family_else_the_default(toy_family) -> None:
 def test_unregistered_model_types_are_refused_by_name(tmp_path: Path) -> None:
     assert "toyllama" not in families.supported_model_types()
     assert families.family_of_model_type("toyllama") is None
+
+
+def test_converter_interfaces_are_typed() -> None:
+    """The converters' public functions name no ``Any`` (the HF config is :class:`HFConfig`), and
+    the ``transformers`` configs of every registered family hold the attributes it declares."""
+    import inspect
+    import typing
+
+    import transformers
+
+    from pretrain.models.families import converter as conv
+
+    for module in {f.module() for f in families.families()} | {conv}:
+        for name, fn in inspect.getmembers(module, inspect.isfunction):
+            if fn.__module__ == module.__name__ and not name.startswith("_"):
+                assert "Any" not in str(inspect.signature(fn)), f"{module.__name__}.{name}"
+    declared = typing.get_type_hints(conv.HFConfig)
+    for family in families.families():
+        config = transformers.AutoConfig.for_model(family.model_type)
+        assert all(hasattr(config, attr) for attr in declared), family.model_type

@@ -116,3 +116,26 @@ def test_hf_keys_round_trip(name: str, group: str) -> None:
     assert len(written) == len({o.hf[group] for o in mo.OPTIONS if group in o.hf})
     read = mo.config_kwargs_from_hf(SimpleNamespace(**written), group)
     assert read == {o.field: getattr(cfg, o.field) for o in mo.OPTIONS if o.field and group in o.hf}
+
+
+def test_family_switches_and_modules_come_from_the_table() -> None:
+    """The registry's switches and the converters' optional tensors are the table's columns: a
+    family option (QK-norm) is named in the table, not in the registry or the converter."""
+    from pretrain.models.families import families, llama
+
+    for family in families():
+        assert dict(family.switches) == mo.family_switches(family.model_type), family.model_type
+    assert mo.family_switches("qwen3") == {"position_embedding_type": "rope", "add_qkv_bias": False,
+                                           "qk_layernorm": True}  # fmt: skip
+    rope = dict(
+        BASE, position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False
+    )
+    plain, normed = ModelConfig(**rope), ModelConfig(**rope, qk_layernorm=True)
+    assert mo.absent_modules(plain) == ("q_layernorm", "k_layernorm") and mo.absent_modules(normed) == ()
+    assert not any("q_norm" in hf for _, hf in llama.name_pairs(plain))
+    assert sum("q_norm" in hf for _, hf in llama.name_pairs(normed)) == normed.num_layers
+    both = dataclasses.replace(normed, add_qkv_bias=True)
+    assert llama.unsupported(both) == [
+        "add_qkv_bias=True with qk_layernorm=True (no family of the Llama group (llama/mistral/qwen2/qwen3) "
+        "has that combination)"
+    ]

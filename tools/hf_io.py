@@ -19,7 +19,7 @@ import dataclasses
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,10 +32,13 @@ from pretrain.utils.atomic import atomic_directory
 from pretrain.utils.errors import UserError
 from tools.hf_shards import DEFAULT_MAX_SHARD_SIZE
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
+
 __all__ = ["check_exportable", "export_hf", "hf_tokenizer_of", "import_hf", "open_hf", "read_hf_state"]
 
 
-def hf_tokenizer_of(tok: Tokenizer) -> Any:
+def hf_tokenizer_of(tok: Tokenizer) -> PreTrainedTokenizerBase:
     """A complete Hugging Face fast tokenizer equal to ``tok`` (checked on :data:`PROBE_TEXT`).
 
     Our ``tokenizers``-backed tokenizers (GPT-2 BPE, WordPiece) become a ``PreTrainedTokenizerFast``
@@ -115,7 +118,7 @@ def check_exportable(spec: ModelSpec, recorded: str | None = None) -> None:
 def hf_state_and_config(
     full: dict[str, torch.Tensor], spec: ModelSpec, tokenizer: Tokenizer | None = None, *,
     family: str | None = None,
-) -> tuple[dict[str, torch.Tensor], Any]:  # fmt: skip
+) -> tuple[dict[str, torch.Tensor], PretrainedConfig]:  # fmt: skip
     """The HF state dict (tied copies omitted) and ``PretrainedConfig`` of canonical tensors;
     the special-token ids are the tokenizer's (``None`` where it has none). ``family``: the HF
     ``model_type`` the checkpoint was converted from, written back when it holds the model."""
@@ -125,7 +128,7 @@ def hf_state_and_config(
     )
 
 
-def _hf_config(fam: Family, spec: ModelSpec, tokenizer: Tokenizer | None) -> Any:
+def _hf_config(fam: Family, spec: ModelSpec, tokenizer: Tokenizer | None) -> PretrainedConfig:
     """``fam``'s ``PretrainedConfig`` of ``spec`` (refused first when the architecture lacks an option)."""
     from transformers import AutoConfig
 
@@ -193,7 +196,7 @@ def export_hf(
                 written(name)
         writer.close()
         config.save_pretrained(str(tmp))
-        if spec.kind == "gpt":
+        if spec.model_kind.causal_lm:
             GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
         if hf_tok is not None:
             hf_tok.save_pretrained(str(tmp))  # tokenizer.json + tokenizer_config.json

@@ -10,7 +10,7 @@ import json
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -18,6 +18,9 @@ from torch import nn
 from pretrain.checkpoint.plan import ModelSpec
 from pretrain.utils.errors import UserError
 from tools.hf_shards import INDEX_FILE
+
+if TYPE_CHECKING:
+    from transformers.models.auto.auto_factory import _BaseAutoModelClass
 
 
 class SafetensorsDir:
@@ -68,10 +71,11 @@ def quiet_transformers() -> Iterator[None]:
             hf_logging.enable_progress_bar()
 
 
-def auto_class(spec: ModelSpec) -> Any:
+def auto_class(spec: ModelSpec) -> type[_BaseAutoModelClass]:
+    """The ``transformers`` auto class that loads an export of ``spec``'s kind."""
     import transformers
 
-    return transformers.AutoModelForCausalLM if spec.kind == "gpt" else transformers.AutoModel
+    return getattr(transformers, spec.model_kind.hf_auto_class)
 
 
 def layers_of(model: nn.Module) -> nn.ModuleList:
@@ -108,7 +112,8 @@ def layer_hooks(layers: nn.ModuleList, *, pre: Callable[[int], None] | None,
         if pre is not None:
             handles.append(layer.register_forward_pre_hook(lambda _m, _a, i=i: pre(i)))
 
-        def after(_m: nn.Module, args: Any, kwargs: Any, output: Any, i: int = i) -> None:
+        def after(_m: nn.Module, args: tuple[torch.Tensor, ...], kwargs: dict[str, torch.Tensor],
+                  output: torch.Tensor | tuple[torch.Tensor, ...], i: int = i) -> None:  # fmt: skip
             x = args[0] if args else kwargs["hidden_states"]
             post(i, x, output[0] if isinstance(output, tuple) else output)
 

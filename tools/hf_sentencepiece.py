@@ -11,10 +11,13 @@ the probe text before anything is written.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import LlamaTokenizer
 
 
-def llama_tokenizer_from_sentencepiece(model_file: str, *, add_bos: bool) -> Any:
+def llama_tokenizer_from_sentencepiece(model_file: str, *, add_bos: bool) -> LlamaTokenizer:
     """A ``transformers.LlamaTokenizer`` over the pieces of ``model_file`` (a BPE ``.model``);
     ``add_bos``: encoding with special tokens puts ``<s>`` first (Llama's convention)."""
     import sentencepiece

@@ -120,14 +120,10 @@ class OurPieces:
         self._names = names
 
     def _model(self, layers: tuple[int, ...], *, ends: bool = True) -> ShardedModule:
-        kw: dict[str, Any] = dict(pre_process=ends, post_process=ends, layer_numbers=layers)
-        if self.spec.kind == "gpt":
-            from pretrain.models.gpt import GPTModel
-
-            return GPTModel(self.cfg, self.ps, **kw).eval()
-        from pretrain.models.bert import BertModel
-
-        return BertModel(self.cfg, self.ps, add_binary_head=self.spec.add_binary_head and ends, **kw).eval()
+        return self.spec.model_kind.build(
+            self.cfg, self.ps, add_binary_head=self.spec.add_binary_head and ends, pre_process=ends,
+            post_process=ends, layer_numbers=layers,
+        ).eval()  # fmt: skip
 
     def _load(self, model: ShardedModule, names: list[str]) -> None:
         load_full_state_dict(model, {n: self.source.tensor(n).float() for n in names})
@@ -135,9 +131,7 @@ class OurPieces:
     @torch.inference_mode()
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         lm: Any = self.shell.language_model
-        if self.spec.kind == "gpt":
-            return lm.embedding(ids)  # type: ignore[no-any-return]
-        return lm.embedding(ids, None, torch.zeros_like(ids))  # type: ignore[no-any-return]
+        return lm.embedding(ids)  # type: ignore[no-any-return]  # token types (BERT): zeros
 
     @torch.inference_mode()
     def layer(self, i: int, x: torch.Tensor) -> torch.Tensor:
@@ -150,7 +144,7 @@ class OurPieces:
         """GPT: the logits ``[b, s, V]`` of the last layer's output; BERT: the final hidden states."""
         model: Any = self.shell
         x = model.language_model.encoder(x)  # no layers: the final norm only
-        if self.spec.kind != "gpt":
+        if not self.spec.model_kind.causal_lm:
             return x
         from pretrain.models.language_model import parallel_lm_logits
 
@@ -165,7 +159,7 @@ def layer_by_layer(model: nn.Module, ours: OurPieces, ids: torch.Tensor, *, tole
                    release: Callable[[int], None] | None = None) -> list[Comparison]:  # fmt: skip
     """Run ``model`` on ``ids`` comparing every stage with ours on the same inputs (see the module
     docstring); ``materialize``/``release`` load and free each layer around its forward."""
-    layers, gpt = layers_of(model), ours.spec.kind == "gpt"
+    layers, gpt = layers_of(model), ours.spec.model_kind.causal_lm
     found: list[Comparison] = []
     last: list[torch.Tensor] = []
 
@@ -214,7 +208,7 @@ def verify_export(source: TensorSource, spec: ModelSpec, hf_dir: Path, *, mode: 
     files = SafetensorsDir(hf_dir)
     chosen = choose_mode(mode, files)
     ids = probe_ids(spec)
-    what = "logit" if spec.kind == "gpt" else "hidden-state"
+    what = spec.model_kind.probe_output
     try:
         with quiet_transformers():
             found = _run(source, spec, hf_dir, ids, chosen, tolerance)
@@ -252,8 +246,8 @@ def _full(source: TensorSource, spec: ModelSpec, hf_dir: Path, ids: torch.Tensor
     """End to end; on a mismatch, the per-layer comparison on the loaded models names where."""
     model = auto_class(spec).from_pretrained(str(hf_dir), dtype=torch.float32, local_files_only=True).eval()
     ours = ours_probe({n: source.tensor(n) for n in source.names()}, spec, ids)
-    end = compare("logits" if spec.kind == "gpt" else "hidden states", ours, output(model, ids, spec.kind == "gpt"),
-                  tolerance)  # fmt: skip
+    causal = spec.model_kind.causal_lm
+    end = compare("logits" if causal else "hidden states", ours, output(model, ids, causal), tolerance)
     if end.ok:
         return [end]
     stages = layer_by_layer(model, OurPieces(source, spec), ids, tolerance=tolerance)

@@ -181,7 +181,7 @@ def read_gpt_checkpoint(
     )
     reader, resolved = _open_with_tokenizer(ckpt, choice)
     spec, info = reader.spec, reader.info
-    if spec.kind != "gpt":
+    if not spec.model_kind.causal_lm:
         raise UserError(f"--ckpt {ckpt}: holds a {spec.kind} model; zero-shot LM evaluation needs a GPT")
     if not info.vocab_known:
         raise UserError(f"--ckpt {ckpt}: the true vocabulary size is unknown ({info.vocab_source})")

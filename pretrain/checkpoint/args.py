@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Mapping
 from importlib import metadata as _dist
-from typing import Any
 
 from pretrain.checkpoint.metadata import parallel_of, require_metadata, to_args
 from pretrain.checkpoint.types import CheckpointMetadata, FinetuneRecord, Provenance, TokenizerRecord
 from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.models.kinds import kind_of
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.tokenizer.loader import checkpoint_tokenizer_dir, record_of, save_tokenizer
 from pretrain.utils.errors import UserError
@@ -40,7 +41,7 @@ def build_metadata(
     return CheckpointMetadata(
         kind=kind, model=model, parallel=parallel, tokenizer=tokenizer, provenance=provenance,
         add_binary_head=add_binary_head, fresh_heads=fresh_heads, finetune=finetune,
-        module_names=module_names or ("mcore" if kind == "gpt" else "legacy"),
+        module_names=module_names or kind_of(kind).default_module_names,
     )  # fmt: skip
 
 
@@ -52,19 +53,24 @@ def _toolkit_version() -> str | None:
 
 
 def checkpoint_args(
-    model: ModelConfig, parallel: ParallelConfig, *, model_type: str, extra: dict[str, Any] | None = None
+    model: ModelConfig,
+    parallel: ParallelConfig,
+    *,
+    model_type: str,
+    extra: Mapping[str, object] | None = None,
 ) -> argparse.Namespace:
     """Megatron-named ``args`` (kept for callers of the earlier API); ``extra`` may hold ``argv``."""
-    argv = tuple((extra or {}).get("argv") or ())
+    given = (extra or {}).get("argv")
+    argv = tuple(str(a) for a in given) if isinstance(given, (list, tuple)) else ()
     return to_args(build_metadata(model, parallel, kind=model_type, provenance=Provenance(argv=argv)))
 
 
-def model_config_from_args(args: Any, *, source: str = "checkpoint") -> ModelConfig:
+def model_config_from_args(args: object, *, source: str = "checkpoint") -> ModelConfig:
     """The ``ModelConfig`` of one of our checkpoints' ``args``."""
     return require_metadata(args, source=source).model
 
 
-def parallel_config_from_args(args: Any) -> ParallelConfig:
+def parallel_config_from_args(args: object) -> ParallelConfig:
     """The layout a checkpoint was saved with."""
     return parallel_of(args)
 
@@ -95,4 +101,4 @@ def training_metadata(
         save_tokenizer(tokenizer, checkpoint_tokenizer_dir(save))
     prov = Provenance(argv=tuple(argv), global_batch_size=global_batch_size, data_hash=data_hash)
     return build_metadata(model, parallel, kind=kind, tokenizer=record, provenance=prov,
-                          add_binary_head=kind == "bert", finetune=finetune, module_names=module_names)  # fmt: skip
+                          add_binary_head=kind_of(kind).has_binary_head, finetune=finetune, module_names=module_names)  # fmt: skip

@@ -25,7 +25,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -33,6 +33,9 @@ import torch
 from pretrain.checkpoint.types import TensorSource
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.utils.errors import UserError
+
+if TYPE_CHECKING:
+    from pretrain.models.families.converter import HFConfig
 
 SCHEME = "w1"
 SHORT_HEX = 12
@@ -119,16 +122,18 @@ def is_fingerprint(value: object) -> bool:
     return len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)
 
 
-def hf_weights_fingerprint(state: Mapping[str, torch.Tensor], hf_config: Any) -> str:
+def hf_weights_fingerprint(state: Mapping[str, torch.Tensor], hf_config: HFConfig) -> str:
     """The fingerprint of a loaded Hugging Face model's ``state_dict()``.
 
     GPT-2 and the Llama-style families we convert are mapped to canonical names first (so an HF
     export of our checkpoint matches the checkpoint); any other architecture is hashed under its
     own names (stable, but not comparable with a Megatron-layout checkpoint)."""
     from pretrain.models.families import family_of_model_type
+    from pretrain.models.kinds import kind_of
 
     family = family_of_model_type(getattr(hf_config, "model_type", None))
-    if family is not None and family.kind == "gpt":
+    # a causal-LM family holds all its tensors in HF; an HF BERT may lack the heads we would add
+    if family is not None and kind_of(family.kind).causal_lm:
         try:
             imported = family.module().import_hf(state, hf_config, family)
             tensors = ((name, make()) for name, make in imported.makers.items())

@@ -27,6 +27,7 @@ from pretrain.checkpoint.types import (
 )
 from pretrain.config import ModelConfig, ParallelConfig
 from pretrain.model_options import args_from_config
+from pretrain.models.kinds import is_kind, kind_of, kind_of_config
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.errors import UserError
 
@@ -39,7 +40,7 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 _TOKENIZER_FILE_ARGS = {"vocab.json": "vocab_file", "vocab.txt": "vocab_file", "merges.txt": "merge_file"}
 
 
-def as_mapping(args: Any) -> Mapping[str, Any]:
+def as_mapping(args: object) -> Mapping[str, Any]:
     """``args`` of any checkpoint as a mapping: a Namespace's fields, a dict, or ``{}``."""
     if isinstance(args, argparse.Namespace):
         return vars(args)
@@ -169,9 +170,11 @@ def _from_plain(ours: Mapping[str, Any], args: Mapping[str, Any], source: str) -
         )
     ft = ours.get("finetune")
     finetune = _known(FinetuneRecord, ft) if isinstance(ft, Mapping) and ft.get("task") else None
-    kind = ours.get("kind") or args.get("model_type")
-    if kind not in ("gpt", "bert"):
-        kind = "bert" if model.bidirectional else "gpt"
+    recorded, megatron = ours.get("kind"), args.get("model_type")
+    if recorded is not None:  # recorded by us: a kind this version lacks is an error, not a guess
+        kind = kind_of(recorded, where=f"{source}: {OURS}.kind").name
+    else:  # earlier records: Megatron's model_type, else what the config says
+        kind = megatron if isinstance(megatron, str) and is_kind(megatron) else kind_of_config(model).name
     return CheckpointMetadata(
         kind=kind,
         model=model,
@@ -193,7 +196,7 @@ def _upstream_parallel(args: Mapping[str, Any]) -> ParallelConfig:
     )
 
 
-def read_metadata(args: Any, *, source: str = "checkpoint") -> CheckpointMetadata | None:
+def read_metadata(args: object, *, source: str = "checkpoint") -> CheckpointMetadata | None:
     """Our record from a checkpoint's ``args`` (Namespace or dict); ``None`` for upstream files."""
     mapping = as_mapping(args)
     ours = mapping.get(OURS)
@@ -204,7 +207,7 @@ def read_metadata(args: Any, *, source: str = "checkpoint") -> CheckpointMetadat
     return _from_plain(ours, mapping, source)
 
 
-def require_metadata(args: Any, *, source: str) -> CheckpointMetadata:
+def require_metadata(args: object, *, source: str) -> CheckpointMetadata:
     """:func:`read_metadata`, refusing checkpoints without our record with one line."""
     meta = read_metadata(args, source=source)
     if meta is None:
@@ -212,7 +215,7 @@ def require_metadata(args: Any, *, source: str) -> CheckpointMetadata:
     return meta
 
 
-def parallel_of(args: Any) -> ParallelConfig:
+def parallel_of(args: object) -> ParallelConfig:
     """The layout a checkpoint was saved with (our record, else Megatron's fields)."""
     meta = read_metadata(args)
     return meta.parallel if meta is not None else _upstream_parallel(as_mapping(args))

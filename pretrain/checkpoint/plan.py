@@ -14,14 +14,14 @@ import torch
 
 from pretrain.config import ModelConfig, ParallelConfig
 from pretrain.models.base import ShardedModule
+from pretrain.models.kinds import KINDS, ModelKind, kind_of
 from pretrain.models.sharding import RowLayout, is_vocab_tensor, row_layout
 from pretrain.parallel.layout import compute_layout
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.partition import StageLayers, stage_layer_numbers
 from pretrain.tensor_parallel.layers import partition_dim
-from pretrain.utils.errors import UserError
 
-MODEL_KINDS = ("gpt", "bert")
+MODEL_KINDS = tuple(KINDS)  # the recorded kind names (pretrain.models.kinds)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -37,8 +37,12 @@ class ModelSpec:
     fresh_heads: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
-        if self.kind not in MODEL_KINDS:
-            raise UserError(f"unknown model kind {self.kind!r} (expected one of {MODEL_KINDS})")
+        kind_of(self.kind, where="model spec")
+
+    @property
+    def model_kind(self) -> ModelKind:
+        """What the recorded ``kind`` implies (:mod:`pretrain.models.kinds`)."""
+        return kind_of(self.kind)
 
 
 @dataclass(frozen=True)
@@ -58,14 +62,10 @@ def meta_chunk(
 ) -> ShardedModule:
     """A model chunk of the given layout on the meta device (shapes and names only)."""
     ps = ParallelState(layout=compute_layout(world_size=tp, tp=tp, pp=1), rank=0, device=torch.device("meta"))
-    kw = dict(pre_process=pre_process, post_process=post_process, layer_numbers=list(layer_numbers))
-    if spec.kind == "gpt":
-        from pretrain.models.gpt import GPTModel
-
-        return GPTModel(spec.cfg, ps, **kw)  # type: ignore[arg-type]
-    from pretrain.models.bert import BertModel
-
-    return BertModel(spec.cfg, ps, add_binary_head=spec.add_binary_head, **kw)  # type: ignore[arg-type]
+    return spec.model_kind.build(
+        spec.cfg, ps, add_binary_head=spec.add_binary_head, pre_process=pre_process,
+        post_process=post_process, layer_numbers=list(layer_numbers),
+    )  # fmt: skip
 
 
 def chunk_slots(

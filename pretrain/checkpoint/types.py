@@ -24,6 +24,7 @@ import torch
 
 from pretrain.checkpoint.plan import ModelSpec
 from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.models.kinds import kind_of
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.tokenizer.record import TokenizerRecord
 from pretrain.utils.errors import UserError
@@ -74,8 +75,7 @@ class CheckpointMetadata:
     module_names: str = "mcore"  # "mcore" or "legacy": the names of the model's tensors in the files
 
     def __post_init__(self) -> None:
-        if self.kind not in ("gpt", "bert"):
-            raise UserError(f"checkpoint metadata: unknown model kind {self.kind!r} (expected gpt or bert)")
+        kind_of(self.kind, where="checkpoint metadata")
 
     @property
     def spec(self) -> ModelSpec:

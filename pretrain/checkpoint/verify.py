@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -33,19 +34,16 @@ def probe_ids(spec: ModelSpec, *, seed: int = 0, batch: int = 2, seq: int = 16) 
 def ours_probe(full: dict[str, torch.Tensor], spec: ModelSpec, ids: torch.Tensor) -> torch.Tensor:
     """GPT logits ``[b, s, V]`` or BERT final hidden states ``[b, s, h]`` of our model."""
     cfg = dataclasses.replace(spec.cfg, hidden_dropout=0.0, attention_dropout=0.0, params_dtype="float32")
-    ps = ParallelState.single()
-    if spec.kind == "gpt":
-        from pretrain.models.gpt import GPTModel
-
-        gpt = GPTModel(cfg, ps).eval()
-        load_full_state_dict(gpt, {k: v.float() for k, v in full.items()})
-        return gpt.full_logits(gpt(ids))
-    from pretrain.models.bert import BertModel, padding_attention_mask
+    model: Any = spec.model_kind.build(
+        cfg, ParallelState.single(), add_binary_head=spec.add_binary_head
+    ).eval()
+    load_full_state_dict(model, {k: v.float() for k, v in full.items()})
+    if spec.model_kind.causal_lm:
+        return model.full_logits(model(ids))  # type: ignore[no-any-return]
+    from pretrain.models.bert import padding_attention_mask
     from pretrain.models.forward_context import ForwardContext
 
-    bert = BertModel(cfg, ps, add_binary_head=spec.add_binary_head).eval()
-    load_full_state_dict(bert, {k: v.float() for k, v in full.items()})
-    lm = bert.language_model
+    lm = model.language_model
     x = lm.embedding(ids, None, torch.zeros_like(ids))
     return lm.encoder(x, ForwardContext(attn_mask=padding_attention_mask(torch.ones_like(ids))))
 
@@ -53,11 +51,12 @@ def ours_probe(full: dict[str, torch.Tensor], spec: ModelSpec, ids: torch.Tensor
 @torch.inference_mode()
 def hf_probe(hf_dir: Path, spec: ModelSpec, ids: torch.Tensor) -> torch.Tensor:
     """The same probe from a Hugging Face directory (logits trimmed later to the shared vocab)."""
-    from transformers import AutoModel, AutoModelForCausalLM
+    import transformers
 
-    if spec.kind == "gpt":
-        return AutoModelForCausalLM.from_pretrained(str(hf_dir), local_files_only=True).eval()(ids).logits
-    model = AutoModel.from_pretrained(str(hf_dir), local_files_only=True).eval()
+    auto = getattr(transformers, spec.model_kind.hf_auto_class)
+    model = auto.from_pretrained(str(hf_dir), local_files_only=True).eval()
+    if spec.model_kind.causal_lm:
+        return model(ids).logits  # type: ignore[no-any-return]
     return model(
         input_ids=ids, attention_mask=torch.ones_like(ids), token_type_ids=torch.zeros_like(ids)
     ).last_hidden_state
@@ -80,7 +79,7 @@ def ids_shape(probe: torch.Tensor) -> tuple[int, int]:
 
 
 def what_of(spec: ModelSpec) -> str:
-    return "logit" if spec.kind == "gpt" else "hidden-state"
+    return spec.model_kind.probe_output
 
 
 def verify_checkpoints(source: Path, target: Path, *, tolerance: float = DEFAULT_TOLERANCE) -> float:

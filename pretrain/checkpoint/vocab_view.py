@@ -9,16 +9,15 @@ second open would give, without reading the files again.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
-from typing import Any
 
 from pretrain.checkpoint.plan import ModelSpec
 from pretrain.checkpoint.types import CheckpointInfo
 from pretrain.checkpoint.upstream.args import VocabOptions, true_vocab_size
+from pretrain.model_option_codecs import Args
 
 
 def vocab_view(
-    spec: ModelSpec, info: CheckpointInfo, args: Mapping[str, Any], *, vocab_size: int, source: str,
+    spec: ModelSpec, info: CheckpointInfo, args: Args, *, vocab_size: int, source: str,
     tp: int, row_numel: int,
 ) -> tuple[ModelSpec, CheckpointInfo]:  # fmt: skip
     """``spec`` and ``info`` for the true vocabulary ``vocab_size`` (told by ``source``).

@@ -28,6 +28,7 @@ from pretrain.checkpoint.args import training_metadata
 from pretrain.config import DTypeFlags, DTypeName, ModelConfig, ParallelConfig
 from pretrain.data.gpt_dataset import GPTDatasetConfig, data_hash
 from pretrain.model_options import add_model_flags, config_kwargs_from_flags
+from pretrain.models.kinds import KINDS, kind_of
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
 from pretrain.parallel.layout import check_sizes
 from pretrain.pipeline.partition import stage_layer_numbers
@@ -127,9 +128,8 @@ def add_data_args(p: OneLineParser) -> None:
 def build_parser() -> OneLineParser:
     parser = OneLineParser(prog="mlm-pretrain", description="Megatron-style parallel pretraining.")
     sub = parser.add_subparsers(dest="model", required=True, parser_class=OneLineParser)
-    for name, helptext in (("gpt", "GPT-2 style decoder (next-token prediction)"),
-                           ("bert", "BERT encoder (masked LM + sentence order)")):  # fmt: skip
-        p = sub.add_parser(name, help=helptext)
+    for kind in KINDS.values():
+        p = sub.add_parser(kind.name, help=kind.help)
         for add in (add_model_args, add_parallel_args, add_training_args, add_data_args):
             add(p)
     return parser
@@ -150,13 +150,13 @@ def configs_from_args(args: Any, *, world_size: int) -> dict[str, Any]:
     tokenizer = build_tokenizer(tok_cfg)
     parallel = parallel_from_args(args, num_layers=args.num_layers)
     dtype: DTypeName = flags_from_namespace(DTypeFlags, args).dtype_name()
-    bert = args.model == "bert"
+    kind = kind_of(args.model, where="mlm-pretrain")
     options = {
         **config_kwargs_from_flags(args),
         "max_position_embeddings": args.max_position_embeddings or args.seq_length,
     }
-    model = ModelConfig(vocab_size=tokenizer.vocab_size, params_dtype=dtype, bidirectional=bert,
-                        num_tokentypes=2 if bert else 0, post_layernorm=args.post_layernorm, **options)  # type: ignore[arg-type]  # fmt: skip
+    model = ModelConfig(vocab_size=tokenizer.vocab_size, params_dtype=dtype, bidirectional=kind.bidirectional,
+                        num_tokentypes=kind.tokentypes, post_layernorm=args.post_layernorm, **options)  # type: ignore[arg-type]  # fmt: skip
     model.check_training_tensor_parallel(parallel.tp)
     if args.seq_length > model.max_position_embeddings:
         raise UserError(
@@ -279,7 +279,7 @@ def _is_number(text: str) -> bool:
 
 
 def build_task(args: Any, cfgs: dict[str, Any]) -> Any:
-    if args.model == "gpt":
+    if kind_of(args.model, where="mlm-pretrain").causal_lm:  # next-token prediction; else MLM + SOP
         from pretrain.training.gpt_task import GPTTask
 
         return GPTTask(model_cfg=cfgs["model"], data_cfg=cfgs["data"], train_cfg=cfgs["train"])

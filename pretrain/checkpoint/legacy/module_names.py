@@ -22,6 +22,7 @@ import torch
 
 from pretrain.checkpoint.legacy.layout import flatten, nest_megatron
 from pretrain.checkpoint.upstream.names import to_mcore_state_name
+from pretrain.models.kinds import kind_of
 from pretrain.utils.errors import UserError
 
 MODULE_NAMES = ("mcore", "legacy")
@@ -55,7 +56,7 @@ def chunk_to_file(flat: dict[str, torch.Tensor], *, names: str, kind: str) -> di
     """A chunk's local tensors as its ``model``/``model{i}`` entry under ``names``."""
     if names not in MODULE_NAMES:
         raise UserError(f"--module-names {names!r}: expected one of {', '.join(MODULE_NAMES)}")
-    if names == "legacy" or kind != "gpt":  # megatron-core BERT has no names for our heads: legacy
+    if names == "legacy" or not kind_of(kind).mcore_names:  # e.g. megatron-core BERT: none for our heads
         return nest_megatron(flat)
     return _mcore_state(flat)
 

@@ -76,25 +76,23 @@ class _Entry:
 def _check_representable(spec: ModelSpec) -> None:
     """Refuse what megatron-core's ``GPTModel`` / ``BertModel`` cannot compute (one line naming the cause)."""
     cfg = spec.cfg
-    tanh_mlp = cfg.gelu == "tanh" and not cfg.swiglu and not cfg.squared_relu
-    if spec.kind == "gpt" and tanh_mlp and not cfg.add_bias_linear:
-        # megatron-core runs tanh GeLU only as its fused bias-GeLU kernel, which needs the fc1 bias
-        raise UserError(
-            "torch_dist: tanh GeLU without linear biases (gelu='tanh', --disable-bias-linear) has no "
-            "megatron-core counterpart (it would run exact GeLU); use --ckpt-format torch"
-        )
-    if spec.kind != "bert":
-        return
-    if spec.cfg.post_layernorm:  # megatron-core's TransformerLayer is pre-LN only
+    if cfg.post_layernorm:  # megatron-core's TransformerLayer is pre-LN only (only BERT is post-LN)
         raise UserError(
             "torch_dist: tensor language_model.embedding.layernorm.weight (a post-LN BERT, "
             "--apply-residual-connection-post-layernorm) has no megatron-core counterpart; "
             "use --ckpt-format torch"
         )
-    if spec.cfg.gelu != "erf":  # megatron-core's BertLMHead runs exact F.gelu whatever the args
+    if spec.model_kind.has_mlm_head and cfg.gelu != "erf":  # its BertLMHead runs exact F.gelu always
         raise UserError(
             "torch_dist: a BERT with tanh GeLU (model config gelu='tanh') has no megatron-core "
             "counterpart (its BertLMHead runs exact GeLU); use --ckpt-format torch"
+        )
+    tanh_mlp = cfg.gelu == "tanh" and not cfg.swiglu and not cfg.squared_relu
+    if tanh_mlp and not cfg.add_bias_linear:
+        # megatron-core runs tanh GeLU only as its fused bias-GeLU kernel, which needs the fc1 bias
+        raise UserError(
+            "torch_dist: tanh GeLU without linear biases (gelu='tanh', --disable-bias-linear) has no "
+            "megatron-core counterpart (it would run exact GeLU); use --ckpt-format torch"
         )
 
 

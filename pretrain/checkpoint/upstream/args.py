@@ -4,25 +4,24 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from pretrain.checkpoint.upstream.args_semantics import check_bert_gelu
 from pretrain.config import ModelConfig
+from pretrain.model_option_codecs import Args
 from pretrain.model_options import config_kwargs_from_args, need_int
+from pretrain.models.kinds import is_kind, kind_of, kind_of_names
 from pretrain.utils.errors import UserError
 
 _DTYPE_NAMES = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "bfloat16"}
 
 
-def model_kind(args: Mapping[str, Any], local_names: set[str]) -> str:
-    """``gpt`` or ``bert``: our args name it; upstream BERT has heads/token types GPT lacks."""
+def model_kind(args: Args, local_names: set[str]) -> str:
+    """The recorded kind: our args name it; else the tensors tell (upstream BERT has heads and
+    token types GPT lacks, see :func:`pretrain.models.kinds.kind_of_names`)."""
     ours = args.get("model_type")
-    if isinstance(ours, str) and ours in ("gpt", "bert"):
-        return ours
-    bert_markers = ("lm_head.", "binary_head.", "language_model.embedding.tokentype_embeddings.")
-    return "bert" if any(n.startswith(bert_markers) for n in local_names) else "gpt"
+    return ours if isinstance(ours, str) and is_kind(ours) else kind_of_names(local_names).name
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -40,7 +39,7 @@ class VocabOptions:
     root: str | None = None
 
 
-def _args_tokenizer_size(args: Mapping[str, Any], root: str | None) -> tuple[int, str] | None:
+def _args_tokenizer_size(args: Args, root: str | None) -> tuple[int, str] | None:
     """The vocabulary size of the tokenizer upstream ``args`` name, when its files exist."""
     kind = args.get("tokenizer_type")
     if not isinstance(kind, str):
@@ -52,7 +51,7 @@ def _args_tokenizer_size(args: Mapping[str, Any], root: str | None) -> tuple[int
 
 
 def true_vocab_size(
-    args: Mapping[str, Any], padded_rows: int, *, tp: int, vocab: VocabOptions, source: str
+    args: Args, padded_rows: int, *, tp: int, vocab: VocabOptions, source: str
 ) -> tuple[int, str]:
     """The tokenizer's vocabulary size and where it came from; ``"padded ..."`` when unknown.
 
@@ -61,7 +60,8 @@ def true_vocab_size(
     :class:`UserError` naming both. ``tp`` is the stored layout's TP (1 for ``torch_dist``), used
     only when ``args`` lack ``tensor_model_parallel_size``.
     """
-    recorded = args.get("vocab_size") if isinstance(args.get("vocab_size"), int) else None
+    given = args.get("vocab_size")
+    recorded = given if isinstance(given, int) else None
     if vocab.size is not None:
         found, how = int(vocab.size), "--vocab-size"
     elif vocab.tokenizer_size is not None:
@@ -86,7 +86,7 @@ def true_vocab_size(
     return _fits(found, how, padded_rows, source)
 
 
-def _check_padding(args: Mapping[str, Any], found: int, how: str, *, tp: int, source: str) -> None:
+def _check_padding(args: Args, found: int, how: str, *, tp: int, source: str) -> None:
     """``args.padded_vocab_size`` must be Megatron's padding of ``found`` tokens.
 
     Megatron pads to a multiple of ``make_vocab_size_divisible_by`` times the SAVING run's
@@ -95,11 +95,15 @@ def _check_padding(args: Mapping[str, Any], found: int, how: str, *, tp: int, so
     """
     from pretrain.tensor_parallel.vocab import padded_vocab_size, padding_tp
 
-    divisible = int(args.get("make_vocab_size_divisible_by") or 128)
+    divisible = (
+        need_int(args, "make_vocab_size_divisible_by", source)
+        if args.get("make_vocab_size_divisible_by")
+        else 128
+    )
     saved = args.get("tensor_model_parallel_size")
     saved_tp = int(saved) if isinstance(saved, int) and saved > 0 else tp
     heads = args.get("num_attention_heads")
-    padded = int(args["padded_vocab_size"])
+    padded = need_int(args, "padded_vocab_size", source)
     num_heads = int(heads) if isinstance(heads, int) and heads > 0 else None
     if found == padded:  # no padding (megatron-core >= 0.18: --padded-vocab-size / --no-pad-vocab-size)
         return
@@ -121,7 +125,7 @@ def _fits(found: int, how: str, padded_rows: int, source: str) -> tuple[int, str
     return found, how
 
 
-def _dtype_name(args: Mapping[str, Any], sample: torch.Tensor) -> str:
+def _dtype_name(args: Args, sample: torch.Tensor) -> str:
     dtype = args.get("params_dtype")
     if isinstance(dtype, torch.dtype) and dtype in _DTYPE_NAMES:
         return _DTYPE_NAMES[dtype]
@@ -135,7 +139,7 @@ def _dtype_name(args: Mapping[str, Any], sample: torch.Tensor) -> str:
 
 
 def upstream_model_config(
-    args: Mapping[str, Any],
+    args: Args,
     shapes: Mapping[str, torch.Tensor],
     *,
     kind: str,
@@ -149,21 +153,26 @@ def upstream_model_config(
     ``shapes`` maps our local names of the first layer / embeddings (TP rank 0) to tensors.
     """
     options = config_kwargs_from_args(args, source=source)
-    if kind == "bert":
+    model_kind = kind_of(kind)
+    if model_kind.has_mlm_head:
         check_bert_gelu(args, options["gelu"], source)
     lm = "language_model."
     pos = shapes.get(lm + "embedding.position_embeddings.weight")
     hidden = need_int(args, "hidden_size", source)
     heads = need_int(args, "num_attention_heads", source)
     fc1 = shapes.get(lm + "encoder.layers.0.mlp.dense_h_to_4h.weight")
-    ffn = args.get("ffn_hidden_size") or (
-        None if options["swiglu"] else fc1.shape[0] * tp if fc1 is not None else 4 * hidden
+    ffn = (
+        need_int(args, "ffn_hidden_size", source)
+        if args.get("ffn_hidden_size") or options["swiglu"]  # a SwiGLU fc1 is two widths: args tell
+        else int(fc1.shape[0]) * tp
+        if fc1 is not None
+        else 4 * hidden
     )
-    if ffn is None:
-        ffn = need_int(args, "ffn_hidden_size", source)
-    max_pos = args.get("max_position_embeddings") or (pos.shape[0] if pos is not None else None)
-    if not max_pos:
-        max_pos = need_int(args, "max_position_embeddings", source)
+    max_pos = (
+        need_int(args, "max_position_embeddings", source)
+        if args.get("max_position_embeddings") or pos is None
+        else int(pos.shape[0])
+    )
     tokentypes = shapes.get(lm + "embedding.tokentype_embeddings.weight")
     if options["num_query_groups"] == heads:
         options["num_query_groups"] = None  # one group per head: multi-head attention
@@ -172,10 +181,10 @@ def upstream_model_config(
         hidden_size=hidden,
         num_attention_heads=heads,
         vocab_size=vocab_size,
-        max_position_embeddings=int(max_pos),
-        ffn_hidden_size=int(ffn),
+        max_position_embeddings=max_pos,
+        ffn_hidden_size=ffn,
         params_dtype=_dtype_name(args, next(iter(shapes.values()))),  # type: ignore[arg-type]
-        bidirectional=kind == "bert",
+        bidirectional=model_kind.bidirectional,
         num_tokentypes=0 if tokentypes is None else int(tokentypes.shape[0]),
         post_layernorm=False,
         **options,  # type: ignore[arg-type]

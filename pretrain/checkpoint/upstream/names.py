@@ -22,6 +22,8 @@ import re
 
 import torch
 
+from pretrain.models.kinds import KINDS
+
 LM = "language_model."
 ENC = LM + "encoder."
 
@@ -55,7 +57,7 @@ _MCORE_TOP: list[tuple[str, str, tuple[str, ...]]] = [
     ("pooler.", LM + "pooler.", ("bert",)),
 ]
 # the block holding the layers: megatron-core's GPTModel has a decoder, its BertModel an encoder
-MCORE_BLOCK = {"gpt": "decoder", "bert": "encoder"}
+MCORE_BLOCK = {k.name: k.mcore_block for k in KINDS.values()}
 _MCORE_LAYERS = re.compile(r"^(?:decoder|encoder)\.layers\.(\d+)\.(.*)$")
 # legacy spellings
 _OLD_TOP = [

@@ -39,7 +39,7 @@ import torch
 
 from pretrain.config import ModelConfig
 from pretrain.model_options import config_kwargs_from_hf, hf_kwargs, hf_unsupported
-from pretrain.models.families.converter import HFImport
+from pretrain.models.families.converter import HFConfig, HFImport
 from pretrain.models.families.registry import Family
 from pretrain.utils.errors import UserError
 
@@ -274,7 +274,7 @@ def hf_to_canonical(
     return {name: make() for name, make in lazy_hf_to_canonical(hf, cfg, lm_head=lm_head).items()}
 
 
-def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
+def model_config_from_hf(hf_config: HFConfig, **overrides: object) -> ModelConfig:
     """Our :class:`ModelConfig` from a HF ``BertConfig`` (post-LN) or ``MegatronBertConfig`` (pre-LN).
 
     Copies ``layer_norm_eps``; ``hidden_act`` ``gelu`` -> erf GeLU, ``gelu_new`` /
@@ -304,7 +304,7 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     return ModelConfig(**kw)
 
 
-def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
+def hf_config_kwargs(cfg: ModelConfig) -> dict[str, object]:
     """Keyword arguments for HF ``BertConfig`` (post-LN) / ``MegatronBertConfig`` (pre-LN) of ``cfg``."""
     check_exportable(cfg)
     act = "relu2" if cfg.squared_relu else "gelu" if cfg.gelu == "erf" else "gelu_new"
@@ -320,7 +320,7 @@ def hf_config_kwargs(cfg: ModelConfig) -> dict[str, Any]:
 
 
 def import_hf(
-    state: Mapping[str, torch.Tensor], hf_config: Any, family: Family, **overrides: Any
+    state: Mapping[str, torch.Tensor], hf_config: HFConfig, family: Family, **overrides: object
 ) -> HFImport:
     """A (Megatron)BERT, pretraining heads or bare: our BertModel always has an LM head, so a bare
     model's missing heads are initialised here (they are small) and named in ``fresh_heads``."""

@@ -33,11 +33,23 @@ class HFImport:
     fresh_heads: tuple[str, ...] = ()
 
 
+class HFConfig(Protocol):
+    """What a converter reads of a Hugging Face config by name: a ``transformers``
+    ``PretrainedConfig`` (GPT-2's ``n_head``/``n_embd``/``n_positions`` included, through its
+    ``attribute_map``) or any object with these attributes. Keys only some families have, or
+    that may be absent, are read with ``getattr(config, key, default)``."""
+
+    model_type: str
+    hidden_size: int
+    num_attention_heads: int
+    max_position_embeddings: int
+
+
 class Converter(Protocol):
     """The functions of a converter module."""
 
     def import_hf(
-        self, state: Mapping[str, torch.Tensor], hf_config: object, family: Family, **overrides: object
+        self, state: Mapping[str, torch.Tensor], hf_config: HFConfig, family: Family, **overrides: object
     ) -> HFImport:
         """The HF model (``state``: its tensors, memory-mapped) as ours; refuses (one line) what
         our model cannot compute exactly."""

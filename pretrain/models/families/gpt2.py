@@ -30,7 +30,7 @@ import torch
 
 from pretrain.config import ModelConfig
 from pretrain.model_options import config_kwargs_from_hf, hf_kwargs, hf_unsupported
-from pretrain.models.families.converter import HFImport
+from pretrain.models.families.converter import HFConfig, HFImport
 from pretrain.models.families.registry import Family
 from pretrain.utils.errors import UserError
 
@@ -221,13 +221,13 @@ def hf_to_canonical(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     return {name: make() for name, make in lazy_hf_to_canonical(hf, cfg).items()}
 
 
-def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
+def model_config_from_hf(hf_config: HFConfig, **overrides: object) -> ModelConfig:
     """Our :class:`ModelConfig` from a HF ``GPT2Config`` (``overrides`` win)."""
     if getattr(hf_config, "model_type", None) != "gpt2":
         raise UserError(
             f"Hugging Face config: model_type {getattr(hf_config, 'model_type', None)!r} is not 'gpt2'"
         )
-    act = hf_config.activation_function
+    act = getattr(hf_config, "activation_function", "gelu_new")
     squared = act == "relu2"  # Megatron --squared-relu
     if act not in _HF_ACT and not squared:
         raise UserError(
@@ -242,7 +242,7 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
         hf_config, "gpt2"
     )  # the one-to-one keys (pretrain.model_options)
     kw.update(
-        ffn_hidden_size=hf_config.n_inner,  # None: 4h
+        ffn_hidden_size=getattr(hf_config, "n_inner", None),  # None: 4h
         gelu=_HF_ACT.get(act, "erf"),
         squared_relu=squared,
         untie_embeddings_and_output_weights=not getattr(hf_config, "tie_word_embeddings", True),
@@ -254,7 +254,7 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
 def hf_config_kwargs(
     cfg: ModelConfig, *, vocab_size: int | None = None, bos_token_id: int | None = None,
     eos_token_id: int | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, object]:  # fmt: skip
     """Keyword arguments for HF ``GPT2Config`` of ``cfg`` (vocab trimmed to ``vocab_size``).
 
     bos/eos are the tokenizer's ids, never guessed (``None`` when the tokenizer has none).
@@ -280,7 +280,7 @@ def hf_config_kwargs(
 
 
 def import_hf(
-    state: Mapping[str, torch.Tensor], hf_config: Any, family: Family, **overrides: Any
+    state: Mapping[str, torch.Tensor], hf_config: HFConfig, family: Family, **overrides: object
 ) -> HFImport:
     cfg = model_config_from_hf(hf_config, **overrides)
     return HFImport(cfg=cfg, makers=lazy_hf_to_canonical(state, cfg))

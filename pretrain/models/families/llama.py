@@ -24,9 +24,9 @@ from typing import Any
 import torch
 
 from pretrain.config import ModelConfig
-from pretrain.model_options import config_kwargs_from_hf, hf_kwargs, hf_unsupported
-from pretrain.models.families.converter import HFImport
-from pretrain.models.families.registry import Family, export_family, family_of_model_type
+from pretrain.model_options import absent_modules, config_kwargs_from_hf, hf_kwargs, hf_unsupported
+from pretrain.models.families.converter import HFConfig, HFImport
+from pretrain.models.families.registry import Family, export_family, families, family_of_model_type
 from pretrain.utils.errors import UserError
 
 LM = "language_model."
@@ -73,11 +73,8 @@ def split_qkv(
 
 def _layer_pairs(cfg: ModelConfig, i: int) -> list[tuple[str, str]]:
     ours, hf = f"{LM}encoder.layers.{i}.", f"model.layers.{i}."
-    return [
-        (ours + a, hf + b)
-        for a, b in LAYER_TABLE
-        if cfg.qk_layernorm or "q_layernorm" not in a and "k_layernorm" not in a
-    ]
+    absent = set(absent_modules(cfg))  # e.g. the QK-norms of a model without them
+    return [(ours + a, hf + b) for a, b in LAYER_TABLE if absent.isdisjoint(a.split("."))]
 
 
 def name_pairs(cfg: ModelConfig) -> list[tuple[str, str]]:
@@ -109,11 +106,22 @@ def unsupported(cfg: ModelConfig) -> list[str]:
     out = hf_unsupported(cfg, "llama", "the Llama family")  # the fixed-value options (pretrain.model_options)
     if cfg.use_rope_scaling and cfg.rotary_seq_len_interpolation_factor is not None:
         out.append("use_rope_scaling with rotary_seq_len_interpolation_factor (one RoPE scaling only)")
-    if cfg.qk_layernorm and cfg.add_qkv_bias:
-        out.append(
-            "qk_layernorm=True with add_qkv_bias=True (Qwen3 has QK-norm, Qwen2 the QKV bias, none both)"
-        )
+    if not out:  # each family fixes its switches (registry): a mix of two siblings' is none of them
+        out += _unmatched_switches(dataclasses.asdict(cfg))
     return out
+
+
+def _unmatched_switches(values: Mapping[str, object]) -> list[str]:
+    """``a=x with b=y (no family of the Llama group has both)`` when no registered family of this
+    converter holds ``values``' switches (e.g. Qwen2's QKV bias with Qwen3's QK-norm)."""
+    group = [f for f in families() if f.converter == "llama"]
+    if any(f.holds(values) for f in group):
+        return []
+    keys = {k: v for f in group for k, v in f.switches.items() if values.get(k) != v}
+    on = " with ".join(f"{k}={values[k]}" for k in keys)
+    return [
+        f"{on} (no family of the Llama group ({'/'.join(f.model_type for f in group)}) has that combination)"
+    ]
 
 
 def check_supported(cfg: ModelConfig) -> None:
@@ -185,7 +193,7 @@ def hf_to_canonical(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[st
     return {name: make() for name, make in lazy_hf_to_canonical(hf, cfg).items()}
 
 
-def _rope_parameters(hf_config: Any) -> dict[str, Any]:
+def _rope_parameters(hf_config: HFConfig) -> dict[str, Any]:
     """``rope_parameters`` (transformers 5) or the older ``rope_theta`` + ``rope_scaling``."""
     params = dict(getattr(hf_config, "rope_parameters", None) or {})
     scaling = getattr(hf_config, "rope_scaling", None) or {}
@@ -195,7 +203,7 @@ def _rope_parameters(hf_config: Any) -> dict[str, Any]:
     return params
 
 
-def _rope_kwargs(hf_config: Any) -> dict[str, Any]:
+def _rope_kwargs(hf_config: HFConfig) -> dict[str, Any]:
     p = _rope_parameters(hf_config)
     kw: dict[str, Any] = {"rotary_base": float(p["rope_theta"])}
     kind = p["rope_type"]
@@ -216,9 +224,10 @@ def _rope_kwargs(hf_config: Any) -> dict[str, Any]:
     return kw
 
 
-def _check_hf_config(hf_config: Any) -> None:
-    if getattr(hf_config, "hidden_act", "silu") != "silu":
-        raise UserError(f"Hugging Face config: hidden_act {hf_config.hidden_act!r} is not silu")
+def _check_hf_config(hf_config: HFConfig) -> None:
+    act = getattr(hf_config, "hidden_act", "silu")
+    if act != "silu":
+        raise UserError(f"Hugging Face config: hidden_act {act!r} is not silu")
     if getattr(hf_config, "mlp_bias", False):
         raise UserError("Hugging Face config: mlp_bias=True is not supported")
     if getattr(hf_config, "attention_bias", False):
@@ -233,7 +242,7 @@ def _check_hf_config(hf_config: Any) -> None:
         )
 
 
-def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
+def model_config_from_hf(hf_config: HFConfig, **overrides: object) -> ModelConfig:
     """Our :class:`ModelConfig` from the HF config of a registered Llama-converter family."""
     family = family_of_model_type(getattr(hf_config, "model_type", None))
     if family is None or family.converter != "llama":
@@ -243,7 +252,7 @@ def model_config_from_hf(hf_config: Any, **overrides: Any) -> ModelConfig:
     return config_from_hf(hf_config, family, **overrides)
 
 
-def config_from_hf(hf_config: Any, family: Family, **overrides: Any) -> ModelConfig:
+def config_from_hf(hf_config: HFConfig, family: Family, **overrides: object) -> ModelConfig:
     """Our :class:`ModelConfig` from ``family``'s HF config (``overrides`` win); the family's switches
     (QKV bias, QK-norm) come from the registry."""
     _check_hf_config(hf_config)
@@ -293,7 +302,7 @@ def family_of(cfg: ModelConfig) -> Family:
 def hf_config_kwargs(
     cfg: ModelConfig, *, family: str | None = None, vocab_size: int | None = None,
     bos_token_id: int | None = None, eos_token_id: int | None = None,
-) -> dict[str, Any]:  # fmt: skip
+) -> dict[str, object]:  # fmt: skip
     """Keyword arguments for the family's HF config class (``model_type`` says which)."""
     check_supported(cfg)
     fam = family_of_model_type(family) if family is not None else family_of(cfg)
@@ -310,7 +319,7 @@ def hf_config_kwargs(
 
 
 def import_hf(
-    state: Mapping[str, torch.Tensor], hf_config: Any, family: Family, **overrides: Any
+    state: Mapping[str, torch.Tensor], hf_config: HFConfig, family: Family, **overrides: object
 ) -> HFImport:
     cfg = config_from_hf(hf_config, family, **overrides)
     return HFImport(cfg=cfg, makers=lazy_hf_to_canonical(state, cfg))

@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 
+from pretrain.model_options import family_switches
+
 
 @dataclass(frozen=True, kw_only=True)
 class Family:
@@ -110,21 +112,21 @@ def supported_architectures() -> str:
     return " / ".join(f.architecture for f in families())
 
 
-_LLAMA = {"position_embedding_type": "rope", "add_qkv_bias": False, "qk_layernorm": False}
+def _builtin(model_type: str, **kw: object) -> Family:
+    """A built-in family: its switches are the table's (``pretrain.model_options``, ``switches``)."""
+    return Family(model_type=model_type, switches=family_switches(model_type), **kw)  # type: ignore[arg-type]
+
+
 for _family in (
-    Family(model_type="gpt2", architecture="GPT2LMHeadModel", converter="gpt2",
-           switches={"position_embedding_type": "learned_absolute"}),
-    Family(model_type="llama", architecture="LlamaForCausalLM", converter="llama", switches=_LLAMA,
-           hf_extra={"attention_bias": False, "mlp_bias": False}),
-    Family(model_type="mistral", architecture="MistralForCausalLM", converter="llama", switches=_LLAMA,
-           hf_extra={"sliding_window": None}, export_default=False),
-    Family(model_type="qwen2", architecture="Qwen2ForCausalLM", converter="llama",
-           switches={**_LLAMA, "add_qkv_bias": True}, hf_extra={"sliding_window": None}),
-    Family(model_type="qwen3", architecture="Qwen3ForCausalLM", converter="llama",
-           switches={**_LLAMA, "qk_layernorm": True}, hf_extra={"attention_bias": False, "sliding_window": None}),
-    Family(model_type="bert", architecture="BertForPreTraining", converter="bert", kind="bert",
-           switches={"post_layernorm": True}),
-    Family(model_type="megatron-bert", architecture="MegatronBertForPreTraining", converter="bert", kind="bert",
-           switches={"post_layernorm": False}),
+    _builtin("gpt2", architecture="GPT2LMHeadModel", converter="gpt2"),
+    _builtin("llama", architecture="LlamaForCausalLM", converter="llama",
+             hf_extra={"attention_bias": False, "mlp_bias": False}),
+    _builtin("mistral", architecture="MistralForCausalLM", converter="llama", hf_extra={"sliding_window": None},
+             export_default=False),
+    _builtin("qwen2", architecture="Qwen2ForCausalLM", converter="llama", hf_extra={"sliding_window": None}),
+    _builtin("qwen3", architecture="Qwen3ForCausalLM", converter="llama",
+             hf_extra={"attention_bias": False, "sliding_window": None}),
+    _builtin("bert", architecture="BertForPreTraining", converter="bert", kind="bert"),
+    _builtin("megatron-bert", architecture="MegatronBertForPreTraining", converter="bert", kind="bert"),
 ):  # fmt: skip
     register(_family)
