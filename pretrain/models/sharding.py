@@ -34,9 +34,10 @@ from pretrain.tensor_parallel.mappings import ProcessGroup, group_size
 VOCAB_TENSORS = (
     "word_embeddings.weight", "word_embeddings_for_head.weight", "lm_head.bias", "output_layer.weight",
 )  # fmt: skip
-QKV_TENSORS = ("query_key_value.weight", "query_key_value.bias")
+# LoRA's B rows (pretrain.models.lora) are laid out and sharded as the base rows they update
+QKV_TENSORS = ("query_key_value.weight", "query_key_value.bias", "query_key_value.lora_B.weight")
 # the dense MLP's, each routed expert's (mlp.experts.{e}.) and the shared expert's fc1
-SWIGLU_TENSORS = ("dense_h_to_4h.weight", "dense_h_to_4h.bias")
+SWIGLU_TENSORS = ("dense_h_to_4h.weight", "dense_h_to_4h.bias", "dense_h_to_4h.lora_B.weight")
 Replicas = Literal["check", "first", "sum"]
 
 

@@ -113,6 +113,10 @@ class ParallelAttention(nn.Module):
         b, s, _ = x.shape
         n = index.shape[1]
         lin, g, qpg, d = self.query_key_value, self.groups, self.q_per_group, self.head_dim
+        if hasattr(lin, "lora_A"):  # a LoRA adapter: its q rows are not a slice of the weight
+            q, k, v = self._qkv(x, rotary)
+            rows = gather_positions(q.transpose(1, 2).reshape(b, s, -1), index)
+            return rows.view(b, n, self.heads, d).transpose(1, 2), k, v
         w = lin.weight.view(g, qpg + 2, d, -1)
         q_w, kv_w = w[:, :qpg].reshape(g * qpg * d, -1), w[:, qpg:].reshape(g * 2 * d, -1)
         q_b = kv_b = None

@@ -1,0 +1,351 @@
+"""LoRA adapters on the tensor-parallel linears of a GPT/BERT stage (PEFT's LoRA, sharded).
+
+For a target linear ``y = W x (+ b)`` the adapted output is ``y + (alpha / r) B A drop(x)``, with
+``A [n r, in]`` and ``B [out, r]`` in float32 (PEFT's ``autocast_adapter_dtype``), ``A`` drawn
+like PEFT's (``kaiming_uniform(a=sqrt(5))``: uniform in ``+-1/sqrt(in)``) and ``B`` zero.
+
+**Fused targets hold one A per slice.** ``query_key_value`` fuses q, k and v, and the SwiGLU
+``dense_h_to_4h`` fuses gate and up. Their ``A`` is the block form ``[A_q; A_k; A_v]`` ``[3r, in]``
+(``[A_gate; A_up]`` ``[2r, in]``), and each row of ``B`` uses the block of its slice: the q rows
+of ``B`` (in Megatron's grouped order ``[groups][q heads, k, v][d]``) multiply ``A_q``, and so on.
+That is exactly PEFT's LoRA on ``q_proj``/``k_proj``/``v_proj`` (``gate_proj``/``up_proj``), so
+a PEFT adapter trained elsewhere (different A per module) round-trips both ways bit for bit, and
+our adapters export to per-module PEFT tensors without any approximation. Dropout is drawn per
+slice, as PEFT draws it per module.
+
+Sharding follows the base layer (``tp_partition_dim``):
+
+* column-parallel (QKV, fc1): ``A`` replicated, ``B`` split by rows exactly as the base rows
+  (the QKV group layout with GQA, SwiGLU ``[gate slice; up slice]``; :mod:`sharding`). The
+  low-rank activation ``A x`` enters the TP region through f (backward all-reduce), so the
+  gradient of the replicated ``A`` is complete on every rank.
+* row-parallel (proj, fc2): ``A`` split along its input (dim 1), ``B`` replicated; ``A x`` is
+  reduced over the TP group (g) before ``B``. Dropout of the split input runs under the TP-region
+  generator, the replicated input's under the default one (as for the base layer's dropouts).
+
+Canonical names: the base weight's name with ``.weight`` replaced by ``.lora_A.weight`` /
+``.lora_B.weight`` (full, unsharded), e.g.
+``language_model.encoder.layers.0.self_attention.query_key_value.lora_B.weight``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import zlib
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import cast
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pretrain.config import ModelConfig
+from pretrain.models.base import ShardedModule
+from pretrain.models.sharding import shard_tensor
+from pretrain.parallel.rng import RNGStatesTracker
+from pretrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_partition
+from pretrain.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
+from pretrain.utils.errors import UserError
+
+# target -> the module name (suffix) of the linear it adapts
+TARGET_MODULES: dict[str, str] = {
+    "qkv": "self_attention.query_key_value",
+    "proj": "self_attention.dense",
+    "fc1": "mlp.dense_h_to_4h",
+    "fc2": "mlp.dense_4h_to_h",
+}
+ALL_TARGETS = tuple(TARGET_MODULES)
+LORA_A, LORA_B = "lora_A", "lora_B"
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraConfig:
+    """LoRA settings: ``rank`` r, ``alpha`` (scaling alpha / r, as PEFT without rsLoRA),
+    ``dropout`` on the adapter input, and the ``targets`` among :data:`ALL_TARGETS`."""
+
+    rank: int
+    alpha: float
+    dropout: float = 0.0
+    targets: tuple[str, ...] = ALL_TARGETS
+
+    def __post_init__(self) -> None:
+        if self.rank < 1:
+            raise UserError(f"--lora-rank: must be a positive integer, got {self.rank}")
+        if not 0.0 <= self.dropout < 1.0:
+            raise UserError(f"--lora-dropout: must be in [0, 1), got {self.dropout}")
+        unknown = [t for t in self.targets if t not in TARGET_MODULES]
+        if unknown or not self.targets or len(set(self.targets)) != len(self.targets):
+            raise UserError(
+                f"--lora-targets: {','.join(self.targets)!r} is not a non-empty list of distinct "
+                f"targets among {','.join(ALL_TARGETS)}"
+            )
+
+    @property
+    def scaling(self) -> float:
+        return self.alpha / self.rank
+
+    def to_dict(self) -> dict[str, object]:
+        return {
+            "rank": self.rank,
+            "alpha": self.alpha,
+            "dropout": self.dropout,
+            "targets": list(self.targets),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, object]) -> LoraConfig:
+        targets = d.get("targets", ALL_TARGETS)
+        return cls(
+            rank=int(d["rank"]),  # type: ignore[call-overload]
+            alpha=float(d["alpha"]),  # type: ignore[arg-type]
+            dropout=float(d.get("dropout", 0.0)),  # type: ignore[arg-type]
+            targets=tuple(str(t) for t in targets),  # type: ignore[attr-defined]
+        )
+
+
+def adapter_names(base_weight: str) -> tuple[str, str]:
+    """``X.weight`` -> (``X.lora_A.weight``, ``X.lora_B.weight``)."""
+    stem = base_weight.removesuffix(".weight")
+    return f"{stem}.{LORA_A}.weight", f"{stem}.{LORA_B}.weight"
+
+
+def is_lora_name(name: str) -> bool:
+    return f".{LORA_A}." in name or f".{LORA_B}." in name
+
+
+def base_name(adapter: str) -> str:
+    """``X.lora_A.weight`` / ``X.lora_B.weight`` -> ``X.weight``."""
+    for part in (LORA_A, LORA_B):
+        if adapter.endswith(f".{part}.weight"):
+            return adapter.removesuffix(f".{part}.weight") + ".weight"
+    raise ValueError(f"{adapter!r} is not a LoRA tensor name")
+
+
+def target_of(name: str) -> str | None:
+    """The target (``qkv``/``proj``/``fc1``/``fc2``) a base or adapter tensor name belongs to."""
+    stem = base_name(name).removesuffix(".weight") if is_lora_name(name) else name.rsplit(".", 1)[0]
+    for target, module in TARGET_MODULES.items():
+        if stem.endswith(module):
+            return target
+    return None
+
+
+def slice_rows(target: str, rows: int, cfg: ModelConfig, *, groups: int | None = None,
+               q_per_group: int | None = None) -> list[torch.Tensor]:  # fmt: skip
+    """Row indices of each slice of a fused target's ``rows`` output rows (one A block each).
+
+    QKV: ``[q rows, k rows, v rows]`` of rows ``[groups][q_per_group + 2][d]`` (each list in HF
+    head order); SwiGLU fc1: ``[gate half, up half]``; otherwise one slice of all rows. ``groups``
+    and ``q_per_group`` default to the full model's (pass a TP rank's for its local shard)."""
+    idx = torch.arange(rows)
+    if target == "qkv":
+        g = cfg.query_groups if groups is None else groups
+        q = cfg.num_attention_heads // cfg.query_groups if q_per_group is None else q_per_group
+        x = idx.view(g, q + 2, cfg.head_dim)
+        return [x[:, :q].reshape(-1), x[:, q].reshape(-1), x[:, q + 1].reshape(-1)]
+    if target == "fc1" and cfg.swiglu:
+        return list(idx.chunk(2))
+    return [idx]
+
+
+def num_slices(target: str, cfg: ModelConfig) -> int:
+    return 3 if target == "qkv" else 2 if target == "fc1" and cfg.swiglu else 1
+
+
+def init_adapter_a(name: str, shape: tuple[int, int], *, seed: int) -> torch.Tensor:
+    """The full initial ``A`` ``[n r, in]`` of adapter tensor ``name``: PEFT's kaiming-uniform
+    (uniform in ``+-1/sqrt(in)``) from a generator seeded by (seed, canonical name)."""
+    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    bound = 1.0 / math.sqrt(shape[1])
+    return torch.empty(shape).uniform_(-bound, bound, generator=gen)
+
+
+class _Weight(nn.Module):
+    """Holds one adapter matrix as ``.weight`` (so names read ``...lora_A.weight`` as in PEFT)."""
+
+    def __init__(self, weight: torch.Tensor, dim: int | None) -> None:
+        super().__init__()
+        self.weight = mark_partition(nn.Parameter(weight), dim)
+
+
+def _dropped(x: torch.Tensor, p: float, training: bool, rng: RNGStatesTracker | None) -> torch.Tensor:
+    if p == 0.0 or not training:
+        return x
+    with rng.fork() if rng is not None else contextlib.nullcontext():
+        return F.dropout(x, p, True)
+
+
+class LoraColumnParallelLinear(ColumnParallelLinear):
+    """A :class:`ColumnParallelLinear` with an adapter: ``lora_A`` ``[n r, in]`` (replicated),
+    ``lora_B`` ``[out/t, r]`` (this rank's base rows). ``x [..., in]`` -> ``[..., out/t]``."""
+
+    lora_A: _Weight
+    lora_B: _Weight
+    lora_rows: list[torch.Tensor]  # local row indices of each slice
+    lora_inverse: torch.Tensor  # permutation from slice-concatenated rows back to local rows
+    lora_scaling: float
+    lora_dropout: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        a, b = self.lora_A.weight, self.lora_B.weight
+        r = b.shape[1]
+        xf = x.to(a.dtype)
+        parts = []
+        for j, rows in enumerate(self.lora_rows):
+            xj = _dropped(xf, self.lora_dropout, self.training, None)  # replicated input: default RNG
+            z = copy_to_tp_region(F.linear(xj, a[j * r : (j + 1) * r]), self.group)
+            parts.append(F.linear(z, b[rows] if len(self.lora_rows) > 1 else b))
+        delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)[..., self.lora_inverse]
+        return y + (delta * self.lora_scaling).to(y.dtype)
+
+
+class LoraRowParallelLinear(RowParallelLinear):
+    """A :class:`RowParallelLinear` with an adapter: ``lora_A`` ``[r, in/t]`` (split like the base
+    input), ``lora_B`` ``[out, r]`` (replicated). ``x [..., in/t]`` -> ``[..., out]``."""
+
+    lora_A: _Weight
+    lora_B: _Weight
+    lora_scaling: float
+    lora_dropout: float
+    lora_rng: RNGStatesTracker
+
+    def forward_no_bias(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward_no_bias(x)
+        if not self.input_is_parallel:
+            raise NotImplementedError("LoRA on a row-parallel linear needs input_is_parallel=True")
+        a, b = self.lora_A.weight, self.lora_B.weight
+        xj = _dropped(x.to(a.dtype), self.lora_dropout, self.training, self.lora_rng)
+        z = reduce_from_tp_region(F.linear(xj, a), self.group)
+        return y + (F.linear(z, b) * self.lora_scaling).to(y.dtype)
+
+
+def _targets(
+    model: nn.Module, cfg: LoraConfig
+) -> Iterator[tuple[str, str, ColumnParallelLinear | RowParallelLinear]]:
+    """(local module name, target, linear) of every linear ``cfg`` adapts."""
+    for name, module in model.named_modules():
+        for target in cfg.targets:
+            if name.endswith(TARGET_MODULES[target]) and isinstance(
+                module, ColumnParallelLinear | RowParallelLinear
+            ):
+                yield name, target, module
+
+
+def _attention_of(model: nn.Module, qkv_name: str) -> nn.Module:
+    return model.get_submodule(qkv_name.rsplit(".", 1)[0])
+
+
+def add_lora(model: ShardedModule, cfg: LoraConfig, *, seed: int) -> None:
+    """Add adapters to ``model``'s target linears in place and freeze every other parameter.
+
+    ``A`` is drawn full on every rank from ``(seed, canonical name)`` and then sliced, so every
+    layout starts from the same adapted function; ``B`` starts at zero. Refused (``UserError``)
+    when TP exceeds the number of query groups (replicated key/value heads cannot train) or when
+    ``model`` already has adapters."""
+    mcfg, ps = model.cfg, model.ps
+    if any(is_lora_name(n) for n, _ in model.named_parameters()):
+        raise UserError("LoRA: the model already has adapters")
+    if "qkv" in cfg.targets and ps.tp_size > mcfg.query_groups:
+        raise UserError(
+            f"--lora-targets qkv: tensor-parallel size {ps.tp_size} exceeds the {mcfg.query_groups} "
+            "query groups (replicated key/value heads); use a smaller --tensor-model-parallel-size"
+        )
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model.lora_config = cfg  # type: ignore[assignment]
+    for name, target, lin in list(_targets(model, cfg)):
+        _attach(model, name, target, lin, cfg, seed=seed)
+
+
+def _attach(
+    model: ShardedModule,
+    name: str,
+    target: str,
+    lin: ColumnParallelLinear | RowParallelLinear,
+    cfg: LoraConfig,
+    *,
+    seed: int,
+) -> None:
+    """Give ``lin`` (local module ``name``) its adapter shards and the LoRA forward (in place: the
+    class becomes the LoRA subclass, so parameter names and the base weights stay as they are)."""
+    mcfg, ps = model.cfg, model.ps
+    a_name = adapter_names(model.canonical_name(f"{name}.weight"))[0]
+    weight = lin.weight
+    column = isinstance(lin, ColumnParallelLinear)
+    in_full = weight.shape[1] if column else weight.shape[1] * ps.tp_size
+    full_a = init_adapter_a(a_name, (num_slices(target, mcfg) * cfg.rank, in_full), seed=seed)
+    local_a = shard_tensor(full_a, dim=None if column else 1, tp_rank=ps.tp_rank, tp=ps.tp_size)
+    lora_a = _Weight(local_a.to(weight.device), None if column else 1)
+    lora_b = _Weight(torch.zeros(weight.shape[0], cfg.rank, device=weight.device), 0 if column else None)
+    if isinstance(lin, ColumnParallelLinear):
+        attn = _attention_of(model, name) if target == "qkv" else None
+        rows = slice_rows(
+            target, weight.shape[0], mcfg,
+            groups=getattr(attn, "groups", None), q_per_group=getattr(attn, "q_per_group", None),
+        )  # fmt: skip
+        lin.__class__ = LoraColumnParallelLinear
+        col = cast(LoraColumnParallelLinear, lin)
+        col.lora_rows = [r.to(weight.device) for r in rows]
+        col.lora_inverse = torch.argsort(torch.cat(rows)).to(weight.device)
+        col.lora_A, col.lora_B, col.lora_scaling, col.lora_dropout = lora_a, lora_b, cfg.scaling, cfg.dropout
+    else:
+        lin.__class__ = LoraRowParallelLinear
+        row = cast(LoraRowParallelLinear, lin)
+        row.lora_rng = ps.rng
+        row.lora_A, row.lora_B, row.lora_scaling, row.lora_dropout = lora_a, lora_b, cfg.scaling, cfg.dropout
+
+
+def lora_parameters(model: nn.Module) -> list[nn.Parameter]:
+    """The adapter parameters of ``model`` (the only ones the optimizer should see)."""
+    return [p for n, p in model.named_parameters() if is_lora_name(n)]
+
+
+def has_lora(model: nn.Module) -> bool:
+    return any(is_lora_name(n) for n, _ in model.named_parameters())
+
+
+def lora_config_of(model: nn.Module) -> LoraConfig | None:
+    """The :class:`LoraConfig` :func:`add_lora` gave ``model``, or None without adapters."""
+    cfg = getattr(model, "lora_config", None)
+    return cfg if isinstance(cfg, LoraConfig) else None
+
+
+# --- canonical full tensors -------------------------------------------------------------------
+def adapter_delta(
+    name: str, a: torch.Tensor, b: torch.Tensor, cfg: ModelConfig, *, scaling: float
+) -> torch.Tensor:
+    """The full fp32 weight update ``scaling * B A`` ``[out, in]`` of base tensor ``name`` from its
+    full adapter ``A [n r, in]``, ``B [out, r]`` (each B row times its slice's A block)."""
+    target = target_of(name)
+    assert target is not None, name
+    a, b = a.float(), b.float()
+    r = b.shape[1]
+    delta = torch.empty(b.shape[0], a.shape[1])
+    for j, rows in enumerate(slice_rows(target, b.shape[0], cfg)):
+        delta[rows] = b[rows] @ a[j * r : (j + 1) * r]
+    return delta * scaling
+
+
+def merged_state(
+    base: Mapping[str, torch.Tensor],
+    adapters: Mapping[str, torch.Tensor],
+    cfg: ModelConfig,
+    *,
+    scaling: float,
+) -> dict[str, torch.Tensor]:
+    """Canonical full base tensors with the adapters merged: ``W + scaling B A`` in fp32, cast
+    back to each base tensor's dtype. Adapter tensors are not in the result. ``KeyError`` names
+    an adapter whose base tensor or partner is missing."""
+    out = {k: v for k, v in base.items() if not is_lora_name(k)}
+    for a_name in sorted(k for k in adapters if k.endswith(f".{LORA_A}.weight")):
+        w_name = base_name(a_name)
+        b_name = adapter_names(w_name)[1]
+        if w_name not in out or b_name not in adapters:
+            raise KeyError(f"adapter {a_name}: no base tensor {w_name} or partner {b_name}")
+        w = out[w_name]
+        out[w_name] = (w.float() + adapter_delta(w_name, adapters[a_name], adapters[b_name], cfg,
+                                                  scaling=scaling)).to(w.dtype)  # fmt: skip
+    return out
