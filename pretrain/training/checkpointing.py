@@ -27,8 +27,10 @@ from pretrain.checkpoint.legacy.layout import (
     rank_dir_name,
     resolve_iteration,
 )
+from pretrain.checkpoint.lora_adapter import ADAPTER_FILE, LoraBase, adapter_file_entry
 from pretrain.checkpoint.metadata import read_metadata
 from pretrain.models.base import ShardedModule
+from pretrain.models.lora import lora_config_of
 from pretrain.optim.distrib_optimizer import DistributedOptimizer, reassemble_full_state
 from pretrain.optim.lr_schedule import LRScheduler
 from pretrain.optim.optimizer import MixedPrecisionOptimizer
@@ -48,10 +50,21 @@ def _gather_to_dp0(obj: Any, ps: ParallelState) -> list[Any] | None:
 
 def save_training_checkpoint(
     root: str | Path, iteration: int, chunks: Sequence[ShardedModule], ps: ParallelState,
-    optimizer: MixedPrecisionOptimizer, scheduler: LRScheduler, args: Any,
+    optimizer: MixedPrecisionOptimizer, scheduler: LRScheduler, args: Any, *, lora_base: LoraBase | None = None,
 ) -> Path:  # fmt: skip
-    """Save everything needed to resume; collective over all ranks."""
+    """Save everything needed to resume; collective over all ranks.
+
+    A model with LoRA adapters needs ``lora_base`` (its base weights' path and fingerprint): the
+    rank files then hold only the adapter shards, and the first rank directory the full adapter
+    record (:mod:`pretrain.checkpoint.lora_adapter`)."""
     extra: dict[str, dict[str, Any]] = {}
+    lora = lora_config_of(chunks[0]) if chunks else None
+    if lora is not None:
+        if lora_base is None:
+            raise ValueError("a LoRA model is saved with lora_base (the base weights' path and fingerprint)")
+        entry = adapter_file_entry(chunks, ps, lora=lora, base=lora_base, iteration=iteration)
+        if entry is not None:  # global rank 0: the first rank directory
+            extra[ADAPTER_FILE] = entry
     if isinstance(optimizer, DistributedOptimizer):
         shards = _gather_to_dp0(optimizer.sharded_state_dict(), ps)
         if ps.dp_rank == 0:

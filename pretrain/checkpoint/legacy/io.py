@@ -34,6 +34,7 @@ from pretrain.checkpoint.legacy.module_names import chunk_from_file, chunk_to_fi
 from pretrain.checkpoint.metadata import SAFE_GLOBALS, as_mapping, read_metadata, to_args
 from pretrain.checkpoint.types import CheckpointMetadata
 from pretrain.models.base import ShardedModule
+from pretrain.models.lora import has_lora, is_lora_name
 from pretrain.parallel.state import ParallelState
 from pretrain.utils.atomic import atomic_open
 from pretrain.utils.errors import UserError
@@ -50,10 +51,17 @@ def model_state(
     """``{"model": ...}`` or ``{"model0": ..., "modelV-1": ...}`` for virtual chunks, each under
     ``names`` (see :mod:`pretrain.checkpoint.legacy.module_names`)."""
     entries = [
-        chunk_to_file({k: v.detach().cpu() for k, v in c.state_dict().items()}, names=names, kind=kind)
+        chunk_to_file({k: v.detach().cpu() for k, v in _saved_state(c).items()}, names=names, kind=kind)
         for c in chunks
     ]
     return {"model": entries[0]} if len(chunks) == 1 else {f"model{i}": n for i, n in enumerate(entries)}
+
+
+def _saved_state(chunk: ShardedModule) -> dict[str, torch.Tensor]:
+    """What a checkpoint holds of ``chunk``: its state dict, or only the adapter when it has LoRA
+    adapters (the frozen base lives in the base checkpoint, see :mod:`pretrain.checkpoint.lora_adapter`)."""
+    state = chunk.state_dict()
+    return {k: v for k, v in state.items() if is_lora_name(k)} if has_lora(chunk) else state
 
 
 def rng_state(ps: ParallelState) -> dict[str, Any]:
@@ -179,18 +187,19 @@ def load_checkpoint(
     for key, chunk in zip(keys, chunks, strict=True):
         if key not in state:
             raise UserError(f"{path}: no {key!r} entry (saved with another virtual-pipeline size?)")
-        flat = chunk_from_file(state[key], list(chunk.state_dict()))
-        missing = set(chunk.state_dict()) - set(flat)
-        unexpected = set(flatten(state[key])) - file_keys(list(chunk.state_dict()))
+        mine = _saved_state(chunk)
+        flat = chunk_from_file(state[key], list(mine))
+        missing = set(mine) - set(flat)
+        unexpected = set(flatten(state[key])) - file_keys(list(mine))
         if missing or unexpected:
             raise UserError(
                 f"{path}: {key} does not match this layout (missing {sorted(missing)[:3]}, "
                 f"unexpected {sorted(unexpected)[:3]}); reshard it with mlm-convert reshard"
             )
-        for name, param in chunk.state_dict().items():
+        for name, param in mine.items():
             if flat[name].shape != param.shape:
                 raise UserError(
                     f"{path}: tensor {name} has shape {tuple(flat[name].shape)}, expected {tuple(param.shape)}"
                 )
-        chunk.load_state_dict(flat, strict=True)
+        chunk.load_state_dict(flat, strict=len(mine) == len(chunk.state_dict()))
     return {k: v for k, v in state.items() if not k.startswith("model")}
