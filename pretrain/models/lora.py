@@ -154,6 +154,18 @@ def num_slices(target: str, cfg: ModelConfig) -> int:
     return 3 if target == "qkv" else 2 if target == "fc1" and cfg.swiglu else 1
 
 
+def adapter_shapes(target: str, cfg: ModelConfig, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Full shapes of ``A`` ``[n r, in]`` and ``B`` ``[out, r]`` of ``target`` in model ``cfg``."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    out, inp = {
+        "qkv": ((cfg.num_attention_heads + 2 * cfg.query_groups) * d, h),
+        "proj": (h, cfg.num_attention_heads * d),
+        "fc1": ((2 if cfg.swiglu else 1) * cfg.ffn_size, h),
+        "fc2": (h, cfg.ffn_size),
+    }[target]
+    return (num_slices(target, cfg) * rank, inp), (out, rank)
+
+
 def init_adapter_a(name: str, shape: tuple[int, int], *, seed: int) -> torch.Tensor:
     """The full initial ``A`` ``[n r, in]`` of adapter tensor ``name``: PEFT's kaiming-uniform
     (uniform in ``+-1/sqrt(in)``) from a generator seeded by (seed, canonical name)."""
@@ -329,6 +341,22 @@ def adapter_delta(
     return delta * scaling
 
 
+def merged_tensor(
+    name: str, weight: torch.Tensor, adapters: Mapping[str, torch.Tensor], cfg: ModelConfig, *, scaling: float
+) -> torch.Tensor:
+    """Base tensor ``name`` with its adapter merged (``W + scaling B A`` in fp32, cast back to the
+    dtype of ``weight``), or ``weight`` itself when ``adapters`` has none for it."""
+    a_name, b_name = adapter_names(name)
+    if a_name not in adapters and b_name not in adapters:
+        return weight
+    if a_name not in adapters or b_name not in adapters:
+        raise KeyError(f"adapter of {name}: {a_name} and {b_name} come together")
+    delta = adapter_delta(name, adapters[a_name], adapters[b_name], cfg, scaling=scaling)
+    if delta.shape != weight.shape:
+        raise ValueError(f"adapter of {name}: update {tuple(delta.shape)} != weight {tuple(weight.shape)}")
+    return (weight.float() + delta).to(weight.dtype)
+
+
 def merged_state(
     base: Mapping[str, torch.Tensor],
     adapters: Mapping[str, torch.Tensor],
@@ -336,16 +364,12 @@ def merged_state(
     *,
     scaling: float,
 ) -> dict[str, torch.Tensor]:
-    """Canonical full base tensors with the adapters merged: ``W + scaling B A`` in fp32, cast
-    back to each base tensor's dtype. Adapter tensors are not in the result. ``KeyError`` names
-    an adapter whose base tensor or partner is missing."""
-    out = {k: v for k, v in base.items() if not is_lora_name(k)}
-    for a_name in sorted(k for k in adapters if k.endswith(f".{LORA_A}.weight")):
-        w_name = base_name(a_name)
-        b_name = adapter_names(w_name)[1]
-        if w_name not in out or b_name not in adapters:
-            raise KeyError(f"adapter {a_name}: no base tensor {w_name} or partner {b_name}")
-        w = out[w_name]
-        out[w_name] = (w.float() + adapter_delta(w_name, adapters[a_name], adapters[b_name], cfg,
-                                                  scaling=scaling)).to(w.dtype)  # fmt: skip
+    """Canonical full base tensors with the adapters merged (:func:`merged_tensor`); adapter
+    tensors are not in the result. ``KeyError`` names an adapter without its base tensor."""
+    out = {
+        k: merged_tensor(k, v, adapters, cfg, scaling=scaling) for k, v in base.items() if not is_lora_name(k)
+    }
+    orphans = sorted(base_name(k) for k in adapters if base_name(k) not in out)
+    if orphans:
+        raise KeyError(f"adapter of {orphans[0]}: the base has no such tensor")
     return out

@@ -91,6 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="write no tokenizer (only for checkpoints that have none; the result is not a usable model)")  # fmt: skip
     p.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                    help="largest safetensors shard, as save_pretrained (e.g. 5GB, 500MB; default 5GB)")  # fmt: skip
+    p.add_argument("--lora-as", choices=("merged", "adapter"), default=None,
+                   help="a LoRA checkpoint: merge the adapter into its base (default) or write a PEFT adapter")  # fmt: skip
     _add_hf_verify(p)
     p = sub.add_parser("from-hf", help=f"import a Hugging Face model directory ({supported_architectures()})")
     p.add_argument("--load", type=Path, required=True,
@@ -102,6 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_flag_group(p, TokenizerFlags, title="tokenizer", include=("tokenizer_dir", "force_tokenizer"))
     p.add_argument("--weights-only", action="store_true",
                    help="accept a Hugging Face directory without a tokenizer (the checkpoint records none)")  # fmt: skip
+    p.add_argument("--adapter", type=Path, default=None,
+                   help="a PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) of --load")  # fmt: skip
+    p.add_argument("--adapter-as", choices=("lora", "merged"), default="lora",
+                   help="keep the adapter as our LoRA checkpoint naming --load as its base (default), or merge it")  # fmt: skip
     _add_format(p)
     _add_verify(p)
     return parser
@@ -167,6 +173,13 @@ def _check_outputs_and_flags(args: argparse.Namespace) -> None:
         raise UserError("--dist-optimizer needs --with-optimizer and --ckpt-format torch_dist")
     if not args.verify_tol >= 0:  # (also NaN)
         raise UserError(f"--verify-tol must be >= 0, got {args.verify_tol}")
+    adapter = getattr(args, "adapter", None)
+    if adapter is not None and not Path(adapter).is_dir():
+        raise UserError(f"--adapter {adapter}: not a directory")
+    if adapter is not None and args.verify:
+        raise UserError(
+            "--verify compares the new checkpoint with --load, so it does not apply with --adapter"
+        )
     _check_tokenizer_flags(args)
     check_writable_output(args.save, kind="dir", flag="--save")
 
@@ -191,13 +204,15 @@ def _convert(args: argparse.Namespace) -> int:
                              dist_optimizer=args.dist_optimizer)  # fmt: skip
     elif args.command == "to-hf":
         rc = run_to_hf(source_from_args(args), args.save, weights_only=args.weights_only,
-                       max_shard_size=args.max_shard_size, verify=args.verify, verify_tol=args.verify_tol)  # fmt: skip
+                       max_shard_size=args.max_shard_size, verify=args.verify, verify_tol=args.verify_tol,
+                       lora_as=args.lora_as)  # fmt: skip
     else:
         target = flags_from_namespace(ParallelConfig, args)
         rc = run_from_hf(args.load, args.save, target, divisible_by=args.make_vocab_size_divisible_by,
                          tokenizer_dir=args.tokenizer_dir, weights_only=args.weights_only,
                          ckpt_format=args.ckpt_format, module_names=args.module_names,
-                         force_tokenizer=args.force_tokenizer)  # fmt: skip
+                         force_tokenizer=args.force_tokenizer, adapter=args.adapter,
+                         adapter_as=args.adapter_as)  # fmt: skip
     return rc
 
 

@@ -48,15 +48,25 @@ def _hf_model_type(hf_dir: Path) -> str | None:
 def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_by: int,
                 tokenizer_dir: Path | None = None, weights_only: bool = False,
                 ckpt_format: str = "torch", module_names: str | None = None,
-                force_tokenizer: bool = False) -> int:  # fmt: skip
+                force_tokenizer: bool = False, adapter: Path | None = None,
+                adapter_as: str = "lora") -> int:  # fmt: skip
+    """Import ``hf_dir``; with ``adapter`` (a PEFT LoRA directory) merge it (``adapter_as``
+    ``merged``) or write it as our LoRA checkpoint naming ``hf_dir`` as its base (``lora``)."""
     from pretrain.checkpoint.fingerprint import weights_fingerprint
     from pretrain.checkpoint.legacy.writer import WriteOptions, check_output_dir
     from pretrain.checkpoint.types import Provenance
     from tools.hf_io import open_hf
 
-    check_output_dir(save, sources=(hf_dir,))
+    check_output_dir(save, sources=(hf_dir,) if adapter is None else (hf_dir, adapter))
     # streamed: each canonical tensor is built from the memory-mapped HF files when written
     source = open_hf(hf_dir, make_vocab_size_divisible_by=divisible_by)
+    if adapter is not None:
+        from tools.convert.lora import keep_peft_adapter, merged_source, read_peft_adapter
+
+        lora, tensors = read_peft_adapter(adapter, source.spec.cfg)
+        if adapter_as == "lora":
+            return keep_peft_adapter(hf_dir, source, save, lora, tensors)
+        source = merged_source(source, tensors, lora)
     tok = _hf_tokenizer(hf_dir, tokenizer_dir, rows=source.spec.cfg.vocab_size, weights_only=weights_only,
                         divisible_by=divisible_by, force=force_tokenizer)  # fmt: skip
     bar = progress_bar(target.tp * target.pp, "from-hf")

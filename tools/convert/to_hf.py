@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 from pretrain.utils.errors import UserError
@@ -10,6 +11,9 @@ from tools.convert.writing import progress_bar
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from pretrain.checkpoint.types import TensorSource
+    from pretrain.tokenizer.base import Tokenizer
+    from tools.convert.lora import LoraAs
     from tools.convert.source import SourceOptions
     from tools.hf_verify import VerifyMode
 
@@ -21,13 +25,27 @@ DEFAULT_MAX_SHARD_SIZE = "5GB"
 
 def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
               max_shard_size: str = DEFAULT_MAX_SHARD_SIZE, verify: VerifyMode | None = "auto",
-              verify_tol: float = 1e-4) -> int:  # fmt: skip
+              verify_tol: float = 1e-4, lora_as: LoraAs | None = None) -> int:  # fmt: skip
     """Export; ``verify`` (``auto``/``full``/``per-layer``; None: skip) checks the written directory
-    against the checkpoint before it is renamed to ``save`` (:mod:`tools.hf_verify`)."""
+    against the checkpoint before it is renamed to ``save`` (:mod:`tools.hf_verify`). A LoRA
+    checkpoint exports merged or as a PEFT adapter (``lora_as``, :mod:`tools.convert.lora`)."""
     from pretrain.checkpoint.legacy.writer import check_output_dir
-    from tools.hf_io import check_exportable, export_hf
+    from pretrain.checkpoint.lora_adapter import is_lora_checkpoint
+    from tools.hf_io import check_exportable
 
     check_output_dir(save, sources=(source.load,))
+    export = functools.partial(_export, save=save, max_shard_size=max_shard_size, verify=verify,
+                               verify_tol=verify_tol)  # fmt: skip
+    if is_lora_checkpoint(source.load, source.iteration):
+        from tools.convert.lora import run_lora_to_hf
+
+        return run_lora_to_hf(
+            source, save, lora_as=lora_as or "merged", weights_only=weights_only, export=export
+        )
+    if lora_as is not None:
+        raise UserError(
+            f"--lora-as {lora_as}: --load {source.load} is not a LoRA checkpoint (no lora_adapter.pt)"
+        )
     reader, given = source.open()
     check_exportable(reader.spec)  # an option the target lacks: refused before any tensor is read
     try:
@@ -42,6 +60,16 @@ def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
         )
     meta = reader.metadata
     family = None if meta is None else meta.provenance.source_model_type  # e.g. Mistral stays Mistral
+    return _export(reader, None if tok is None else tok.tokenizer, family, save=save, max_shard_size=max_shard_size,
+                   verify=verify, verify_tol=verify_tol)  # fmt: skip
+
+
+def _export(reader: TensorSource, tokenizer: Tokenizer | None, family: str | None, *, save: Path,
+            max_shard_size: str, verify: VerifyMode | None, verify_tol: float) -> int:  # fmt: skip
+    """The verified export of ``reader`` (a checkpoint, or a LoRA base with its adapter merged)."""
+    from tools.hf_io import check_exportable, export_hf
+
+    check_exportable(reader.spec)
     bars: list[Any] = []
 
     def start_bar(total: int) -> Any:
@@ -62,11 +90,13 @@ def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
         print(result.line())
 
     try:
-        export_hf(reader, reader.spec, save, tokenizer=None if tok is None else tok.tokenizer, family=family,
+        export_hf(reader, reader.spec, save, tokenizer=tokenizer, family=family,
                   max_shard_size=max_shard_size, progress=start_bar,
                   check=None if verify is None else check)  # fmt: skip
     finally:
         for bar in bars:
             bar.close()
-    print(f"wrote {save} ({reader.spec.kind}, {reader.info.num_parameters} parameters)")
+    info = getattr(reader, "info", None)
+    count = f", {info.num_parameters} parameters" if info is not None else ""
+    print(f"wrote {save} ({reader.spec.kind}{count})")
     return 0

@@ -1,0 +1,230 @@
+"""LoRA in ``mlm-convert``: export a LoRA checkpoint (merged, or as a PEFT adapter) and read PEFT adapters.
+
+* ``to-hf --load LORA_CKPT --lora-as merged`` (the default for a LoRA checkpoint): the base the
+  adapter names is opened and its fingerprint checked, the adapter merged tensor by tensor (fp32,
+  cast to the base dtype), and the result goes through the normal exact export and verification.
+* ``to-hf --lora-as adapter``: a PEFT adapter directory (``adapter_config.json``,
+  ``adapter_model.safetensors``) with the Hugging Face module names
+  (:mod:`pretrain.models.families.llama_lora`); checked by reading it back exactly.
+* ``from-hf --load BASE --adapter PEFT_DIR``: ``--adapter-as merged`` writes BASE with the adapter
+  merged; ``--adapter-as lora`` (default) writes our LoRA checkpoint (the adapter alone, naming
+  BASE and its fingerprint), which ``to-hf`` exports back to the same PEFT tensors bit for bit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from pretrain.utils.errors import UserError
+
+if TYPE_CHECKING:
+    import torch
+
+    from pretrain.checkpoint.lora_adapter import LoraAdapter
+    from pretrain.checkpoint.types import LazySource, TensorSource
+    from pretrain.models.lora import LoraConfig
+    from pretrain.tokenizer.base import Tokenizer
+    from tools.convert.source import SourceOptions
+
+LoraAs = Literal["merged", "adapter"]
+PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# adapter_config.json fields whose non-default values our LoRA cannot express (field -> allowed values)
+_PEFT_FIXED: dict[str, tuple[object, ...]] = {
+    "bias": ("none", None), "use_rslora": (False, None), "use_dora": (False, None),
+    "fan_in_fan_out": (False, None), "modules_to_save": (None, []), "rank_pattern": ({}, None),
+    "alpha_pattern": ({}, None), "layers_to_transform": (None, []), "layer_replication": (None,),
+}  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OpenedBase:
+    """The base weights of a LoRA checkpoint, opened: tensors, tokenizer, HF model_type."""
+
+    source: TensorSource
+    tokenizer: Tokenizer | None
+    family: str | None
+
+
+def open_base(adapter: LoraAdapter, source: SourceOptions, *, weights_only: bool) -> OpenedBase:
+    """Open the base the adapter names (a Megatron checkpoint or a Hugging Face directory) and check
+    its weights fingerprint (one line on a mismatch or a missing base)."""
+    from pretrain.checkpoint.fingerprint import weights_fingerprint
+    from pretrain.checkpoint.lora_adapter import check_base
+
+    path = Path(adapter.base.path)
+    where = f"--load {source.load}"
+    if not path.exists():
+        raise UserError(f"{where}: the LoRA adapter's base {path} does not exist")
+    if (path / "config.json").is_file():
+        opened = _open_hf_base(path, weights_only=weights_only)
+    else:
+        base_src = dataclasses.replace(source, load=path, iteration=None)
+        reader, given = base_src.open()
+        tok = base_src.tokenizer(reader, required=not weights_only, given=given)
+        meta = reader.metadata
+        family = None if meta is None else meta.provenance.source_model_type
+        opened = OpenedBase(source=reader, tokenizer=None if tok is None else tok.tokenizer, family=family)
+    check_base(adapter, weights_fingerprint(opened.source), where=where)
+    return opened
+
+
+def _open_hf_base(path: Path, *, weights_only: bool) -> OpenedBase:
+    from pretrain.tokenizer.loader import load_tokenizer_dir
+    from tools.hf_io import open_hf
+
+    model_type = json.loads((path / "config.json").read_text(encoding="utf-8")).get("model_type")
+    tok = None
+    try:
+        tok = load_tokenizer_dir(path, flag="the LoRA base")
+    except UserError:
+        if not weights_only:
+            raise
+    return OpenedBase(
+        source=open_hf(path), tokenizer=tok, family=model_type if isinstance(model_type, str) else None
+    )
+
+
+def merged_source(base: TensorSource, adapters: dict[str, torch.Tensor], lora: LoraConfig) -> LazySource:
+    """``base`` with the adapters merged, made one tensor at a time (for the streamed export)."""
+    from pretrain.checkpoint.types import LazySource
+    from pretrain.models.lora import base_name, merged_tensor
+
+    cfg = base.spec.cfg
+    names = base.names()
+    orphans = sorted({base_name(k) for k in adapters} - set(names))
+    if orphans:
+        raise UserError(f"LoRA adapter: the base has no tensor {orphans[0]}")
+
+    def make(name: str) -> torch.Tensor:
+        return merged_tensor(name, base.tensor(name), adapters, cfg, scaling=lora.scaling)
+
+    return LazySource(base.spec, {n: functools.partial(make, n) for n in names})
+
+
+def run_lora_to_hf(source: SourceOptions, save: Path, *, lora_as: LoraAs, weights_only: bool,
+                   export: Any) -> int:  # fmt: skip
+    """``to-hf`` of a LoRA checkpoint; ``export(reader, tokenizer, family)`` runs the normal
+    (verified) export of a merged source."""
+    from pretrain.checkpoint.lora_adapter import read_adapter
+
+    adapter = read_adapter(source.load, source.iteration)
+    base = open_base(adapter, source, weights_only=weights_only or lora_as == "adapter")
+    if lora_as == "merged":
+        return int(
+            export(merged_source(base.source, adapter.tensors, adapter.lora), base.tokenizer, base.family)
+        )
+    write_peft_adapter(save, adapter, base.source.spec.cfg, base.family)
+    print(f"wrote {save} (PEFT LoRA adapter r={adapter.lora.rank}, {len(adapter.tensors)} tensors)")
+    return 0
+
+
+def peft_config(adapter: LoraAdapter, family: str | None) -> dict[str, Any]:
+    """The ``adapter_config.json`` of our adapter (PEFT's LoraConfig fields)."""
+    from pretrain.models.families.llama_lora import peft_target_modules
+
+    return {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": adapter.base.path,
+        "r": adapter.lora.rank, "lora_alpha": adapter.lora.alpha, "lora_dropout": adapter.lora.dropout,
+        "target_modules": peft_target_modules(adapter.lora.targets), "bias": "none", "fan_in_fan_out": False,
+        "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
+        "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
+    }  # fmt: skip
+
+
+def _check_llama(cfg: Any, family: str | None, what: str) -> None:
+    from pretrain.models.families import llama as hf_llama
+
+    if not cfg.swiglu or cfg.position_embedding_type != "rope" or hf_llama.unsupported(cfg):
+        raise UserError(
+            f"{what}: PEFT adapters are written and read for Llama-family models only ({family or 'gpt'})"
+        )
+
+
+def write_peft_adapter(save: Path, adapter: LoraAdapter, cfg: Any, family: str | None) -> None:
+    """Write the PEFT adapter directory atomically, after reading its tensors back exactly."""
+    from safetensors.torch import save_file
+
+    from pretrain.models.families.llama_lora import canonical_to_peft, peft_to_canonical
+    from pretrain.utils.atomic import atomic_directory
+
+    _check_llama(cfg, family, "to-hf --lora-as adapter")
+    tensors = canonical_to_peft(adapter.tensors, cfg, adapter.lora.targets)
+    back = peft_to_canonical(tensors, cfg, adapter.lora.targets, where="to-hf --lora-as adapter")
+    if back.keys() != adapter.tensors.keys() or any(not back[k].equal(v) for k, v in adapter.tensors.items()):
+        raise UserError(
+            f"to-hf --lora-as adapter: the PEFT tensors do not read back exactly; {save} not written"
+        )
+    with atomic_directory(save) as tmp:
+        save_file(tensors, str(tmp / PEFT_WEIGHTS), metadata={"format": "pt"})
+        (tmp / PEFT_CONFIG).write_text(
+            json.dumps(peft_config(adapter, family), indent=2) + "\n", encoding="utf-8"
+        )
+
+
+def read_peft_adapter(adapter_dir: Path, cfg: Any) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
+    """A PEFT LoRA adapter directory -> (our settings, our full canonical adapter tensors), exact.
+    ``UserError`` naming the file and field on anything our LoRA cannot hold."""
+    from safetensors.torch import load_file
+
+    from pretrain.models.families.llama_lora import peft_to_canonical, targets_of_peft_modules
+    from pretrain.models.lora import LoraConfig
+
+    where = f"--adapter {adapter_dir}"
+    conf_path, weights = adapter_dir / PEFT_CONFIG, adapter_dir / PEFT_WEIGHTS
+    for p in (conf_path, weights):
+        if not p.is_file():
+            raise UserError(f"{where}: no {p.name}")
+    try:
+        conf = json.loads(conf_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise UserError(f"{conf_path}: not JSON ({exc})") from None
+    if conf.get("peft_type") != "LORA":
+        raise UserError(f"{conf_path}: peft_type {conf.get('peft_type')!r}, only LORA is read")
+    for key, allowed in _PEFT_FIXED.items():
+        if conf.get(key) not in allowed:
+            raise UserError(f"{conf_path}: {key}={conf[key]!r} is not supported (only {allowed[0]!r})")
+    modules = conf.get("target_modules")
+    if not isinstance(modules, list):
+        raise UserError(f"{conf_path}: target_modules must be a list of module names, got {modules!r}")
+    _check_llama(cfg, None, where)
+    targets = targets_of_peft_modules(modules, where=str(conf_path))
+    lora = LoraConfig(rank=int(conf["r"]), alpha=float(conf["lora_alpha"]),
+                      dropout=float(conf.get("lora_dropout") or 0.0), targets=targets)  # fmt: skip
+    tensors = peft_to_canonical(load_file(str(weights)), cfg, targets, where=str(weights))
+    check_adapter_shapes(tensors, cfg, lora, where=str(weights))
+    return lora, tensors
+
+
+def check_adapter_shapes(tensors: dict[str, torch.Tensor], cfg: Any, lora: LoraConfig, *, where: str) -> None:
+    """Every adapter tensor has the shape its target and rank give (``UserError`` naming it)."""
+    from pretrain.models.lora import LORA_A, adapter_shapes, target_of
+
+    for name, t in tensors.items():
+        target = target_of(name)
+        if target is None:
+            raise UserError(f"{where}: tensor {name} adapts no LoRA target")
+        a_shape, b_shape = adapter_shapes(target, cfg, lora.rank)
+        want = a_shape if f".{LORA_A}." in name else b_shape
+        if tuple(t.shape) != want:
+            raise UserError(
+                f"{where}: tensor {name} has shape {tuple(t.shape)}, expected {want} (r={lora.rank})"
+            )
+
+
+def keep_peft_adapter(hf_dir: Path, base: TensorSource, save: Path, lora: LoraConfig,
+                      tensors: dict[str, torch.Tensor]) -> int:  # fmt: skip
+    """``from-hf --adapter-as lora``: our LoRA checkpoint at ``save`` (iteration ``release``) naming
+    ``hf_dir`` and its weights fingerprint as the base."""
+    from pretrain.checkpoint.fingerprint import short_fingerprint, weights_fingerprint
+    from pretrain.checkpoint.lora_adapter import LoraAdapter, LoraBase, write_adapter_checkpoint
+
+    fingerprint = weights_fingerprint(base)
+    adapter = LoraAdapter(lora=lora, base=LoraBase(path=str(hf_dir.resolve()), fingerprint=fingerprint),
+                          iteration="release", tensors=tensors)  # fmt: skip
+    write_adapter_checkpoint(save, adapter)
+    print(f"wrote {save} (LoRA adapter r={lora.rank} of {hf_dir}, base {short_fingerprint(fingerprint)})")
+    return 0
