@@ -195,23 +195,26 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
 
     lora_A: _Weight
     lora_B: _Weight
-    lora_rows: list[torch.Tensor]  # local row indices of each slice
-    lora_inverse: torch.Tensor  # permutation from slice-concatenated rows back to local rows
+    lora_slice_mask: torch.Tensor  # [out/t, n]: 1 where a local row belongs to slice j
     lora_scaling: float
     lora_dropout: float
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = super().forward(x)
         a, b = self.lora_A.weight, self.lora_B.weight
-        r = b.shape[1]
+        n = self.lora_slice_mask.shape[1]
         xf = x.to(a.dtype)
-        parts = []
-        for j, rows in enumerate(self.lora_rows):
-            xj = _dropped(xf, self.lora_dropout, self.training, None)  # replicated input: default RNG
-            z = copy_to_tp_region(F.linear(xj, a[j * r : (j + 1) * r]), self.group)
-            parts.append(F.linear(z, b[rows] if len(self.lora_rows) > 1 else b))
-        delta = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)[..., self.lora_inverse]
-        return y + (delta * self.lora_scaling).to(y.dtype)
+        if self.lora_dropout > 0.0 and self.training:  # one mask per slice, as PEFT's per module
+            z = torch.cat(
+                [F.linear(_dropped(xf, self.lora_dropout, True, None), aj) for aj in a.chunk(n)], -1
+            )
+        else:
+            z = F.linear(xf, a)  # all slices in one GEMM: [..., n r]
+        # f: the replicated A sees the gradient of every rank's B rows
+        z = copy_to_tp_region(z, self.group)
+        if n > 1:  # each B row reads only its slice's block of z: B spread block-diagonally [out/t, n r]
+            b = (b.unsqueeze(1) * self.lora_slice_mask.unsqueeze(-1)).flatten(1)
+        return y + (F.linear(z, b) * self.lora_scaling).to(y.dtype)
 
 
 class LoraRowParallelLinear(RowParallelLinear):
@@ -300,8 +303,10 @@ def _attach(
         )  # fmt: skip
         lin.__class__ = LoraColumnParallelLinear
         col = cast(LoraColumnParallelLinear, lin)
-        col.lora_rows = [r.to(weight.device) for r in rows]
-        col.lora_inverse = torch.argsort(torch.cat(rows)).to(weight.device)
+        mask = torch.zeros(weight.shape[0], len(rows))
+        for j, r in enumerate(rows):
+            mask[r, j] = 1.0
+        col.lora_slice_mask = mask.to(weight.device)
         col.lora_A, col.lora_B, col.lora_scaling, col.lora_dropout = lora_a, lora_b, cfg.scaling, cfg.dropout
     else:
         lin.__class__ = LoraRowParallelLinear
