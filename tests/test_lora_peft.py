@@ -127,3 +127,21 @@ def test_bad_lora_settings_are_one_line() -> None:
         LoraConfig(rank=2, alpha=1.0, targets=("qkv", "mlp"))
     with pytest.raises(UserError, match="--lora-dropout"):
         LoraConfig(rank=2, alpha=1.0, dropout=1.0)
+
+
+def test_dropout_only_while_training_and_reproducible() -> None:
+    """Dropout on the adapter input: off in eval (then equal to PEFT's eval), the same masks for
+    the same seeds (column inputs: default generator; row inputs: the TP-region generator)."""
+    cfg = LoraConfig(rank=4, alpha=8.0, dropout=0.3)
+    ours = ours_from_hf(tiny_hf(), cfg, ps=ParallelState.single(seed=0))
+    adapters = randomise_adapters(ours)
+    with torch.no_grad():
+        evaluated = ours.eval().full_logits(ours(IDS))
+        torch.testing.assert_close(evaluated, peft_model(tiny_hf(), adapters, cfg).eval()(IDS).logits,
+                                   rtol=1e-5, atol=1e-5)  # fmt: skip
+        ours.train()
+        runs = []
+        for _ in range(2):
+            ours.ps.seed(0)
+            runs.append(ours.full_logits(ours(IDS)))
+    assert torch.equal(runs[0], runs[1]) and (runs[0] - evaluated).abs().max() > 1e-3
