@@ -147,3 +147,25 @@ def test_refusals_are_one_line(exported, tmp_path: Path, capsys: pytest.CaptureF
     err = one_line_error(main, ["from-hf", "--load", str(root / "hf"), "--adapter", str(tmp_path / "none"),
                                 "--save", str(tmp_path / "z"), "--weights-only"], capsys)  # fmt: skip
     assert "--adapter" in err and "not a directory" in err
+
+
+def test_open_checkpoint_reads_a_lora_checkpoint_as_its_merged_model(exported, tmp_path: Path) -> None:
+    """mlm-eval/mlm-generate/reshard open checkpoints through open_checkpoint: a LoRA checkpoint
+    reads as its base with the adapter merged, after the base's fingerprint is checked."""
+    from pretrain.models.lora import merged_state
+
+    root = exported["root"]
+    base = open_checkpoint(root / "ck")
+    reader = open_checkpoint(root / "lora")
+    want = merged_state({n: base.tensor(n) for n in base.names()}, exported["adapters"], base.spec.cfg,
+                        scaling=LORA.scaling)  # fmt: skip
+    assert reader.names() == base.names() and reader.info == base.info
+    changed = 0
+    for name in reader.names():
+        assert torch.equal(reader.tensor(name), want[name]), name
+        changed += not torch.equal(want[name], base.tensor(name))
+    assert changed == 2 * 4  # 2 layers x qkv, proj, fc1, fc2
+    assert main(["reshard", "--load", str(root / "lora"), "--save", str(tmp_path / "r1"), "--target-tp", "1",
+                 "--target-pp", "1"]) == 0  # fmt: skip
+    resharded = open_checkpoint(tmp_path / "r1")
+    assert all(torch.equal(resharded.tensor(n), want[n]) for n in want)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpoint.legacy.layout import TRACKER, iteration_dir, read_tracker
+from pretrain.checkpoint.lora_adapter import ADAPTER_FILE
 from pretrain.checkpoint.plan import ModelSpec
 from pretrain.checkpoint.types import CheckpointInfo, CheckpointReader
 from pretrain.checkpoint.upstream.args import VocabOptions
@@ -55,6 +56,11 @@ def open_checkpoint(
     both are checked against what the checkpoint records.
     """
     it_dir, it, root = find_iteration_dir(Path(path), iteration)
+    if any(it_dir.glob(f"*/{ADAPTER_FILE}")):  # a LoRA checkpoint: its base with the adapter merged
+        from pretrain.checkpoint.lora_reader import open_lora
+
+        return open_lora(it_dir, None, open_base=open_checkpoint, vocab_size=vocab_size,
+                         tokenizer_size=tokenizer_size, tokenizer_source=tokenizer_source)  # fmt: skip
     vocab = VocabOptions(
         size=vocab_size, tokenizer_size=tokenizer_size, tokenizer_source=tokenizer_source, root=str(root)
     )
