@@ -8,7 +8,7 @@ import torch
 from pretrain.models.families import llama as hf_llama
 from pretrain.models.families.llama_lora import canonical_to_peft, peft_to_canonical
 from pretrain.models.gpt import GPTModel
-from pretrain.models.lora import LoraConfig, lora_parameters, merged_state
+from pretrain.models.lora import LoraConfig, add_lora, lora_parameters, merged_state
 from pretrain.models.sharding import (
     gather_full_state_dict,
     load_full_state_dict,
@@ -145,3 +145,14 @@ def test_dropout_only_while_training_and_reproducible() -> None:
             ours.ps.seed(0)
             runs.append(ours.full_logits(ours(IDS)))
     assert torch.equal(runs[0], runs[1]) and (runs[0] - evaluated).abs().max() > 1e-3
+
+
+def test_moe_mlp_targets_are_refused() -> None:
+    from tests.llama_fixtures import llama_config
+
+    cfg = llama_config(num_experts=4, moe_router_topk=2)
+    model = GPTModel(cfg, ParallelState.single())
+    with pytest.raises(UserError, match="--lora-targets fc1,fc2: LoRA on mixture-of-experts"):
+        add_lora(model, LoraConfig(rank=2, alpha=2.0), seed=0)
+    add_lora(model, LoraConfig(rank=2, alpha=2.0, targets=("qkv", "proj")), seed=0)
+    assert len(lora_parameters(model)) == 2 * 2 * 2

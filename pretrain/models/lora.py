@@ -268,6 +268,12 @@ def add_lora(model: ShardedModule, cfg: LoraConfig, *, seed: int) -> None:
             f"--lora-targets qkv: tensor-parallel size {ps.tp_size} exceeds the {mcfg.query_groups} "
             "query groups (replicated key/value heads); use a smaller --tensor-model-parallel-size"
         )
+    mlp = [t for t in cfg.targets if t in ("fc1", "fc2")]
+    if mlp and mcfg.num_experts:  # expert MLPs are LocalLinear: adapters there are not built yet
+        raise UserError(
+            f"--lora-targets {','.join(mlp)}: LoRA on mixture-of-experts MLPs is not supported yet; "
+            "use --lora-targets qkv,proj"
+        )
     for p in model.parameters():
         p.requires_grad_(False)
     model.lora_config = cfg  # type: ignore[assignment]
