@@ -101,3 +101,41 @@ def test_not_a_lora_checkpoint(tmp_path: Path) -> None:
     assert not is_lora_checkpoint(tmp_path)
     with pytest.raises(UserError, match="not a LoRA checkpoint"):
         read_adapter(tmp_path)
+
+
+def _save_worker(rank: int, world: int, weights, adapters, root: str, fingerprint: str, tp: int):
+    from pretrain.pipeline.partition import build_model_chunks
+
+    ps = ParallelState.from_distributed(ParallelConfig(tp=tp, pp=world // tp), seed=0)
+    cfg = hf_llama.model_config_from_hf(tiny_hf().config)
+    chunks = build_model_chunks(cfg, ps)
+    for c in chunks:
+        load_full_state_dict(c, weights)
+        add_lora(c, LORA, seed=1)
+        load_full_state_dict(c, adapters, strict=False)
+    ddps = [DistributedDataParallel(c, ps, DDPConfig()) for c in chunks]
+    opt = build_optimizer(OPT, ddps, ps)
+    sched = LRScheduler(LRScheduleConfig(lr=OPT.lr, min_lr=0.0, warmup_iters=1, decay_iters=10), opt)
+    args = checkpoint_args(cfg, ParallelConfig(tp=tp, pp=world // tp), model_type="gpt")
+    save_training_checkpoint(
+        root, 4, chunks, ps, opt, sched, args, lora_base=LoraBase(path="b", fingerprint=fingerprint)
+    )
+    return 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tp", [1, 2])
+def test_parallel_save_gathers_the_whole_adapter(tmp_path: Path, tp: int) -> None:
+    """Saved at pp2 (tp1) or tp2: lora_adapter.pt holds every layer's full adapter, as one process has it."""
+    from tests.distributed import run_distributed
+    from tests.lora_fixtures import ours_from_hf, randomise_adapters
+
+    hf = tiny_hf()
+    cfg = hf_llama.model_config_from_hf(hf.config)
+    weights = hf_llama.hf_to_canonical(hf.state_dict(), cfg)
+    adapters = randomise_adapters(ours_from_hf(hf))
+    fp = weights_fingerprint(weights)
+    run_distributed(_save_worker, 2, weights, adapters, str(tmp_path), fp, tp)
+    got = read_adapter(tmp_path)
+    assert got.tensors.keys() == adapters.keys()
+    assert all(torch.equal(got.tensors[k], adapters[k]) for k in adapters)

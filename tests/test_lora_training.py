@@ -150,3 +150,44 @@ def test_layout_independent_init() -> None:
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     c = gather_full_state_dict(ours_from_hf(tiny_hf(), LoraConfig(rank=4, alpha=8.0), seed=10))
     assert not torch.equal(c[next(iter(a))], a[next(iter(a))])
+
+
+def _dp_worker(rank: int, world: int, weights, adapters, batches, zero1: bool):
+    import dataclasses
+
+    from pretrain.distributed import DDPConfig, DistributedDataParallel
+    from pretrain.optim import build_optimizer
+    from tests.dp_training import OPT, train_pp1
+
+    ps = (
+        ParallelState.from_distributed(ParallelConfig(), seed=0)
+        if world > 1
+        else ParallelState.single(seed=0)
+    )
+    (model,) = _setup(ps, weights, adapters)
+    ddp = DistributedDataParallel(model, ps, DDPConfig(use_distributed_optimizer=zero1))
+    opt = build_optimizer(dataclasses.replace(OPT, use_distributed_optimizer=zero1), [ddp], ps)
+    steps = train_pp1(ps, model, ddp, opt, batches, num_micro=1)
+    full = gather_full_state_dict(model)
+    return {"steps": steps, "lora": {k: v for k, v in full.items() if is_lora_name(k)},
+            "base": {k: v for k, v in full.items() if not is_lora_name(k)}}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_dp2_zero1_equals_one_process() -> None:
+    """3 steps at dp2 with the distributed optimizer (ZeRO-1 over the adapter only) equal one
+    process: same adapters; the frozen base never changes."""
+    from tests.gpt_fixtures import batch
+
+    hf = tiny_hf()
+    cfg = hf_llama.model_config_from_hf(hf.config)
+    weights = hf_llama.hf_to_canonical(hf.state_dict(), cfg)
+    adapters = randomise_adapters(ours_from_hf(hf, LORA, seed=3))
+    batches = [batch(cfg, b=4, s=12, seed=50 + i) for i in range(3)]
+    ref = _dp_worker(0, 1, weights, adapters, batches, False)
+    for r in run_distributed(_dp_worker, 2, weights, adapters, batches, True):
+        assert all(ok for ok, _ in r["steps"])
+        for name, v in ref["lora"].items():
+            assert not torch.equal(v, adapters[name])
+            torch.testing.assert_close(r["lora"][name], v, **TOL, msg=name)
+        assert all(torch.equal(r["base"][k], weights[k]) for k in weights)
