@@ -214,7 +214,18 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
         z = copy_to_tp_region(z, self.group)
         if n > 1:  # each B row reads only its slice's block of z: B spread block-diagonally [out/t, n r]
             b = (b.unsqueeze(1) * self.lora_slice_mask.unsqueeze(-1)).flatten(1)
-        return y + (F.linear(z, b) * self.lora_scaling).to(y.dtype)
+        return _add_low_rank(y, z, b, self.lora_scaling)
+
+
+def _add_low_rank(y: torch.Tensor, z: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``y + scaling * z B^T`` for ``y [..., out]``, ``z [..., k]`` (fp32), ``B [out, k]``.
+
+    With a float32 ``y`` one ``addmm`` with the scaling folded into the small ``B`` (no pass over
+    the activations for the scaling or the sum); otherwise in fp32, then cast (as PEFT does)."""
+    if y.dtype != z.dtype:
+        return y + (F.linear(z, b) * scaling).to(y.dtype)
+    out = torch.addmm(y.reshape(-1, y.shape[-1]), z.reshape(-1, z.shape[-1]), (b * scaling).t())
+    return out.view(y.shape)
 
 
 class LoraRowParallelLinear(RowParallelLinear):
@@ -234,7 +245,7 @@ class LoraRowParallelLinear(RowParallelLinear):
         a, b = self.lora_A.weight, self.lora_B.weight
         xj = _dropped(x.to(a.dtype), self.lora_dropout, self.training, self.lora_rng)
         z = reduce_from_tp_region(F.linear(xj, a), self.group)
-        return y + (F.linear(z, b) * self.lora_scaling).to(y.dtype)
+        return _add_low_rank(y, z, b, self.lora_scaling)
 
 
 def _targets(
