@@ -323,7 +323,7 @@ def _attach(
         mask = torch.zeros(weight.shape[0], len(rows))
         for j, r in enumerate(rows):
             mask[r, j] = 1.0
-        col.lora_slice_mask = mask.to(weight.device)
+        col.register_buffer("lora_slice_mask", mask.to(weight.device), persistent=False)  # follows .to()
         col.lora_A, col.lora_B, col.lora_scaling, col.lora_dropout = lora_a, lora_b, cfg.scaling, cfg.dropout
     else:
         lin.__class__ = LoraRowParallelLinear
