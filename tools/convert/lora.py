@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -26,11 +27,14 @@ if TYPE_CHECKING:
 
     from pretrain.checkpoint.lora_adapter import LoraAdapter
     from pretrain.checkpoint.types import LazySource, TensorSource
+    from pretrain.config import ModelConfig
     from pretrain.models.lora import LoraConfig
     from pretrain.tokenizer.base import Tokenizer
     from tools.convert.source import SourceOptions
 
 LoraAs = Literal["merged", "adapter"]
+# the normal verified export of a (merged) source: (source, tokenizer, HF model_type) -> exit code
+Exporter = Callable[["TensorSource", "Tokenizer | None", "str | None"], int]
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # adapter_config.json fields whose non-default values our LoRA cannot express (field -> allowed values)
 _PEFT_FIXED: dict[str, tuple[object, ...]] = {
@@ -106,7 +110,7 @@ def merged_source(base: TensorSource, adapters: dict[str, torch.Tensor], lora: L
 
 
 def run_lora_to_hf(source: SourceOptions, save: Path, *, lora_as: LoraAs, weights_only: bool,
-                   export: Any) -> int:  # fmt: skip
+                   export: Exporter) -> int:  # fmt: skip
     """``to-hf`` of a LoRA checkpoint; ``export(reader, tokenizer, family)`` runs the normal
     (verified) export of a merged source."""
     from pretrain.checkpoint.lora_adapter import read_adapter
@@ -135,7 +139,7 @@ def peft_config(adapter: LoraAdapter, family: str | None) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def _check_llama(cfg: Any, family: str | None, what: str) -> None:
+def _check_llama(cfg: ModelConfig, family: str | None, what: str) -> None:
     from pretrain.models.families import llama as hf_llama
 
     if not cfg.swiglu or cfg.position_embedding_type != "rope" or hf_llama.unsupported(cfg):
@@ -144,7 +148,7 @@ def _check_llama(cfg: Any, family: str | None, what: str) -> None:
         )
 
 
-def write_peft_adapter(save: Path, adapter: LoraAdapter, cfg: Any, family: str | None) -> None:
+def write_peft_adapter(save: Path, adapter: LoraAdapter, cfg: ModelConfig, family: str | None) -> None:
     """Write the PEFT adapter directory atomically, after reading its tensors back exactly."""
     from safetensors.torch import save_file
 
@@ -165,7 +169,7 @@ def write_peft_adapter(save: Path, adapter: LoraAdapter, cfg: Any, family: str |
         )
 
 
-def read_peft_adapter(adapter_dir: Path, cfg: Any) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
+def read_peft_adapter(adapter_dir: Path, cfg: ModelConfig) -> tuple[LoraConfig, dict[str, torch.Tensor]]:
     """A PEFT LoRA adapter directory -> (our settings, our full canonical adapter tensors), exact.
     ``UserError`` naming the file and field on anything our LoRA cannot hold."""
     from safetensors.torch import load_file
@@ -199,7 +203,9 @@ def read_peft_adapter(adapter_dir: Path, cfg: Any) -> tuple[LoraConfig, dict[str
     return lora, tensors
 
 
-def check_adapter_shapes(tensors: dict[str, torch.Tensor], cfg: Any, lora: LoraConfig, *, where: str) -> None:
+def check_adapter_shapes(
+    tensors: dict[str, torch.Tensor], cfg: ModelConfig, lora: LoraConfig, *, where: str
+) -> None:
     """Every adapter tensor has the shape its target and rank give (``UserError`` naming it)."""
     from pretrain.models.lora import LORA_A, adapter_shapes, target_of
 
