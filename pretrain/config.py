@@ -299,6 +299,8 @@ class ParallelConfig:
     """
 
     SIZES: ClassVar[tuple[str, ...]] = ("tp", "pp", "vp")
+    # expert parallelism (mixture-of-experts layers), carved out of data parallelism
+    EXPERT: ClassVar[tuple[str, ...]] = ("ep", "etp")
 
     tp: int = field(
         default=1,
@@ -316,6 +318,22 @@ class ParallelConfig:
     )
     vp: int = field(
         default=1, metadata=flag_meta("virtual pipeline chunks per stage (VP)", flags=("--vp",), metavar="N")
+    )
+    ep: int = field(
+        default=1,
+        metadata=flag_meta(
+            "expert-parallel size (EP): experts split over EP ranks carved out of DP (megatron-core's layout)",
+            flags=("--expert-model-parallel-size", "--ep"),
+            metavar="N",
+        ),
+    )
+    etp: int | None = field(
+        default=None,
+        metadata=flag_meta(
+            "expert tensor-parallel size (ETP): TP of each expert, 1 or TP (default: TP)",
+            flags=("--expert-tensor-parallel-size", "--etp"),
+            metavar="N",
+        ),
     )
     # Optional uneven pipeline split: layers on the first / last stage (None = even split).
     num_layers_in_first_stage: int | None = field(
@@ -341,6 +359,23 @@ class ParallelConfig:
                 raise UserError(f"--{name} must be a positive integer, got {getattr(self, name)}")
         if self.vp > 1 and self.pp < 2:
             raise UserError(f"--vp {self.vp} needs --pp >= 2 (virtual stages interleave real ones)")
+        if int(self.ep) <= 0:
+            raise UserError(f"--expert-model-parallel-size must be a positive integer, got {self.ep}")
+        if self.etp is not None and int(self.etp) <= 0:
+            raise UserError(f"--expert-tensor-parallel-size must be a positive integer, got {self.etp}")
+
+    @property
+    def expert_tp(self) -> int:
+        """Tensor-parallel size of each expert: ``etp``, else ``tp`` (megatron-core's default)."""
+        return self.tp if self.etp is None else self.etp
+
+    def check_expert_engine(self) -> None:
+        """The engine runs experts whole (ETP 1) or split like the dense layers (ETP = TP)."""
+        if self.expert_tp not in (1, self.tp):
+            raise UserError(
+                f"--expert-tensor-parallel-size {self.expert_tp} is not supported with --tp {self.tp}: "
+                "use 1 (whole experts) or the TP size"
+            )
 
     @property
     def model_parallel_size(self) -> int:

@@ -6,7 +6,12 @@ see :func:`global_loss_tokens`). Each rank's accumulated gradient is then its sh
 global-batch gradient, so the data-parallel reduction is a **SUM** (not an average): after it,
 every rank holds exactly the gradient one process would compute on the whole global batch.
 
-Collectives (all over ``ps.dp_group``): one all-reduce per bucket, or with the distributed
+Routed experts' parameters (:func:`~pretrain.tensor_parallel.layers.is_expert`) live in buffers of
+their own, reduced (and ZeRO-1 sharded) over the expert data-parallel group ``ps.edp_group``
+instead (megatron-core's expert-DP): with expert parallelism a replica of an expert shard exists
+only on ``EDP = t d / (ETP EP)`` ranks.
+
+Collectives (all over ``ps.dp_group``, expert buffers over ``ps.edp_group``): one all-reduce per bucket, or with the distributed
 optimizer one reduce-scatter per bucket (rank k then holds the summed gradient of its shard
 only; the rest of its buffer keeps stale local values). With ``overlap_grad_reduce`` a bucket's
 collective is launched asynchronously as soon as all its parameters have their gradients for the
@@ -26,6 +31,7 @@ from torch import nn
 
 from pretrain.distributed.grad_buffer import Bucket, GradBuffer, register_grad_accumulation_hooks
 from pretrain.parallel.state import ParallelState
+from pretrain.tensor_parallel.layers import is_expert
 from pretrain.utils.errors import UserError
 
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
@@ -88,22 +94,30 @@ class DistributedDataParallel:
         self.module, self.ps = module, ps
         self.config = config or DDPConfig()
         self.dp_size = ps.dp_size
-        by_dtype: dict[tuple[torch.dtype, torch.dtype], list[nn.Parameter]] = {}
+        by_dtype: dict[tuple[torch.dtype, torch.dtype, bool], list[nn.Parameter]] = {}
         for p in module.parameters():
             if p.requires_grad:
                 grad_dtype = torch.float32 if self.config.grad_reduce_in_fp32 else p.dtype
-                by_dtype.setdefault((p.dtype, grad_dtype), []).append(p)
+                by_dtype.setdefault((p.dtype, grad_dtype, is_expert(p)), []).append(p)
         self.buffers = [
             GradBuffer(
                 params,
                 grad_dtype=grad_dtype,
-                dp_size=self.dp_size,
+                dp_size=ps.edp_size if expert else self.dp_size,
                 bucket_size=self.config.bucket_size,
                 shard_alignment=self.config.shard_alignment,
                 with_param_buffer=self.config.use_distributed_optimizer,
             )
-            for (_, grad_dtype), params in by_dtype.items()
+            for (_, grad_dtype, expert), params in by_dtype.items()
         ]
+        # per buffer: (group, rank, size) of its data-parallel reduction
+        self.buffer_dp = [
+            (ps.edp_group, ps.edp_rank, ps.edp_size) if expert else (ps.dp_group, ps.dp_rank, ps.dp_size)
+            for (_, _, expert) in by_dtype
+        ]
+        self._dp_of = {
+            id(b): dp for buf, dp in zip(self.buffers, self.buffer_dp, strict=True) for b in buf.buckets
+        }
         self._buckets: list[Bucket] = [b for buf in self.buffers for b in buf.buckets]
         self._bucket_of = {pid: b for buf in self.buffers for pid, b in buf.bucket_of.items()}
         self._params = [p for buf in self.buffers for p in buf.params]
@@ -169,14 +183,14 @@ class DistributedDataParallel:
 
     def _launch(self, bucket: Bucket, *, async_op: bool) -> None:
         bucket.launched = True
-        group = self.ps.dp_group
+        group, _, size = self._dp_of[id(bucket)]
         if group is None:
             return
         if not self.config.use_distributed_optimizer:
             self._handles.append((dist.all_reduce(bucket.grad, group=group, async_op=async_op), None, bucket))
             return
         # Reduce into a fresh shard-sized tensor: in-place reduce-scatter is not portable (gloo).
-        out = torch.empty(bucket.size // self.dp_size, dtype=bucket.grad.dtype, device=bucket.grad.device)
+        out = torch.empty(bucket.size // size, dtype=bucket.grad.dtype, device=bucket.grad.device)
         work = _reduce_scatter(out, bucket.grad, group=group, async_op=async_op)
         self._handles.append((work, out, bucket))
 
@@ -195,20 +209,21 @@ class DistributedDataParallel:
             if work is not None:
                 work.wait()
             if out is not None:
-                shard = bucket.shard_range(self.ps.dp_rank, self.dp_size)
+                _, rank, size = self._dp_of[id(bucket)]
+                shard = bucket.shard_range(rank, size)
                 bucket.grad[shard.start - bucket.start : shard.end - bucket.start].copy_(out)
         self._handles.clear()
 
     # --- distributed optimizer support --------------------------------------------------------
     def all_gather_params(self) -> None:
-        """All-gather every bucket's parameter shards over the DP group (after a ZeRO-1 step)."""
-        group = self.ps.dp_group
-        if group is None:
-            return
+        """All-gather every bucket's parameter shards over its DP group (after a ZeRO-1 step)."""
         gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
         for bucket in self._buckets:
+            group, rank, size = self._dp_of[id(bucket)]
+            if group is None:
+                continue
             assert bucket.param_data is not None, "all_gather_params needs use_distributed_optimizer"
-            shard = bucket.shard_range(self.ps.dp_rank, self.dp_size)
+            shard = bucket.shard_range(rank, size)
             local = bucket.param_data[shard.start - bucket.start : shard.end - bucket.start].clone()
             gather(bucket.param_data, local, group=group)
 

@@ -11,6 +11,7 @@ from pretrain.config import ModelConfig
 from pretrain.parallel.state import ParallelState
 
 _LAYER = re.compile(r"(^|\.)layers\.(\d+)\.")
+_EXPERT = re.compile(r"(\.mlp\.experts\.)(\d+)\.")
 
 
 class ShardedModule(nn.Module):
@@ -28,13 +29,19 @@ class ShardedModule(nn.Module):
     layer_numbers: tuple[int, ...]
 
     def canonical_name(self, name: str) -> str:
-        """Local parameter name -> layout-independent name: local layer indices become global, and
-        the last stage's ``word_embeddings_for_head`` maps to the word embeddings it copies."""
+        """Local parameter name -> layout-independent name: local layer indices become global, so
+        do the local expert indices of an expert-parallel rank (rank j holds experts
+        ``[j E/EP, (j+1) E/EP)``), and the last stage's ``word_embeddings_for_head`` maps to the
+        word embeddings it copies."""
         if name.startswith("word_embeddings_for_head."):
             return "language_model.embedding.word_embeddings." + name.split(".", 1)[1]
-        return _LAYER.sub(
+        name = _LAYER.sub(
             lambda m: f"{m.group(1)}layers.{self.layer_numbers[int(m.group(2))]}.", name, count=1
         )
+        if self.ps.ep_size > 1:
+            first = self.ps.ep_rank * (int(self.cfg.num_experts or 0) // self.ps.ep_size)
+            name = _EXPERT.sub(lambda m: f"{m.group(1)}{first + int(m.group(2))}.", name, count=1)
+        return name
 
     def shared_embedding_weight(self) -> torch.Tensor:
         """The tied word embeddings ``[V/t, h]``: the first stage's, or the last stage's copy."""

@@ -8,6 +8,9 @@ with identical gradients are counted once:
   embeddings) count only on ``tp_rank`` 0;
 * ``word_embeddings_for_head`` on a last pipeline stage (pp > 1) is a copy of the first stage's
   word embeddings (their gradients are all-reduced in the embedding group): never counted.
+
+With expert parallelism routed experts' squares are summed over the expert groups separately and
+added to the dense sum (megatron-core does the same).
 """
 
 from __future__ import annotations
@@ -20,16 +23,26 @@ import torch.distributed as dist
 from torch import nn
 
 from pretrain.parallel.state import ParallelState
-from pretrain.tensor_parallel.layers import partition_dim
+from pretrain.tensor_parallel.layers import is_expert, partition_dim
 
 ProcessGroup = dist.ProcessGroup
 
 
 def counts_for_norm(name: str, param: nn.Parameter, ps: ParallelState) -> bool:
-    """Whether this rank contributes ``param``'s gradient to the global norm."""
+    """Whether this rank contributes ``param``'s gradient to the global norm (a routed expert's
+    always: its shards are disjoint over the expert model-parallel group, see
+    :func:`expert_groups_differ`)."""
+    if is_expert(param):
+        return True
     if ps.tp_size > 1 and ps.tp_rank != 0 and partition_dim(param) is None:
         return False
     return not (ps.pp_size > 1 and name.startswith("word_embeddings_for_head."))
+
+
+def expert_groups_differ(ps: ParallelState) -> bool:
+    """Whether routed experts need norms of their own: with EP > 1 or ETP != TP their
+    replicas and shards follow the expert groups, not the dense ones (equal otherwise)."""
+    return ps.ep_size > 1 or ps.etp_size != ps.tp_size
 
 
 def _reduce(value: torch.Tensor, groups: Sequence[ProcessGroup | None], op: dist.ReduceOp.RedOpType) -> None:

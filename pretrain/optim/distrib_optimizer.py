@@ -71,8 +71,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         self._local: list[list[tuple[MainParam, ShardRanges]]] = []  # per buffer, in buffer order
         mains: list[MainParam] = []
         for d in self.ddps:
-            for buf in d.buffers:
-                ranges = buffer_shard_ranges(buf, self.ps.dp_rank, self.ps.dp_size)
+            for buf, (_, rank, size) in zip(d.buffers, d.buffer_dp, strict=True):
+                ranges = buffer_shard_ranges(buf, rank, size)  # expert buffers: over expert DP
                 entries = []
                 for p in reversed(buf.params):
                     if id(p) not in ranges:
@@ -95,6 +95,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _norm_groups(self) -> list[dist.ProcessGroup | None]:
         return [self.ps.dp_group, self.ps.mp_group]
 
+    def _expert_norm_groups(self) -> list[dist.ProcessGroup | None]:
+        return [self.ps.edp_group, self.ps.expert_mp_group]
+
     def _copy_main_to_model(self) -> None:
         super()._copy_main_to_model()  # into this rank's shard of the flat param buffers
         for d in self.ddps:
@@ -104,14 +107,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def _buffers(self) -> list[GradBuffer]:
         return [buf for d in self.ddps for buf in d.buffers]
 
+    def _buffer_shards(self) -> list[tuple[int, int]]:
+        """``(rank, size)`` of this rank's shard of each buffer (expert buffers: over expert DP)."""
+        return [(rank, size) for d in self.ddps for _, rank, size in d.buffer_dp]
+
     def sharded_state_dict(self) -> dict[str, Any]:
         """This rank's shard: per buffer flat fp32 ``param``/``exp_avg``/``exp_avg_sq`` of length
         ``numel / d`` (padding zero), with the buffer's index map so shards can be reassembled
         without the model. Scalars (step, lr, scaler) are identical on every DP rank."""
         keys = {id(p): key for key, _, p in self._named_params()}
         buffers = []
-        for buf, entries in zip(self._buffers(), self._local, strict=True):
-            shard_numel = buf.numel // self.ps.dp_size
+        for buf, entries, (rank, size) in zip(
+            self._buffers(), self._local, self._buffer_shards(), strict=True
+        ):
+            shard_numel = buf.numel // size
             flat = {k: torch.zeros(shard_numel, dtype=torch.float32) for k in FLAT_STATES}
             for m, r in entries:
                 st = self.adam.state[m.main]
@@ -127,6 +136,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     "buckets": [(b.start, b.end) for b in buf.buckets],
                     "index": index,
                     **flat,
+                    # an expert buffer sharded over expert DP (not the dense DP group)
+                    **({"shard_rank": rank, "shard_size": size} if size != self.ps.dp_size else {}),
                 }
             )
         common = self.state_dict_common()
@@ -211,6 +222,10 @@ def reassemble_full_state(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
     d = shards[0]["dp_size"]
     if [s["dp_rank"] for s in shards] != list(range(d)):
         raise ValueError(f"need the shards of all {d} DP ranks, got ranks {[s['dp_rank'] for s in shards]}")
+    if any("shard_size" in b for b in shards[0]["buffers"]):
+        raise ValueError(
+            "expert parameters are sharded over the expert data-parallel group: resume with the same layout"
+        )
     params: dict[str, dict[str, torch.Tensor]] = {}
     for b, meta in enumerate(shards[0]["buffers"]):
         for k in FLAT_STATES:

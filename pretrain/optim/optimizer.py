@@ -20,6 +20,7 @@ microbatch on ``scale_loss(loss)``, ``finalize_model_grads`` (DP sync + embeddin
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -29,11 +30,18 @@ import torch.distributed as dist
 from torch import nn
 
 from pretrain.distributed.ddp import DistributedDataParallel
-from pretrain.optim.clip_grads import clip_grads_by_norm, count_zeros, counts_for_norm, global_grad_norm
+from pretrain.optim.clip_grads import (
+    clip_grads_by_norm,
+    count_zeros,
+    counts_for_norm,
+    expert_groups_differ,
+    global_grad_norm,
+)
 from pretrain.optim.config import OptimizerConfig
 from pretrain.optim.loss_scaler import LossScaler, build_loss_scaler
 from pretrain.optim.param_groups import uses_weight_decay
 from pretrain.parallel.state import ParallelState
+from pretrain.tensor_parallel.layers import is_expert
 from pretrain.utils.errors import UserError
 
 _DEFAULT_SCALER: Any = object()
@@ -179,6 +187,10 @@ class MixedPrecisionOptimizer:
         """Groups over which this rank's gradients are disjoint pieces of the global norm."""
         return [self.ps.mp_group]
 
+    def _expert_norm_groups(self) -> list[dist.ProcessGroup | None]:
+        """The same for routed experts' gradients (used when the expert groups differ)."""
+        return [self.ps.expert_mp_group]
+
     def _overflow_groups(self) -> list[dist.ProcessGroup | None]:
         return [self.ps.dp_group, self.ps.mp_group]
 
@@ -231,13 +243,9 @@ class MixedPrecisionOptimizer:
             self.scaler.update(found_inf)
             if found_inf:
                 return False, None, None
-        counted = [m.grad for m in self.mains if m.counted]
-        norm = global_grad_norm(counted, norm_type=self.config.clip_norm_type, groups=self._norm_groups())
+        norm, zeros = self._norm_and_zeros()
         if self.config.clip_grad > 0:
             clip_grads_by_norm([m.grad for m in self.mains], max_norm=self.config.clip_grad, total_norm=norm)
-        zeros = (
-            count_zeros(counted, groups=self._norm_groups()) if self.config.log_num_zeros_in_grad else None
-        )
         for m in self.mains:
             m.main.grad = m.grad
         self.adam.step()
@@ -245,6 +253,23 @@ class MixedPrecisionOptimizer:
             m.main.grad = None  # model grads must never alias the buffer during backward
         self._copy_main_to_model()
         return True, norm, zeros
+
+    def _norm_and_zeros(self) -> tuple[float, int | None]:
+        """Global grad norm (and zero count if logged) of the counted grads: dense and routed
+        experts over their own groups when those differ (:func:`expert_groups_differ`)."""
+        counted = [m for m in self.mains if m.counted]
+        parts = [([m.grad for m in counted], self._norm_groups())]
+        if expert_groups_differ(self.ps):
+            parts = [
+                ([m.grad for m in counted if not is_expert(m.model_param)], self._norm_groups()),
+                ([m.grad for m in counted if is_expert(m.model_param)], self._expert_norm_groups()),
+            ]
+        norm_type = self.config.clip_norm_type
+        norms = [global_grad_norm(g, norm_type=norm_type, groups=groups) for g, groups in parts]
+        norm = max(norms) if norm_type == math.inf else math.sqrt(sum(n * n for n in norms))
+        if not self.config.log_num_zeros_in_grad:
+            return norm, None
+        return norm, sum(count_zeros(g, groups=groups) for g, groups in parts)
 
     def _copy_main_to_model(self) -> None:
         for m in self.mains:

@@ -6,6 +6,15 @@ Ranks are laid out with tensor parallel fastest, then data parallel, then pipeli
 
 so the ``t`` ranks of a TP group are neighbours (one node, fast links) and each pipeline group
 strides over all of the machine.
+
+Mixture-of-experts layers see the same ranks through a second grid, megatron-core's expert rank
+generator (order tp-ep-dp-pp): within a pipeline stage the ``t * d`` ranks are regrouped as expert
+tensor parallel (ETP, fastest) x expert parallel (EP) x expert data parallel (EDP = t d / (ETP EP))::
+
+    rank = etp_rank + ETP * ep_rank + ETP * EP * edp_rank + t * d * pp_rank
+
+so EP is carved out of data parallelism (with ETP = t an EP group holds one TP rank of each of EP
+data-parallel replicas). Expert weights are reduced (and ZeRO-1 sharded) over the EDP groups.
 """
 
 from __future__ import annotations
@@ -41,6 +50,13 @@ class RankLayout:
     pp_groups: Groups
     model_parallel_groups: Groups
     embedding_groups: Groups
+    ep: int = 1
+    etp: int = 1
+    edp: int = 1
+    ep_groups: Groups = ()
+    etp_groups: Groups = ()
+    edp_groups: Groups = ()
+    expert_model_parallel_groups: Groups = ()  # megatron-core's tp-ep-pp of the expert grid
 
     def coords(self, rank: int) -> RankCoord:
         if not 0 <= rank < self.world_size:
@@ -52,11 +68,17 @@ class RankLayout:
             pp_rank=rank // (self.tp * self.dp),
         )
 
+    def expert_coords(self, rank: int) -> tuple[int, int, int]:
+        """``(etp_rank, ep_rank, edp_rank)`` of ``rank`` in the expert grid."""
+        local = rank % (self.tp * self.dp)
+        return local % self.etp, (local // self.etp) % self.ep, local // (self.etp * self.ep)
+
     def rank_of(self, *, tp_rank: int, dp_rank: int, pp_rank: int) -> int:
         return tp_rank + self.tp * dp_rank + self.tp * self.dp * pp_rank
 
     def group_containing(self, kind: str, rank: int) -> tuple[int, ...]:
-        """The group of ``kind`` (``tp``, ``dp``, ``pp``, ``model_parallel``, ``embedding``) holding ``rank``."""
+        """The group of ``kind`` (``tp``, ``dp``, ``pp``, ``model_parallel``, ``embedding``, ``ep``,
+        ``etp``, ``edp``, ``expert_model_parallel``) holding ``rank``."""
         groups: Groups = getattr(self, f"{kind}_groups")
         for group in groups:
             if rank in group:
@@ -70,6 +92,10 @@ class RankLayout:
             "dp": [list(g) for g in self.dp_groups],
             "model_parallel": [list(g) for g in self.model_parallel_groups],
             "embedding": [list(g) for g in self.embedding_groups],
+            "ep": [list(g) for g in self.ep_groups],
+            "etp": [list(g) for g in self.etp_groups],
+            "edp": [list(g) for g in self.edp_groups],
+            "expert_model_parallel": [list(g) for g in self.expert_model_parallel_groups],
         }
 
 
@@ -85,9 +111,44 @@ def check_sizes(world_size: int, tp: int, pp: int, vp: int = 1) -> int:
     return world_size // (tp * pp)
 
 
-def compute_layout(*, world_size: int, tp: int, pp: int, vp: int = 1) -> RankLayout:
-    """Compute all groups for ``world_size`` ranks split ``tp`` x ``pp`` (x data parallel)."""
+def check_expert_sizes(world_size: int, tp: int, pp: int, ep: int, etp: int) -> int:
+    """Validate the expert grid and return the expert data-parallel size ``t d / (ETP EP)``."""
+    for name, value in (("--expert-model-parallel-size", ep), ("--expert-tensor-parallel-size", etp)):
+        if not isinstance(value, int) or value <= 0:
+            raise UserError(f"{name} must be a positive integer, got {value}")
+    if (world_size // pp) % (etp * ep):
+        raise UserError(
+            f"--world-size {world_size} is not divisible by --expert-tensor-parallel-size {etp} x "
+            f"--expert-model-parallel-size {ep} x --pp {pp} = {etp * ep * pp}"
+        )
+    return world_size // (etp * ep * pp)
+
+
+def _expert_groups(tp: int, dp: int, pp: int, ep: int, etp: int) -> dict[str, Groups]:
+    edp = tp * dp // (etp * ep)
+
+    def rank(t: int, e: int, d: int, p: int) -> int:
+        return t + etp * e + etp * ep * d + tp * dp * p
+
+    E, T, D, P = range(ep), range(etp), range(edp), range(pp)
+    return {
+        "ep_groups": tuple(tuple(rank(t, e, d, p) for e in E) for p in P for d in D for t in T),
+        "etp_groups": tuple(tuple(rank(t, e, d, p) for t in T) for p in P for d in D for e in E),
+        "edp_groups": tuple(tuple(rank(t, e, d, p) for d in D) for p in P for e in E for t in T),
+        "expert_model_parallel_groups": tuple(
+            tuple(rank(t, e, d, p) for p in P for e in E for t in T) for d in D
+        ),
+    }
+
+
+def compute_layout(
+    *, world_size: int, tp: int, pp: int, vp: int = 1, ep: int = 1, etp: int | None = None
+) -> RankLayout:
+    """Compute all groups for ``world_size`` ranks split ``tp`` x ``pp`` (x data parallel), and
+    the expert groups of ``ep`` x ``etp`` (``None``: ``tp``) x expert data parallel."""
     dp = check_sizes(world_size, tp, pp, vp)
+    etp = tp if etp is None else etp
+    edp = check_expert_sizes(world_size, tp, pp, ep, etp)
 
     def rank(t: int, d: int, p: int) -> int:
         return t + tp * d + tp * dp * p
@@ -109,4 +170,8 @@ def compute_layout(*, world_size: int, tp: int, pp: int, vp: int = 1) -> RankLay
         pp_groups=pp_groups,
         model_parallel_groups=mp_groups,
         embedding_groups=emb_groups,
+        ep=ep,
+        etp=etp,
+        edp=edp,
+        **_expert_groups(tp, dp, pp, ep, etp),
     )

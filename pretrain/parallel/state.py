@@ -29,6 +29,10 @@ class ParallelState:
     dp_group: ProcessGroup | None = None
     mp_group: ProcessGroup | None = None
     embedding_group: ProcessGroup | None = None
+    ep_group: ProcessGroup | None = None  # expert parallel: ranks holding different experts
+    etp_group: ProcessGroup | None = None  # expert tensor parallel (the TP group, or none with ETP 1)
+    edp_group: ProcessGroup | None = None  # expert data parallel: replicas of the same expert shards
+    expert_mp_group: ProcessGroup | None = None  # ETP x EP x PP: disjoint expert shards (grad norm)
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     rng: RNGStatesTracker = field(default_factory=RNGStatesTracker)
 
@@ -60,6 +64,30 @@ class ParallelState:
     @property
     def vp_size(self) -> int:
         return self.layout.vp
+
+    @property
+    def ep_size(self) -> int:
+        return self.layout.ep
+
+    @property
+    def etp_size(self) -> int:
+        return self.layout.etp
+
+    @property
+    def edp_size(self) -> int:
+        return self.layout.edp
+
+    @property
+    def ep_rank(self) -> int:
+        return self.layout.expert_coords(self.rank)[1]
+
+    @property
+    def etp_rank(self) -> int:
+        return self.layout.expert_coords(self.rank)[0]
+
+    @property
+    def edp_rank(self) -> int:
+        return self.layout.expert_coords(self.rank)[2]
 
     @property
     def is_first_stage(self) -> bool:
@@ -108,13 +136,22 @@ class ParallelState:
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed is not initialised (launch with torchrun)")
         world, rank = dist.get_world_size(), dist.get_rank()
-        layout = compute_layout(world_size=world, tp=config.tp, pp=config.pp, vp=config.vp)
+        layout = compute_layout(
+            world_size=world, tp=config.tp, pp=config.pp, vp=config.vp, ep=config.ep, etp=config.etp
+        )
         mine: dict[str, ProcessGroup | None] = {}
+        made: dict[tuple[int, ...], ProcessGroup] = {}
         for kind in ("tp", "pp", "dp", "model_parallel", "embedding"):
             for ranks in getattr(layout, f"{kind}_groups"):
-                group = dist.new_group(list(ranks))
+                group = made[ranks] = dist.new_group(list(ranks))
                 if rank in ranks:
                     mine[kind] = group if len(ranks) > 1 else None
+        for kind in ("ep", "etp", "edp", "expert_model_parallel"):  # reuse equal dense groups
+            for ranks in getattr(layout, f"{kind}_groups"):
+                if len(ranks) > 1 and ranks not in made:
+                    made[ranks] = dist.new_group(list(ranks))
+                if rank in ranks:
+                    mine[kind] = made[ranks] if len(ranks) > 1 else None
         dev = torch.device(device)
         state = cls(
             layout=layout,
@@ -124,6 +161,10 @@ class ParallelState:
             dp_group=mine.get("dp"),
             mp_group=mine.get("model_parallel"),
             embedding_group=mine.get("embedding"),
+            ep_group=mine.get("ep"),
+            etp_group=mine.get("etp"),
+            edp_group=mine.get("edp"),
+            expert_mp_group=mine.get("expert_model_parallel"),
             device=dev,
             rng=RNGStatesTracker("cuda" if dev.type == "cuda" else "cpu"),
         )

@@ -33,6 +33,18 @@ def partition_dim(param: torch.Tensor) -> int | None:
     return getattr(param, "tp_partition_dim", None)
 
 
+def mark_expert(param: torch.Tensor) -> Any:
+    """Flag a routed expert's parameter: its gradient is reduced (and ZeRO-1 sharded) over the
+    expert data-parallel group, not the dense one (megatron-core's ``allreduce=False``)."""
+    param.is_expert = True  # type: ignore[attr-defined]
+    return param
+
+
+def is_expert(param: torch.Tensor) -> bool:
+    """Whether ``param`` belongs to a routed expert (see :func:`mark_expert`)."""
+    return bool(getattr(param, "is_expert", False))
+
+
 def _divide(n: int, d: int, what: str) -> int:
     if n % d:
         raise ValueError(f"{what} {n} is not divisible by tensor-parallel size {d}")

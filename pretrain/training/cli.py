@@ -29,8 +29,9 @@ from pretrain.config import DTypeFlags, DTypeName, ModelConfig, ParallelConfig
 from pretrain.data.gpt_dataset import GPTDatasetConfig, data_hash
 from pretrain.model_options import add_model_flags, config_kwargs_from_flags
 from pretrain.models.kinds import KINDS, kind_of
+from pretrain.models.moe.dispatch import check_expert_parallel
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
-from pretrain.parallel.layout import check_sizes
+from pretrain.parallel.layout import check_expert_sizes, check_sizes
 from pretrain.pipeline.partition import stage_layer_numbers
 from pretrain.tokenizer.factory import TokenizerConfig, build_tokenizer
 from pretrain.tokenizer.flags import add_tokenizer_arguments
@@ -55,7 +56,7 @@ def add_parallel_args(p: OneLineParser) -> None:
         "--num-layers-per-virtual-pipeline-stage", type=int, default=None
     )  # sets ParallelConfig.vp
     add_flag_group(p, ParallelConfig, title="parallelism", group=g,
-                   include=("num_layers_in_first_stage", "num_layers_in_last_stage"))  # fmt: skip
+                   include=("num_layers_in_first_stage", "num_layers_in_last_stage", *ParallelConfig.EXPERT))  # fmt: skip
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g.add_argument("--overlap-grad-reduce", action="store_true")
     g.add_argument("--pipeline-schedule", choices=("1f1b", "fthenb"), default="1f1b")
@@ -158,6 +159,7 @@ def configs_from_args(args: Any, *, world_size: int) -> dict[str, Any]:
     model = ModelConfig(vocab_size=tokenizer.vocab_size, params_dtype=dtype, bidirectional=kind.bidirectional,
                         num_tokentypes=kind.tokentypes, post_layernorm=args.post_layernorm, **options)  # type: ignore[arg-type]  # fmt: skip
     model.check_training_tensor_parallel(parallel.tp)
+    check_expert_parallel(model, parallel.ep, etp=parallel.expert_tp, tp=parallel.tp)
     if args.seq_length > model.max_position_embeddings:
         raise UserError(
             f"--seq-length {args.seq_length} exceeds --max-position-embeddings {model.max_position_embeddings}"
@@ -169,6 +171,7 @@ def configs_from_args(args: Any, *, world_size: int) -> dict[str, Any]:
             f"launch a multiple of {parallel.tp * parallel.pp} processes"
         )
     dp = check_sizes(world_size, parallel.tp, parallel.pp, parallel.vp)
+    check_expert_sizes(world_size, parallel.tp, parallel.pp, parallel.ep, parallel.expert_tp)
     stage_layer_numbers(model.num_layers, pp=parallel.pp, vp=parallel.vp,
                         first=parallel.num_layers_in_first_stage, last=parallel.num_layers_in_last_stage)  # fmt: skip
     train = TrainingConfig(

@@ -23,31 +23,41 @@ from pretrain.tensor_parallel.layers import mark_partition
 
 
 class LocalLinear(nn.Module):
-    """``weight`` of one TP shard, split along ``dim`` (0: output rows, 1: input columns); no
-    collective: the caller owns the TP region around a group of these."""
+    """``weight`` of one shard of ``tp`` (default: the TP size), split along ``dim`` (0: output
+    rows, 1: input columns; whole when ``tp`` is 1); no collective: the caller owns the TP region
+    around a group of these."""
 
     def __init__(
-        self, out_features: int, in_features: int, *, dim: int, cfg: ModelConfig, ps: ParallelState
+        self,
+        out_features: int,
+        in_features: int,
+        *,
+        dim: int,
+        cfg: ModelConfig,
+        ps: ParallelState,
+        tp: int | None = None,
     ) -> None:
         super().__init__()
+        tp = ps.tp_size if tp is None else tp
         shape = [out_features, in_features]
-        shape[dim] //= ps.tp_size
+        shape[dim] //= tp
         kw: dict[str, Any] = {"device": ps.device, "dtype": DTYPES[cfg.params_dtype]}
-        self.weight = mark_partition(nn.Parameter(torch.empty(*shape, **kw)), dim)
+        self.weight = mark_partition(nn.Parameter(torch.empty(*shape, **kw)), dim if tp > 1 else None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)
 
 
 class ExpertMLP(nn.Module):
-    """One expert of width ``ffn`` on this TP rank's slice: input ``[n, h]`` (inside the TP
-    region), output ``[n, h]`` *partial* (summed over the TP group by the caller)."""
+    """One expert of width ``ffn`` on this rank's slice of ``tp`` (default: the TP size; a routed
+    expert uses the expert TP size): input ``[n, h]`` (inside the TP region), output ``[n, h]``
+    *partial* (summed over the TP group by the caller)."""
 
-    def __init__(self, cfg: ModelConfig, ps: ParallelState, ffn: int) -> None:
+    def __init__(self, cfg: ModelConfig, ps: ParallelState, ffn: int, *, tp: int | None = None) -> None:
         super().__init__()
         fc1_rows = 2 * ffn if cfg.swiglu else ffn
-        self.dense_h_to_4h = LocalLinear(fc1_rows, cfg.hidden_size, dim=0, cfg=cfg, ps=ps)
-        self.dense_4h_to_h = LocalLinear(cfg.hidden_size, ffn, dim=1, cfg=cfg, ps=ps)
+        self.dense_h_to_4h = LocalLinear(fc1_rows, cfg.hidden_size, dim=0, cfg=cfg, ps=ps, tp=tp)
+        self.dense_4h_to_h = LocalLinear(cfg.hidden_size, ffn, dim=1, cfg=cfg, ps=ps, tp=tp)
         self.swiglu = cfg.swiglu
         self.squared_relu = cfg.squared_relu
         self.approximate = "tanh" if cfg.gelu == "tanh" else "none"

@@ -1,8 +1,10 @@
 """The mixture-of-experts MLP of a layer (Megatron's ``MoELayer``), tensor-parallel.
 
-Every TP rank of a group sees all tokens (no expert parallelism yet) and holds the TP slice of
-every expert (expert-TP = TP), so the routed and shared experts contribute *partial* outputs that
-one all-reduce over the TP group sums (g), as in the dense MLP. The router runs on the replicated
+Every TP rank of a group sees all tokens and holds the TP slice of each of its experts (or, with
+ETP 1, whole experts for its share of the tokens); with expert parallelism it holds ``E / EP`` of
+them and exchanges tokens with its EP group (:mod:`pretrain.models.moe.dispatch`). Either way the
+routed and shared experts contribute *partial* outputs that one all-reduce over the TP group sums
+(g), as in the dense MLP. The router runs on the replicated
 input; its probabilities and the shared-expert gate enter the TP region through f, so their
 gradients are summed over the TP group and every rank holds the same router gradient.
 """
@@ -16,10 +18,12 @@ from torch import nn
 
 from pretrain.config import ModelConfig
 from pretrain.models.moe.capacity import keep_mask
+from pretrain.models.moe.dispatch import ExpertDispatcher
 from pretrain.models.moe.experts import ExpertMLP, SharedExpertMLP
 from pretrain.models.moe.losses import RouterStats, attach_loss, load_balancing_loss, z_loss
 from pretrain.models.moe.router import Routing, TopKRouter
 from pretrain.parallel.state import ParallelState
+from pretrain.tensor_parallel.layers import mark_expert
 from pretrain.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 
 
@@ -41,7 +45,12 @@ class MoEMLP(nn.Module):
         self.topk = cfg.moe_router_topk
         self.group = ps.tp_group
         self.router = TopKRouter(cfg, ps)
-        self.experts = nn.ModuleList(ExpertMLP(cfg, ps, cfg.moe_ffn_size) for _ in range(self.num_experts))
+        self.dispatcher = ExpertDispatcher(cfg, ps)
+        self.experts = nn.ModuleList(  # this EP rank's experts, local index i = global first + i
+            ExpertMLP(cfg, ps, cfg.moe_ffn_size, tp=ps.etp_size) for _ in range(self.dispatcher.num_local)
+        )
+        for p in self.experts.parameters():
+            mark_expert(p)
         if cfg.moe_shared_expert_intermediate_size is not None:
             self.shared_experts = SharedExpertMLP(cfg, ps)
         self.tokens_per_expert: torch.Tensor | None = None
@@ -50,18 +59,11 @@ class MoEMLP(nn.Module):
 
     def _routed(self, x: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
         """Partial routed output ``[T, h]``: tokens grouped by expert (stable, so each expert sees
-        its tokens in order), each group through its expert, weighted, scattered back by sum.
-        Slots with ``experts == E`` (dropped past capacity) are skipped."""
-        flat = experts.reshape(-1)
-        order = torch.argsort(flat, stable=True)
-        token = order // self.topk
-        counts = torch.bincount(flat, minlength=self.num_experts + 1)
+        its tokens in order), each group through its expert (here or on an EP peer), weighted,
+        scattered back by sum. Slots with ``experts == E`` (dropped past capacity) are skipped."""
+        counts = torch.bincount(experts.reshape(-1), minlength=self.num_experts + 1)
         self.tokens_per_expert = counts[: self.num_experts].detach()
-        pieces = x[token].split(counts.tolist())
-        y = torch.cat([expert(p) for expert, p in zip(self.experts, pieces, strict=False)])
-        kept = y.shape[0]
-        y = y * probs.reshape(-1)[order[:kept]].unsqueeze(-1)
-        return torch.zeros_like(x).index_add(0, token[:kept], y)
+        return self.dispatcher(x, experts, probs, self.experts)
 
     def _route(self, flat: torch.Tensor) -> Routing:
         """Route ``flat [T, h]``; drop past capacity; in training attach the router losses."""

@@ -1,0 +1,272 @@
+"""Expert parallelism (issue 27): megatron-core's expert groups, and EP / ETP training equal to one
+process on loss, every gradient and the optimizer steps (plain and ZeRO-1)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from contextlib import nullcontext
+from typing import Any
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from pretrain.config import ParallelConfig
+from pretrain.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads, global_loss_tokens
+from pretrain.models.gpt import GPTModel
+from pretrain.models.sharding import gather_full_state_dict, load_full_state_dict
+from pretrain.optim import build_optimizer
+from pretrain.parallel.layout import compute_layout
+from pretrain.parallel.layout_cli import main as layout_main
+from pretrain.parallel.state import ParallelState
+from pretrain.utils.errors import UserError
+from tests.distributed import run_distributed
+from tests.dp_training import OPT, global_batches, local_microbatches, masked_sum_loss
+from tests.test_moe_parallel import moe_config, moe_weights
+
+TOL = {"rtol": 1e-5, "atol": 1e-6}
+
+
+# ------------------------------------------------------------------ layout: megatron-core's groups
+
+
+def megatron_core_groups(
+    world: int, tp: int, pp: int, ep: int, etp: int | None
+) -> dict[str, list[list[int]]]:
+    """Every group megatron-core 0.16.1's ``initialize_model_parallel`` creates for ``world`` ranks,
+    by description, recorded from its ``new_group`` calls (no processes: the group objects are stubs)."""
+    from megatron.core import parallel_state as mps
+
+    made: dict[str, list[list[int]]] = {}
+
+    def new_group(ranks: Any = None, **kw: Any) -> object:
+        made.setdefault(str(kw.get("group_desc")), []).append(list(ranks))
+        return object()
+
+    with (
+        mock.patch.object(dist, "new_group", new_group),
+        mock.patch.object(dist, "get_world_size", lambda *a, **k: world),
+        mock.patch.object(dist, "get_rank", lambda *a, **k: 0),
+        mock.patch.object(dist, "is_initialized", lambda: True),
+    ):
+        try:
+            mps.initialize_model_parallel(
+                tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, expert_model_parallel_size=ep,
+                expert_tensor_parallel_size=etp, create_gloo_process_groups=False,
+            )  # fmt: skip
+        finally:
+            mps.destroy_model_parallel()
+    return made
+
+
+WORLDS = [  # (world, tp, pp, ep, etp)
+    (4, 1, 1, 4, None), (4, 1, 1, 2, None), (4, 2, 1, 2, None), (4, 2, 1, 2, 1), (4, 1, 2, 2, None),
+    (8, 2, 2, 2, None), (16, 2, 2, 4, 1), (16, 4, 1, 2, None), (32, 2, 4, 2, 1), (8, 2, 1, 4, 1),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("world", "tp", "pp", "ep", "etp"), WORLDS)
+def test_expert_groups_equal_megatron_cores(world: int, tp: int, pp: int, ep: int, etp: int | None) -> None:
+    peer = megatron_core_groups(world, tp, pp, ep, etp)
+    ours = compute_layout(world_size=world, tp=tp, pp=pp, ep=ep, etp=etp).as_dict()
+    pairs = {
+        "ep": "EXPERT_MODEL_PARALLEL_GROUP", "etp": "EXPERT_TENSOR_PARALLEL_GROUP",
+        "edp": "EXPERT_DATA_PARALLEL_GROUP", "expert_model_parallel": "EXPERT_TENSOR_MODEL_PIPELINE_PARALLEL_GROUP",
+        "tp": "TENSOR_MODEL_PARALLEL_GROUP", "dp": "DATA_PARALLEL_GROUP", "pp": "PIPELINE_MODEL_PARALLEL_GROUP",
+    }  # fmt: skip
+    for kind, desc in pairs.items():
+        assert ours[kind] == peer[desc], (kind, ours[kind], peer[desc])
+
+
+def test_expert_coordinates_and_cli(capsys: pytest.CaptureFixture[str]) -> None:
+    lay = compute_layout(world_size=8, tp=2, pp=1, ep=4, etp=1)
+    for r in range(8):
+        etp_rank, ep_rank, edp_rank = lay.expert_coords(r)
+        assert r in lay.ep_groups[lay.ep_groups.index(lay.group_containing("ep", r))]
+        assert lay.group_containing("ep", r)[ep_rank] == r and lay.group_containing("edp", r)[edp_rank] == r
+        assert etp_rank == 0
+    assert (
+        layout_main(["--world-size", "8", "--tp", "2", "--expert-model-parallel-size", "4", "--etp", "1"])
+        == 0
+    )
+    out = capsys.readouterr().out
+    assert "ep groups" in out and "edp groups" in out and "etp 1 x ep 4 x edp 2" in out
+    with pytest.raises(SystemExit) as exc:
+        layout_main(["--world-size", "6", "--ep", "4"])
+    assert exc.value.code == 2
+    assert "--expert-model-parallel-size 4" in capsys.readouterr().err
+    with pytest.raises(UserError, match="--expert-model-parallel-size must be a positive"):
+        ParallelConfig(ep=0)
+
+
+# ------------------------------------------------------------------ training equals one process
+
+
+def _step_worker(
+    rank: int, world: int, par: ParallelConfig, cfg, weights, batches, ddp_cfg, opt_cfg, micro: int
+):
+    """pp = 1: per step the global loss, (first step) every full gradient, the norm; then params."""
+    ps = ParallelState.from_distributed(par, seed=0)
+    model = GPTModel(cfg, ps)
+    load_full_state_dict(model, weights)
+    ddp = DistributedDataParallel(model, ps, ddp_cfg)
+    opt = build_optimizer(opt_cfg, [ddp], ps)
+    losses, grads, steps = [], None, []
+    for data in batches:
+        mbs = local_microbatches(data, ps, micro)
+        n_tokens = global_loss_tokens([m["loss_mask"] for m in mbs], ps)
+        opt.zero_grad()
+        total = torch.zeros(())
+        for i, mb in enumerate(mbs):
+            with ddp.no_sync() if i < micro - 1 else nullcontext():
+                loss = masked_sum_loss(model(mb["tokens"], labels=mb["labels"]), mb["loss_mask"], n_tokens)
+                opt.scale_loss(loss).backward()
+                total += loss.detach()
+        finalize_model_grads([ddp])
+        if ps.dp_group is not None:
+            dist.all_reduce(total, group=ps.dp_group)
+        losses.append(total)
+        if grads is None and not ddp_cfg.use_distributed_optimizer:
+            grads = {k: v.clone() for k, v in gather_full_state_dict(model, grads=True).items()}  # not views
+        steps.append(opt.step()[:2])
+    return {"losses": losses, "grads": grads, "steps": steps, "params": gather_full_state_dict(model)}
+
+
+def _merged(results: list[dict[str, Any]], key: str) -> dict[str, torch.Tensor]:
+    """Every rank's canonical tensors in one dict; copies held by several ranks must agree."""
+    out: dict[str, torch.Tensor] = {}
+    for r in results:
+        for name, v in (r[key] or {}).items():
+            if name in out:
+                torch.testing.assert_close(v, out[name], rtol=0, atol=0, msg=lambda m, n=name: f"{n}: {m}")
+            out[name] = v
+    return out
+
+
+def _check(results: list[dict[str, Any]], ref: dict[str, Any], *, grads: bool) -> None:
+    for r in results:
+        for got, want in zip(r["losses"], ref["losses"], strict=True):
+            torch.testing.assert_close(got, want, **TOL)
+        for (ok, norm), (_, ref_norm) in zip(r["steps"], ref["steps"], strict=True):
+            assert ok and norm == pytest.approx(ref_norm, rel=1e-5)
+    pairs = [("params", ref["params"])] + ([("grads", ref["grads"])] if grads else [])
+    for key, want_all in pairs:
+        got_all = _merged(results, key)
+        assert set(got_all) == set(want_all), key
+        assert any(".mlp.experts.3." in n for n in got_all)
+        for name, want in want_all.items():
+            torch.testing.assert_close(got_all[name], want, **TOL, msg=lambda m, n=name: f"{key} {n}: {m}")
+
+
+def _reference(cfg, weights, batches, opt_cfg) -> dict[str, Any]:
+    """The same loop in one process, each global batch as one microbatch, plain optimizer."""
+    ps = ParallelState.single()
+    dist_free = dataclasses.replace(opt_cfg, use_distributed_optimizer=False)
+    return _step_worker_single(ps, cfg, weights, batches, dist_free)
+
+
+def _step_worker_single(ps: ParallelState, cfg, weights, batches, opt_cfg) -> dict[str, Any]:
+    with mock.patch.object(ParallelState, "from_distributed", lambda *a, **k: ps):
+        return _step_worker(0, 1, ParallelConfig(), cfg, weights, batches, DDPConfig(), opt_cfg, 1)
+
+
+LAYOUTS = {  # name: (world, ParallelConfig)
+    "ep2": (2, ParallelConfig(ep=2)),
+    "dp4_ep4": (4, ParallelConfig(ep=4)),
+    "dp4_ep2": (4, ParallelConfig(ep=2)),
+    "tp2_ep2": (4, ParallelConfig(tp=2, ep=2)),
+    "tp2_ep2_etp1": (4, ParallelConfig(tp=2, ep=2, etp=1)),
+    "tp2_etp1": (2, ParallelConfig(tp=2, etp=1)),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero1", [False, True], ids=["plain", "zero1"])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_expert_parallel_training_equals_single_process(layout: str, zero1: bool) -> None:
+    world, par = LAYOUTS[layout]
+    cfg = moe_config()
+    weights, batches = moe_weights(cfg), global_batches(cfg, steps=2)
+    opt_cfg = dataclasses.replace(OPT, use_distributed_optimizer=zero1)
+    ref = _reference(cfg, weights, batches, opt_cfg)
+    ddp_cfg = DDPConfig(use_distributed_optimizer=zero1)
+    results = run_distributed(_step_worker, world, par, cfg, weights, batches, ddp_cfg, opt_cfg, 2)
+    _check(results, ref, grads=not zero1)
+
+
+def _pp_worker(
+    rank: int, world: int, par: ParallelConfig, cfg, weights, batches, ddp_cfg, opt_cfg, micro: int
+):
+    from pretrain.pipeline.embedding_sync import allreduce_embedding_grads
+    from pretrain.pipeline.partition import build_model_chunks
+    from pretrain.pipeline.schedules import forward_backward
+
+    ps = ParallelState.from_distributed(par, seed=0)
+    chunks = build_model_chunks(cfg, ps)
+    for c in chunks:
+        load_full_state_dict(c, weights, strict=True)
+    ddps = [DistributedDataParallel(c, ps, ddp_cfg) for c in chunks]
+    opt = build_optimizer(opt_cfg, ddps, ps)
+    for d in ddps:
+        d.grad_accumulation_steps = micro
+    losses, grads, steps = [], [], []
+    for data in batches:
+        mbs = local_microbatches(data, ps, micro)
+        n_tokens = global_loss_tokens([m["loss_mask"] for m in mbs], ps)
+        opt.zero_grad()
+        total = torch.zeros(())
+
+        def loss_fn(out: torch.Tensor, mb: dict[str, Any], n: float = n_tokens) -> torch.Tensor:
+            nonlocal total
+            loss = masked_sum_loss(out, mb["loss_mask"], n)
+            total = total + loss.detach()
+            return opt.scale_loss(loss)
+
+        def finalize() -> None:
+            finalize_model_grads(ddps, embedding_sync=lambda: allreduce_embedding_grads(chunks, ps))
+            if not grads and not ddp_cfg.use_distributed_optimizer:
+                grads.extend(
+                    {k: v.clone() for k, v in gather_full_state_dict(c, grads=True).items()} for c in chunks
+                )
+
+        forward_backward(chunks=chunks, ps=ps, microbatches=mbs, loss_fn=loss_fn, finalize_grads=finalize)
+        if ps.dp_group is not None:
+            dist.all_reduce(total, group=ps.dp_group)
+        losses.append(total)
+        steps.append(opt.step()[:2])
+    params = {k: v for c in chunks for k, v in gather_full_state_dict(c).items()}
+    last = ps.is_last_stage
+    return {"losses": losses if last else None, "grads": {k: v for g in grads for k, v in g.items()},
+            "steps": steps, "params": params}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero1", [False, True], ids=["plain", "zero1"])
+def test_pp2_ep2_training_equals_single_process(zero1: bool) -> None:
+    cfg = moe_config(num_layers=4)
+    weights, batches = moe_weights(cfg), global_batches(cfg, steps=2)
+    opt_cfg = dataclasses.replace(OPT, use_distributed_optimizer=zero1)
+    ref = _reference(cfg, weights, batches, opt_cfg)
+    ddp_cfg = DDPConfig(use_distributed_optimizer=zero1)
+    results = run_distributed(
+        _pp_worker, 4, ParallelConfig(pp=2, ep=2), cfg, weights, batches, ddp_cfg, opt_cfg, 2
+    )
+    lasts = [r for r in results if r["losses"] is not None]
+    assert len(lasts) == 2
+    for r in results:
+        if r["losses"] is None:
+            r["losses"] = lasts[0]["losses"]
+    _check(results, ref, grads=not zero1)
+
+
+def test_bad_expert_layouts_are_refused() -> None:
+    cfg = moe_config()
+    lay = compute_layout(world_size=6, tp=1, pp=1, ep=3)
+    with pytest.raises(UserError, match="--num-experts 4 is not divisible by --expert-model-parallel-size 3"):
+        GPTModel(cfg, ParallelState(layout=lay, rank=0))
+    lay = compute_layout(world_size=8, tp=4, pp=1, ep=1, etp=2)
+    with pytest.raises(UserError, match="--expert-tensor-parallel-size 2 is not supported with --tp 4"):
+        GPTModel(dataclasses.replace(cfg, num_attention_heads=4), ParallelState(layout=lay, rank=0))
+    assert list(itertools.chain(*compute_layout(world_size=4, tp=1, pp=1, ep=2).ep_groups)) == [0, 1, 2, 3]
