@@ -157,7 +157,9 @@ def _check(results: list[dict[str, Any]], ref: dict[str, Any], *, grads: bool) -
         assert set(got_all) == set(want_all), key
         assert any(".mlp.experts.3." in n for n in got_all)
         for name, want in want_all.items():
-            torch.testing.assert_close(got_all[name], want, **TOL, msg=lambda m, n=name: f"{key} {n}: {m}")
+            torch.testing.assert_close(
+                got_all[name], want, **TOL, msg=lambda m, n=name, k=key: f"{k} {n}: {m}"
+            )
 
 
 def _reference(cfg, weights, batches, opt_cfg) -> dict[str, Any]:
@@ -270,3 +272,70 @@ def test_bad_expert_layouts_are_refused() -> None:
     with pytest.raises(UserError, match="--expert-tensor-parallel-size 2 is not supported with --tp 4"):
         GPTModel(dataclasses.replace(cfg, num_attention_heads=4), ParallelState(layout=lay, rank=0))
     assert list(itertools.chain(*compute_layout(world_size=4, tp=1, pp=1, ep=2).ep_groups)) == [0, 1, 2, 3]
+
+
+# ------------------------------------------------------------------ mlm-pretrain under torchrun
+
+MOE_FLAGS = {
+    "normalization": "RMSNorm", "swiglu": True, "position-embedding-type": "rope",
+    "untie-embeddings-and-output-weights": True, "disable-bias-linear": True, "ffn-hidden-size": 48,
+    "num-experts": 4, "moe-router-topk": 2, "moe-ffn-hidden-size": 16, "num-layers": 2,
+    "expert-model-parallel-size": 2, "use-distributed-optimizer": True, "adam-eps": 1e-5,
+}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_mlm_pretrain_with_expert_parallelism_resumes_bitwise(gpt_data: dict[str, str], tmp_path) -> None:
+    import json
+
+    from tests.distributed import torchrun
+    from tests.train_fixtures import gpt_args
+
+    def run(iters: int, name: str, **kw: object) -> list[float]:
+        log = tmp_path / f"{name}.jsonl"
+        argv = gpt_args(gpt_data, **MOE_FLAGS, **{"train-iters": iters, "log-json": log, **kw})  # type: ignore[arg-type]
+        proc = torchrun(2, "pretrain.training.cli", argv)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "loss" in r]
+
+    full = run(4, "full", save=tmp_path / "full")
+    first = run(2, "a", save=tmp_path / "ck")
+    assert sorted(p.name for p in (tmp_path / "ck" / "iter_0000002").iterdir()) == [
+        "mp_rank_00_000",
+        "mp_rank_00_001",
+    ]
+    second = run(4, "b", load=tmp_path / "ck", save=tmp_path / "ck")
+    assert first + second == full  # bitwise: the same floats
+    for rank_dir in ("mp_rank_00_000", "mp_rank_00_001"):
+        want = torch.load(
+            tmp_path / "full" / "iter_0000004" / rank_dir / "model_optim_rng.pt", weights_only=False
+        )
+        got = torch.load(
+            tmp_path / "ck" / "iter_0000004" / rank_dir / "model_optim_rng.pt", weights_only=False
+        )
+        flat_w, flat_g = _flat(want["model"]), _flat(got["model"])
+        assert set(flat_w) == set(flat_g) and any("experts" in k for k in flat_w)
+        for k, v in flat_w.items():
+            assert torch.equal(flat_g[k], v), (rank_dir, k)
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        elif isinstance(v, torch.Tensor):
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def test_mlm_pretrain_refuses_experts_that_do_not_split(gpt_data: dict[str, str], capsys) -> None:
+    from pretrain.training.cli import main as pretrain_main
+    from tests.train_fixtures import gpt_args
+
+    argv = gpt_args(gpt_data, **{**MOE_FLAGS, "expert-model-parallel-size": 3})  # type: ignore[arg-type]
+    with pytest.raises(SystemExit) as exc:
+        pretrain_main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--num-experts 4 is not divisible by --expert-model-parallel-size 3" in err[0]

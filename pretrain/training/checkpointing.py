@@ -19,12 +19,17 @@ from typing import Any
 import torch.distributed as dist
 
 from pretrain.checkpoint.args import parallel_config_from_args
-from pretrain.checkpoint.legacy.io import load_checkpoint, load_rank_file, restore_rng_state, save_checkpoint
+from pretrain.checkpoint.legacy.io import (
+    load_checkpoint,
+    load_rank_file,
+    rank_dir_of,
+    restore_rng_state,
+    save_checkpoint,
+)
 from pretrain.checkpoint.legacy.layout import (
     DISTRIB_OPTIM_FILE,
     MODEL_FILE,
     list_rank_dirs,
-    rank_dir_name,
     resolve_iteration,
 )
 from pretrain.checkpoint.lora_adapter import ADAPTER_FILE, LoraBase, adapter_file_entry
@@ -110,6 +115,11 @@ def check_layout(
             f"tp={here[0]} pp={here[1]} vp={here[2]}; reshard it first: mlm-convert reshard --load {root} "
             f"--save NEW_DIR --target-tp {here[0]} --target-pp {here[1]} --target-vp {here[2]}"
         )
+    if (saved.ep, saved.expert_tp) != (ps.ep_size, ps.etp_size):
+        raise UserError(
+            f"{root}: checkpoint was saved with expert parallelism ep={saved.ep} etp={saved.expert_tp}, this "
+            f"run uses ep={ps.ep_size} etp={ps.etp_size}; resume with the saved expert layout"
+        )
 
 
 def load_model_weights(root: str | Path, chunks: Sequence[ShardedModule], ps: ParallelState, *,
@@ -170,7 +180,7 @@ def _load_optimizer(it_dir: Path, ps: ParallelState, optimizer: MixedPrecisionOp
     A distributed optimizer takes its own shard when the DP size matches, else its element ranges
     of the full state (``mlm-convert reshard --with-optimizer`` writes the full form); a
     non-distributed optimizer reassembles ``distrib_optim.pt`` shards into the full form."""
-    rank_dir = it_dir / rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size)
+    rank_dir = it_dir / rank_dir_of(ps, dp_rank=0)  # DP rank 0 gathered the ZeRO-1 shards
     path = rank_dir / DISTRIB_OPTIM_FILE
     shards = (load_rank_file(path).get("shards") or []) if path.exists() else None
     if isinstance(optimizer, DistributedOptimizer) and shards is not None and len(shards) == ps.dp_size:

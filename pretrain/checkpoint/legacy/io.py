@@ -94,6 +94,27 @@ def restore_rng_state(ps: ParallelState, state: dict[str, Any]) -> None:
     ps.rng.set_states(state["rng_tracker_states"])
 
 
+def rank_dir_of(ps: ParallelState, *, dp_rank: int | None = None) -> str:
+    """The directory of this rank's model file (``dp_rank``: of that DP replica's rank at this
+    rank's TP/PP coordinates): with expert parallelism one per expert-parallel rank, since
+    each holds other experts (``mp_rank_TT[_PPP]_EEE``)."""
+    if ps.ep_size == 1:
+        return rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size)
+    rank = (
+        ps.rank
+        if dp_rank is None
+        else ps.layout.rank_of(tp_rank=ps.tp_rank, dp_rank=dp_rank, pp_rank=ps.pp_rank)
+    )
+    return rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size, ps.layout.expert_coords(rank)[1])
+
+
+def writes_rank_dir(ps: ParallelState) -> bool:
+    """Whether this rank writes its directory's model file: the lowest DP rank holding the same
+    TP/PP shard (and, with expert parallelism, the same experts)."""
+    mine = rank_dir_of(ps)
+    return next(d for d in range(ps.dp_size) if rank_dir_of(ps, dp_rank=d) == mine) == ps.dp_rank
+
+
 def save_checkpoint(
     root: str | Path,
     iteration: int,
@@ -122,8 +143,8 @@ def save_checkpoint(
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
-    rank_dir = tmp / rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size)
-    if ps.dp_rank == 0:
+    rank_dir = tmp / rank_dir_of(ps)
+    if writes_rank_dir(ps):
         rank_dir.mkdir(exist_ok=True)
         state = {
             "iteration": iteration,
@@ -181,7 +202,7 @@ def load_checkpoint(
     ``opt_param_scheduler``, ``rng_state``). Other layouts: reshard with ``mlm-convert reshard``.
     """
     it_dir = resolve_iteration(root, iteration)
-    path = it_dir / rank_dir_name(ps.tp_rank, ps.pp_rank, ps.pp_size) / MODEL_FILE
+    path = it_dir / rank_dir_of(ps) / MODEL_FILE
     state = load_rank_file(path)
     keys = ["model"] if len(chunks) == 1 else [f"model{i}" for i in range(len(chunks))]
     for key, chunk in zip(keys, chunks, strict=True):

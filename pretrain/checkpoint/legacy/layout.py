@@ -27,7 +27,7 @@ TRACKER = "latest_checkpointed_iteration.txt"
 MODEL_FILE = "model_optim_rng.pt"
 DISTRIB_OPTIM_FILE = "distrib_optim.pt"
 CHECKPOINT_VERSION = 3.0
-_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?$")
+_RANK_DIR = re.compile(r"^mp_rank_(\d{2})(?:_(\d{3}))?(?:_(\d{3}))?$")  # a third part: expert-parallel rank
 
 
 def iteration_dir(root: str | Path, iteration: int | str) -> Path:
@@ -35,8 +35,11 @@ def iteration_dir(root: str | Path, iteration: int | str) -> Path:
     return Path(root) / name
 
 
-def rank_dir_name(tp_rank: int, pp_rank: int, pp: int) -> str:
-    return f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+def rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int | None = None) -> str:
+    """``mp_rank_TT[_PPP]``, and with expert parallelism Megatron's ``_EEE`` suffix (the
+    expert-parallel rank; ``mp_rank_TT_EEE`` when pp is 1, as Megatron names it)."""
+    name = f"mp_rank_{tp_rank:02d}" if pp == 1 else f"mp_rank_{tp_rank:02d}_{pp_rank:03d}"
+    return name if ep_rank is None else f"{name}_{ep_rank:03d}"
 
 
 def parse_rank_dir(name: str) -> tuple[int, int] | None:
