@@ -42,7 +42,7 @@ def counts_for_norm(name: str, param: nn.Parameter, ps: ParallelState) -> bool:
 def expert_groups_differ(ps: ParallelState) -> bool:
     """Whether routed experts need norms of their own: with EP > 1 or ETP != TP their
     replicas and shards follow the expert groups, not the dense ones (equal otherwise)."""
-    return ps.ep_size > 1 or ps.etp_size != ps.tp_size
+    return ps.layout.has_expert_groups
 
 
 def _reduce(value: torch.Tensor, groups: Sequence[ProcessGroup | None], op: dist.ReduceOp.RedOpType) -> None:

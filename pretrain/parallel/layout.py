@@ -85,13 +85,24 @@ class RankLayout:
                 return group
         return ()
 
+    @property
+    def has_expert_groups(self) -> bool:
+        """Whether the expert grid differs from the dense one (EP > 1 or ETP != TP)."""
+        return self.ep > 1 or self.etp != self.tp
+
     def as_dict(self) -> dict[str, list[list[int]]]:
-        return {
+        """Every kind of group; the expert kinds only where :attr:`has_expert_groups`."""
+        dense = {
             "tp": [list(g) for g in self.tp_groups],
             "pp": [list(g) for g in self.pp_groups],
             "dp": [list(g) for g in self.dp_groups],
             "model_parallel": [list(g) for g in self.model_parallel_groups],
             "embedding": [list(g) for g in self.embedding_groups],
+        }
+        if not self.has_expert_groups:
+            return dense
+        return {
+            **dense,
             "ep": [list(g) for g in self.ep_groups],
             "etp": [list(g) for g in self.etp_groups],
             "edp": [list(g) for g in self.edp_groups],

@@ -37,7 +37,11 @@ def _render(layout: RankLayout, console: Console) -> None:
     console.print(
         f"world {layout.world_size} = tp {layout.tp} x dp {layout.dp} x pp {layout.pp}"
         + (f" (virtual chunks {layout.vp})" if layout.vp > 1 else "")
-        + f"; experts: etp {layout.etp} x ep {layout.ep} x edp {layout.edp} x pp {layout.pp}"
+        + (
+            f"; experts: etp {layout.etp} x ep {layout.ep} x edp {layout.edp} x pp {layout.pp}"
+            if layout.has_expert_groups
+            else ""
+        )
     )
     for kind, groups in layout.as_dict().items():
         table = Table(title=f"{kind} groups ({len(groups)})", show_header=True)
