@@ -174,13 +174,14 @@ def _step_worker_single(ps: ParallelState, cfg, weights, batches, opt_cfg) -> di
         return _step_worker(0, 1, ParallelConfig(), cfg, weights, batches, DDPConfig(), opt_cfg, 1)
 
 
-LAYOUTS = {  # name: (world, ParallelConfig)
-    "ep2": (2, ParallelConfig(ep=2)),
-    "dp4_ep4": (4, ParallelConfig(ep=4)),
-    "dp4_ep2": (4, ParallelConfig(ep=2)),
-    "tp2_ep2": (4, ParallelConfig(tp=2, ep=2)),
-    "tp2_ep2_etp1": (4, ParallelConfig(tp=2, ep=2, etp=1)),
-    "tp2_etp1": (2, ParallelConfig(tp=2, etp=1)),
+LAYOUTS: dict[str, tuple[int, ParallelConfig, dict[str, Any]]] = {  # name: (world, layout, model options)
+    "ep2": (2, ParallelConfig(ep=2), {}),
+    "ep2_recompute": (2, ParallelConfig(ep=2), {"recompute_activations": True}),
+    "dp4_ep4": (4, ParallelConfig(ep=4), {}),
+    "dp4_ep2": (4, ParallelConfig(ep=2), {}),
+    "tp2_ep2": (4, ParallelConfig(tp=2, ep=2), {}),
+    "tp2_ep2_etp1": (4, ParallelConfig(tp=2, ep=2, etp=1), {}),
+    "tp2_etp1": (2, ParallelConfig(tp=2, etp=1), {}),
 }
 
 
@@ -188,8 +189,8 @@ LAYOUTS = {  # name: (world, ParallelConfig)
 @pytest.mark.parametrize("zero1", [False, True], ids=["plain", "zero1"])
 @pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_expert_parallel_training_equals_single_process(layout: str, zero1: bool) -> None:
-    world, par = LAYOUTS[layout]
-    cfg = moe_config()
+    world, par, options = LAYOUTS[layout]
+    cfg = moe_config(**options)
     weights, batches = moe_weights(cfg), global_batches(cfg, steps=2)
     opt_cfg = dataclasses.replace(OPT, use_distributed_optimizer=zero1)
     ref = _reference(cfg, weights, batches, opt_cfg)
@@ -246,14 +247,15 @@ def _pp_worker(
 
 @pytest.mark.slow
 @pytest.mark.parametrize("zero1", [False, True], ids=["plain", "zero1"])
-def test_pp2_ep2_training_equals_single_process(zero1: bool) -> None:
+@pytest.mark.parametrize("vp", [1, 2], ids=["pp2", "pp2_vp2"])
+def test_pp2_ep2_training_equals_single_process(vp: int, zero1: bool) -> None:
     cfg = moe_config(num_layers=4)
     weights, batches = moe_weights(cfg), global_batches(cfg, steps=2)
     opt_cfg = dataclasses.replace(OPT, use_distributed_optimizer=zero1)
     ref = _reference(cfg, weights, batches, opt_cfg)
     ddp_cfg = DDPConfig(use_distributed_optimizer=zero1)
     results = run_distributed(
-        _pp_worker, 4, ParallelConfig(pp=2, ep=2), cfg, weights, batches, ddp_cfg, opt_cfg, 2
+        _pp_worker, 4, ParallelConfig(pp=2, vp=vp, ep=2), cfg, weights, batches, ddp_cfg, opt_cfg, 2
     )
     lasts = [r for r in results if r["losses"] is not None]
     assert len(lasts) == 2
@@ -261,6 +263,25 @@ def test_pp2_ep2_training_equals_single_process(zero1: bool) -> None:
         if r["losses"] is None:
             r["losses"] = lasts[0]["losses"]
     _check(results, ref, grads=not zero1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("world", "par"),
+    [(2, ParallelConfig(ep=2)), (4, ParallelConfig(tp=2, ep=2, etp=1))],
+    ids=["ep2", "tp2_ep2_etp1"],
+)
+def test_router_losses_and_token_dropping_under_ep_equal_dp(world: int, par: ParallelConfig) -> None:
+    """Aux and z losses and capacity-factor token dropping work on each rank's own tokens (as
+    Megatron's, before dispatch): with EP they equal the same data-parallel run without EP
+    (which equals one process, tests/test_moe_router_losses.py)."""
+    cfg = moe_config(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01, moe_expert_capacity_factor=1.0)
+    weights, batches = moe_weights(cfg), global_batches(cfg, steps=2)
+    args = (cfg, weights, batches, DDPConfig(), OPT, 2)
+    want = run_distributed(_pp_worker, world, dataclasses.replace(par, ep=1), *args)
+    got = run_distributed(_pp_worker, world, par, *args)
+    ref = {**want[0], "params": _merged(want, "params"), "grads": _merged(want, "grads")}
+    _check(got, ref, grads=True)
 
 
 def test_bad_expert_layouts_are_refused() -> None:
