@@ -306,7 +306,9 @@ MOE_FLAGS = {
 
 
 @pytest.mark.slow
-def test_mlm_pretrain_with_expert_parallelism_resumes_bitwise(gpt_data: dict[str, str], tmp_path) -> None:
+def test_mlm_pretrain_with_expert_parallelism_resumes_bitwise(
+    gpt_data: dict[str, str], tmp_path, capsys
+) -> None:
     import json
 
     from tests.distributed import torchrun
@@ -325,6 +327,15 @@ def test_mlm_pretrain_with_expert_parallelism_resumes_bitwise(gpt_data: dict[str
         "mp_rank_00_000",
         "mp_rank_00_001",
     ]
+    from pretrain.training.cli import main as pretrain_main
+
+    other = gpt_args(gpt_data, **{**MOE_FLAGS, "expert-model-parallel-size": 1, "train-iters": 4,
+                                  "load": tmp_path / "ck", "save": tmp_path / "other"})  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        pretrain_main(other)  # one process, EP 1: refused before any work
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "saved with expert parallelism ep=2 etp=1, this run uses ep=1" in err[0], err
     second = run(4, "b", load=tmp_path / "ck", save=tmp_path / "ck")
     assert first + second == full  # bitwise: the same floats
     for rank_dir in ("mp_rank_00_000", "mp_rank_00_001"):
@@ -348,6 +359,20 @@ def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
         elif isinstance(v, torch.Tensor):
             out[f"{prefix}{k}"] = v
     return out
+
+
+def test_megatron_args_carry_the_expert_layout() -> None:
+    from pretrain.checkpoint.metadata import parallel_of
+
+    args = {
+        "tensor_model_parallel_size": 2,
+        "expert_model_parallel_size": 4,
+        "expert_tensor_parallel_size": 1,
+    }
+    assert parallel_of(args) == ParallelConfig(tp=2, ep=4, etp=1)
+    # Megatron records ETP = TP when not set: the same layout as ours by default
+    assert parallel_of({**args, "expert_tensor_parallel_size": 2}) == ParallelConfig(tp=2, ep=4)
+    assert parallel_of({"tensor_model_parallel_size": 2}) == ParallelConfig(tp=2)
 
 
 def test_mlm_pretrain_refuses_experts_that_do_not_split(gpt_data: dict[str, str], capsys) -> None:

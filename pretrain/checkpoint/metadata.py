@@ -68,6 +68,8 @@ def _megatron_fields(meta: CheckpointMetadata) -> dict[str, Any]:
         "virtual_pipeline_model_parallel_size": par.vp if par.vp > 1 else None,
         "decoder_first_pipeline_num_layers": par.num_layers_in_first_stage,
         "decoder_last_pipeline_num_layers": par.num_layers_in_last_stage,
+        "expert_model_parallel_size": par.ep,
+        "expert_tensor_parallel_size": par.expert_tp,
         "sequence_parallel": False,
         "apply_residual_connection_post_layernorm": False,
         "apply_query_key_layer_scaling": False,
@@ -189,10 +191,13 @@ def _from_plain(ours: Mapping[str, Any], args: Mapping[str, Any], source: str) -
 
 
 def _upstream_parallel(args: Mapping[str, Any]) -> ParallelConfig:
+    tp, etp = int(args.get("tensor_model_parallel_size") or 1), args.get("expert_tensor_parallel_size")
     return ParallelConfig(
-        tp=int(args.get("tensor_model_parallel_size") or 1),
+        tp=tp,
         pp=int(args.get("pipeline_model_parallel_size") or 1),
         vp=int(args.get("virtual_pipeline_model_parallel_size") or 1),
+        ep=int(args.get("expert_model_parallel_size") or 1),
+        etp=int(etp) if etp and int(etp) != tp else None,  # Megatron records ETP = TP by default
     )
 
 
