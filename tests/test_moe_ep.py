@@ -199,6 +199,21 @@ def test_expert_parallel_training_equals_single_process(layout: str, zero1: bool
     _check(results, ref, grads=not zero1)
 
 
+@pytest.mark.slow
+def test_overlapped_bucketed_reduction_with_expert_buffers_equals_single_process() -> None:
+    """Dense buckets (DP group) and expert buckets (expert-DP group) launched asynchronously as
+    their gradients become ready, ZeRO-1: the same result."""
+    cfg = moe_config()
+    weights, batches = moe_weights(cfg), global_batches(cfg, steps=2)
+    opt_cfg = dataclasses.replace(OPT, use_distributed_optimizer=True)
+    ref = _reference(cfg, weights, batches, opt_cfg)
+    ddp_cfg = DDPConfig(use_distributed_optimizer=True, overlap_grad_reduce=True, bucket_size=3000)
+    results = run_distributed(
+        _step_worker, 4, ParallelConfig(ep=2), cfg, weights, batches, ddp_cfg, opt_cfg, 2
+    )
+    _check(results, ref, grads=False)
+
+
 def _pp_worker(
     rank: int, world: int, par: ParallelConfig, cfg, weights, batches, ddp_cfg, opt_cfg, micro: int
 ):
