@@ -1,5 +1,7 @@
 """``mlm-finetune TASK``: finetune a BERT on GLUE, SQuAD 1.1/2.0 or RACE with the paper's presets.
 
+``mlm-finetune sft ...`` (supervised fine-tuning of decoders) is :mod:`finetune.sft.cli`.
+
 Examples::
 
     mlm-finetune mnli --ckpt ckpts/bert336m --data-dir glue_data --preset 336m --results-dir out/mnli
@@ -50,7 +52,8 @@ RESULT_TASK = {"squad": "squad1"}  # CLI name -> results schema task name
 
 
 def build_parser() -> OneLineParser:
-    p = OneLineParser(prog="mlm-finetune", description="Finetune BERT on GLUE, SQuAD 1.1/2.0 or RACE.")
+    p = OneLineParser(prog="mlm-finetune", description="Finetune BERT on GLUE, SQuAD 1.1/2.0 or RACE "
+                     "(decoders: mlm-finetune sft --help).")
     p.add_argument("task", choices=TASK_NAMES)
     g = p.add_argument_group("model and data")
     src = g.add_mutually_exclusive_group(required=True)
@@ -286,6 +289,11 @@ def _print_table(task: str, metrics: dict[str, float], runs: list[dict[str, Any]
 
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
+    given = list(argv if argv is not None else sys.argv[1:])
+    if given[:1] == ["sft"]:  # decoders: supervised fine-tuning (finetune/sft/)
+        from finetune.sft.cli import main as sft_main
+
+        return sft_main(given[1:])
     args = build_parser().parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     args.data_dir = resolve_data_dir(args.data_dir)  # builtin:NAME -> the packaged directory

@@ -38,8 +38,9 @@ TRUNK_PREFIX = "language_model."
 POOLER_PREFIX = "language_model.pooler."
 
 
-class _TrunkTensors(Mapping[str, torch.Tensor]):
-    """Canonical trunk tensors of a reader (``names()``/``tensor(name)``), materialised on access."""
+class TrunkTensors(Mapping[str, torch.Tensor]):
+    """Canonical ``language_model.*`` tensors of a reader (``names()``/``tensor(name)``), materialised
+    on access: a BERT trunk, or every tensor of a GPT (SFT)."""
 
     def __init__(self, reader: TensorSource) -> None:
         self._reader = reader
@@ -149,7 +150,7 @@ def _from_ckpt(path: Path, tokenizer: Tokenizer | None, force: bool) -> Pretrain
                         recorded=None if meta is None else meta.tokenizer, model_source=f"--ckpt {path}",
                         force=force)  # fmt: skip
     layout = None if info is None else f"tp{info.tp}-pp{info.pp}-vp{info.vp}"
-    return Pretrained(cfg=reader.spec.cfg, tensors=_TrunkTensors(reader), tokenizer=tokenizer,
+    return Pretrained(cfg=reader.spec.cfg, tensors=TrunkTensors(reader), tokenizer=tokenizer,
                       source=str(path), iteration=getattr(info, "iteration", None), layout=layout)  # fmt: skip
 
 

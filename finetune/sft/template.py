@@ -1,0 +1,57 @@
+"""The chat template conversations are rendered with: the tokenizer's own or ``--chat-template FILE``.
+
+The template text is hashed (``template_sha256`` in the result) so that results say which
+rendering produced their tokens and masks. Whether it carries ``{% generation %}`` markers decides
+how the assistant mask is found (:mod:`finetune.sft.masks`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pretrain.utils.errors import UserError
+
+_GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatTemplate:
+    """A Jinja chat template and where it came from (``--chat-template FILE`` or the tokenizer)."""
+
+    text: str
+    source: str
+
+    @property
+    def has_generation_markers(self) -> bool:
+        return _GENERATION.search(self.text) is not None
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
+
+
+def chat_template(hf_tokenizer: Any, template_file: str | Path | None, *, tokenizer_source: str) -> ChatTemplate:
+    """``--chat-template FILE``'s text, else the tokenizer's; :class:`UserError` when there is none."""
+    if template_file is not None:
+        path = Path(template_file)
+        if not path.is_file():
+            raise UserError(f"--chat-template: file not found: {path}")
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise UserError(f"--chat-template {path}: cannot read ({exc})") from None
+        if not text.strip():
+            raise UserError(f"--chat-template {path}: the file is empty")
+        return ChatTemplate(text=text, source=str(path))
+    text = getattr(hf_tokenizer, "chat_template", None)
+    if isinstance(text, dict):  # several named templates: the default one
+        text = text.get("default")
+    if not isinstance(text, str) or not text.strip():
+        raise UserError(
+            f"{tokenizer_source}: the tokenizer has no chat template; chat data needs one (--chat-template FILE)"
+        )
+    return ChatTemplate(text=text, source=tokenizer_source)
