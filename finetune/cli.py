@@ -52,8 +52,10 @@ RESULT_TASK = {"squad": "squad1"}  # CLI name -> results schema task name
 
 
 def build_parser() -> OneLineParser:
-    p = OneLineParser(prog="mlm-finetune", description="Finetune BERT on GLUE, SQuAD 1.1/2.0 or RACE "
-                     "(decoders: mlm-finetune sft --help).")
+    p = OneLineParser(
+        prog="mlm-finetune",
+        description="Finetune BERT on GLUE, SQuAD 1.1/2.0 or RACE (decoders: mlm-finetune sft --help).",
+    )
     p.add_argument("task", choices=TASK_NAMES)
     g = p.add_argument_group("model and data")
     src = g.add_mutually_exclusive_group(required=True)

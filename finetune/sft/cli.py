@@ -21,12 +21,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from finetune.sft.packing import Rows, pack_rows, pad_rows
-from finetune.sft.records import read_records
-from finetune.sft.samples import LOSS_ON, SampleSet, encode_records
-from finetune.sft.source import Decoder, hf_tokenizer, load_decoder
-from finetune.sft.template import ChatTemplate, chat_template
-from finetune.sft.tiny_tokenizer import SFT_CHAT_FILE, SFT_COMPLETION_FILE
+from finetune.sft.data import BUILTIN_DATA, encode_data, read_data
+from finetune.sft.samples import LOSS_ON
+from finetune.sft.source import Decoder, load_decoder
 from pretrain.config import DTypeFlags, ModelConfig, ParallelConfig
 from pretrain.tokenizer.flags import TokenizerFlags
 from pretrain.training.cli import add_parallel_args, parallel_from_args
@@ -35,7 +32,6 @@ from pretrain.utils.errors import UserError, cli_entry
 from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace
 from pretrain.utils.outputs import check_writable_output
 
-BUILTIN_DATA = {"builtin:sft_chat": SFT_CHAT_FILE, "builtin:sft_completion": SFT_COMPLETION_FILE}
 LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
 
 
@@ -49,17 +45,25 @@ def build_parser() -> OneLineParser:
     g.add_argument("--data", required=True, help="training JSONL ({messages} or {prompt, completion}), or "
                    f"{' / '.join(BUILTIN_DATA)}")  # fmt: skip
     g.add_argument("--valid-data", default=None, help="validation JSONL (valid_loss)")
-    g.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template (default: the tokenizer's)")
+    g.add_argument(
+        "--chat-template", default=None, metavar="FILE", help="Jinja chat template (default: the tokenizer's)"
+    )
     g.add_argument("--loss-on", choices=LOSS_ON, default=None,
                    help="default: assistant for chat data, completion for prompt/completion data")  # fmt: skip
-    g.add_argument("--pack", action="store_true", help="several samples per sequence (attention kept within each)")
+    g.add_argument(
+        "--pack", action="store_true", help="several samples per sequence (attention kept within each)"
+    )
     g.add_argument("--eval-only", action="store_true", help="only valid_loss of the model, no training")
-    add_flag_group(p, TokenizerFlags, title="tokenizer", group=g, include=("tokenizer_dir", "force_tokenizer"))
+    add_flag_group(
+        p, TokenizerFlags, title="tokenizer", group=g, include=("tokenizer_dir", "force_tokenizer")
+    )
     t = p.add_argument_group("training")
     t.add_argument("--seq-length", type=int, default=None, help="default: min(2048, the model's positions)")
     t.add_argument("--epochs", type=float, default=1.0)
     t.add_argument("--global-batch-size", type=int, default=8)
-    t.add_argument("--micro-batch-size", type=int, default=None, help="default: global batch / DP size, max 8")
+    t.add_argument(
+        "--micro-batch-size", type=int, default=None, help="default: global batch / DP size, max 8"
+    )
     t.add_argument("--lr", type=float, default=1e-5)
     t.add_argument("--min-lr", type=float, default=0.0)
     t.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="linear")
@@ -114,41 +118,6 @@ def _check_flags(args: Any) -> None:
                             "--overwrite to replace it")  # fmt: skip
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class SFTData:
-    """Encoded training (and validation) data and how it was made."""
-
-    train: SampleSet | None
-    valid: SampleSet | None
-    train_rows: Rows | None
-    valid_rows: Rows | None
-    template: ChatTemplate | None
-    loss_on: str
-
-
-def _load_data(args: Any, dec: Decoder, seq_length: int) -> SFTData:
-    from finetune.sft.masks import ChatRenderer
-
-    paths = {"--data": BUILTIN_DATA.get(args.data, args.data)}
-    if args.valid_data is not None:
-        paths["--valid-data"] = BUILTIN_DATA.get(args.valid_data, args.valid_data)
-    records = {flag: read_records(path, flag=flag) for flag, path in paths.items()}  # all lines checked first
-    fmt = records["--data"][0].format
-    loss_on = args.loss_on or ("assistant" if fmt == "chat" else "completion")
-    renderer, template = None, None
-    if any(r[0].format == "chat" for r in records.values()):
-        template = chat_template(hf_tokenizer(dec.tokenizer), args.chat_template, tokenizer_source=f"the tokenizer of {dec.source}")
-        renderer = ChatRenderer(hf_tokenizer(dec.tokenizer), template)
-    sets = {flag: encode_records(recs, tokenizer=dec.tokenizer, renderer=renderer, loss_on=loss_on,
-                                 seq_length=seq_length, flag=flag) for flag, recs in records.items()}  # fmt: skip
-    pad = next((i for i in (dec.tokenizer.pad, dec.tokenizer.eod) if i is not None), 0)
-    layout = pack_rows if args.pack else pad_rows
-    rows = {flag: layout(s.samples, seq_length, pad) for flag, s in sets.items()}
-    train_flag, valid_flag = ("--data", "--valid-data") if not args.eval_only else (None, "--valid-data" if "--valid-data" in sets else "--data")
-    return SFTData(train=sets.get(train_flag or ""), valid=sets.get(valid_flag), train_rows=rows.get(train_flag or ""),
-                   valid_rows=rows.get(valid_flag), template=template, loss_on=loss_on)  # fmt: skip
-
-
 def _model_cfg(args: Any, dec: Decoder) -> tuple[ModelConfig, int]:
     changes: dict[str, Any] = {"params_dtype": flags_from_namespace(DTypeFlags, args).dtype_name()}
     for name in ("hidden_dropout", "attention_dropout"):
@@ -157,7 +126,9 @@ def _model_cfg(args: Any, dec: Decoder) -> tuple[ModelConfig, int]:
     cfg = dataclasses.replace(dec.cfg, **changes)
     seq_length = args.seq_length or min(2048, cfg.max_position_embeddings)
     if seq_length > cfg.max_position_embeddings:
-        raise UserError(f"--seq-length {seq_length} exceeds the model's {cfg.max_position_embeddings} positions")
+        raise UserError(
+            f"--seq-length {seq_length} exceeds the model's {cfg.max_position_embeddings} positions"
+        )
     return cfg, seq_length
 
 
@@ -168,13 +139,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     _check_flags(args)
+    records = read_data(args)
     dec = load_decoder(ckpt=args.ckpt, hf_model=args.hf_model, tokenizer_dir=args.tokenizer_dir,
                        force_tokenizer=args.force_tokenizer)  # fmt: skip
     cfg, seq_length = _model_cfg(args, dec)
     parallel = parallel_from_args(args, num_layers=cfg.num_layers)
     cfg.check_tensor_parallel(parallel.tp)
     dp = _data_parallel_size(parallel)
-    data = _load_data(args, dec, seq_length)
+    data = encode_data(args, records, dec, seq_length)
     return run_sft(args, dec, cfg, parallel, data, seq_length=seq_length, dp=dp)
 
 

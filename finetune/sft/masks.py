@@ -29,7 +29,9 @@ class ChatRenderer:
 
     def __init__(self, hf_tokenizer: Any, template: ChatTemplate) -> None:
         if not getattr(hf_tokenizer, "is_fast", False):
-            raise UserError(f"{template.source}: the assistant mask needs a fast (Rust) Hugging Face tokenizer")
+            raise UserError(
+                f"{template.source}: the assistant mask needs a fast (Rust) Hugging Face tokenizer"
+            )
         self.tok, self.template = hf_tokenizer, template
 
     def _render(self, messages: Sequence[Message], where: str, *, generation_prompt: bool = False) -> str:

@@ -45,7 +45,11 @@ def _messages(record: JsonObject, where: str) -> tuple[Message, ...]:
         raise UserError(f"{where}: field 'messages' must be a non-empty list of {{role, content}} objects")
     out = []
     for k, m in enumerate(raw):
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if (
+            not isinstance(m, dict)
+            or not isinstance(m.get("role"), str)
+            or not isinstance(m.get("content"), str)
+        ):
             raise UserError(f"{where}: messages[{k}] needs string fields 'role' and 'content'")
         out.append(Message(role=m["role"], content=m["content"]))
     return tuple(out)
@@ -56,7 +60,9 @@ def parse_record(record: JsonObject, *, source: str | os.PathLike[str], line: in
     where = f"{source}:{line}"
     if "messages" in record:
         if "prompt" in record or "completion" in record:
-            raise UserError(f"{where}: has both 'messages' and 'prompt'/'completion'; use one format per line")
+            raise UserError(
+                f"{where}: has both 'messages' and 'prompt'/'completion'; use one format per line"
+            )
         return SFTRecord(where=where, messages=_messages(record, where))
     if "prompt" in record or "completion" in record:
         prompt = string_field(record, "prompt", source=source, line=line)
@@ -73,5 +79,7 @@ def read_records(path: str | os.PathLike[str], *, flag: str) -> list[SFTRecord]:
     first = records[0].format
     for r in records:
         if r.format != first:
-            raise UserError(f"{r.where}: a {r.format} record in a file of {first} records ({records[0].where})")
+            raise UserError(
+                f"{r.where}: a {r.format} record in a file of {first} records ({records[0].where})"
+            )
     return records

@@ -11,14 +11,16 @@ from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
 from pretrain.training.config import TrainingConfig
 
 if TYPE_CHECKING:
-    from finetune.sft.cli import SFTData
+    from finetune.sft.data import SFTData
     from finetune.sft.samples import SampleSet
     from finetune.sft.source import Decoder
     from pretrain.config import ModelConfig, ParallelConfig
     from pretrain.parallel.state import ParallelState
 
 
-def _configs(args: Any, data: SFTData, seq_length: int, dp: int) -> tuple[TrainingConfig, OptimizerConfig, LRScheduleConfig]:
+def _configs(
+    args: Any, data: SFTData, seq_length: int, dp: int
+) -> tuple[TrainingConfig, OptimizerConfig, LRScheduleConfig]:
     rows = data.train_rows
     iters = 0 if rows is None else train_iterations(len(rows["tokens"]), args.epochs, args.global_batch_size)
     micro = args.micro_batch_size or max(1, min(8, args.global_batch_size // dp))
@@ -60,7 +62,10 @@ def run_sft(args: Any, dec: Decoder, cfg: ModelConfig, parallel: ParallelConfig,
     train_cfg, optim, lr = _configs(args, data, seq_length, dp)
     ps = setup_parallel(parallel, seed=args.seed)
     if ps.rank == 0:
-        for flag, s, r in (("--data", data.train, data.train_rows), ("validation", data.valid, data.valid_rows)):
+        for flag, s, r in (
+            ("--data", data.train, data.train_rows),
+            ("validation", data.valid, data.valid_rows),
+        ):
             if s is not None and r is not None:
                 print(describe(flag, s, len(r["tokens"]), args.pack))
     record = FinetuneRecord(task="sft", head={}, source=dec.source, source_fingerprint=dec.fingerprint)
@@ -117,5 +122,3 @@ def _report(args: Any, dec: Decoder, ps: ParallelState, data: SFTData, result: d
         print(f"valid_loss {valid[0]:.6f} over {valid[1]} loss tokens ({layout}, {dtype})")
     if args.results_dir is not None:
         print(f"wrote {write_result(Path(args.results_dir) / 'results.json', rec)}")
-
-

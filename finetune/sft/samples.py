@@ -88,5 +88,7 @@ def encode_records(
             continue
         samples.append(Sample(ids=np.asarray(ids, dtype=np.int64), loss=np.asarray(mask, dtype=bool)))
     if not samples:
-        raise UserError(f"{flag} {records[0].where.rsplit(':', 1)[0]}: no record has a loss token (--loss-on {loss_on})")
+        raise UserError(
+            f"{flag} {records[0].where.rsplit(':', 1)[0]}: no record has a loss token (--loss-on {loss_on})"
+        )
     return SampleSet(samples=samples, records=len(records), truncated=truncated, skipped=tuple(skipped))

@@ -56,7 +56,9 @@ def _from_hf(path: str, tokenizer_dir: str | None, force: bool) -> Decoder:
         raise UserError(f"--hf-model {hf_dir}: not a directory")
     source = open_hf(hf_dir)
     if source.spec.kind != "gpt":
-        raise UserError(f"--hf-model {hf_dir}: holds a {source.spec.kind} model; SFT needs a decoder (GPT, Llama family)")
+        raise UserError(
+            f"--hf-model {hf_dir}: holds a {source.spec.kind} model; SFT needs a decoder (GPT, Llama family)"
+        )
     where, flag = (tokenizer_dir, "--tokenizer-dir") if tokenizer_dir else (path, "--hf-model")
     tok = load_tokenizer_dir(where, flag=flag)
     cfg = source.spec.cfg

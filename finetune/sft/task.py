@@ -86,7 +86,9 @@ class SFTTask:
             except (KeyError, ValueError) as exc:
                 raise UserError(f"the starting model's weights do not fit its config: {exc}") from None
 
-    def forward_step(self, model: ShardedModule, mb: Microbatch, hidden: torch.Tensor | None, is_last: bool) -> Any:
+    def forward_step(
+        self, model: ShardedModule, mb: Microbatch, hidden: torch.Tensor | None, is_last: bool
+    ) -> Any:
         return sft_forward_step(model, mb, hidden, is_last)
 
     def microbatches(self, split: str, index: int, ps: ParallelState) -> list[Microbatch]:
@@ -98,7 +100,9 @@ class SFTTask:
     def normalizers(self, mbs: list[Microbatch], ps: ParallelState) -> dict[str, float]:
         return {"tokens": global_loss_tokens([mb["loss_mask"] for mb in mbs], ps)}
 
-    def loss(self, output: Any, mb: Microbatch, norms: dict[str, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(
+        self, output: Any, mb: Microbatch, norms: dict[str, float]
+    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss = (output.float() * mb["loss_mask"]).sum() / max(norms["tokens"], 1.0)
         return loss, {"lm loss": loss.detach()}
 
@@ -110,7 +114,9 @@ class SFTTask:
 
 
 @torch.no_grad()
-def valid_loss(chunks: list[ShardedModule], ps: ParallelState, rows: Rows, micro_batch: int) -> tuple[float, int]:
+def valid_loss(
+    chunks: list[ShardedModule], ps: ParallelState, rows: Rows, micro_batch: int
+) -> tuple[float, int]:
     """``(mean NLL, loss tokens)`` over every row of ``rows`` (dropout off). DP rank ``r`` runs rows
     ``r::dp``; the last stage's TP-rank-0 sums (float64) are all-reduced. Collective over all ranks."""
     n = len(rows["tokens"])

@@ -34,7 +34,9 @@ class ChatTemplate:
         return hashlib.sha256(self.text.encode("utf-8")).hexdigest()
 
 
-def chat_template(hf_tokenizer: Any, template_file: str | Path | None, *, tokenizer_source: str) -> ChatTemplate:
+def chat_template(
+    hf_tokenizer: Any, template_file: str | Path | None, *, tokenizer_source: str
+) -> ChatTemplate:
     """``--chat-template FILE``'s text, else the tokenizer's; :class:`UserError` when there is none."""
     if template_file is not None:
         path = Path(template_file)
@@ -47,11 +49,11 @@ def chat_template(hf_tokenizer: Any, template_file: str | Path | None, *, tokeni
         if not text.strip():
             raise UserError(f"--chat-template {path}: the file is empty")
         return ChatTemplate(text=text, source=str(path))
-    text = getattr(hf_tokenizer, "chat_template", None)
-    if isinstance(text, dict):  # several named templates: the default one
-        text = text.get("default")
-    if not isinstance(text, str) or not text.strip():
+    found: Any = getattr(hf_tokenizer, "chat_template", None)
+    if isinstance(found, dict):  # several named templates: the default one
+        found = found.get("default")
+    if not isinstance(found, str) or not found.strip():
         raise UserError(
             f"{tokenizer_source}: the tokenizer has no chat template; chat data needs one (--chat-template FILE)"
         )
-    return ChatTemplate(text=text, source=tokenizer_source)
+    return ChatTemplate(text=found, source=tokenizer_source)

@@ -40,7 +40,9 @@ def write_tiny_chat_tokenizer(directory: str | Path, *, vocab_size: int = 400) -
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(_texts(), vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS))
+    bpe.train_from_iterator(
+        _texts(), vocab_size=vocab_size, min_frequency=2, special_tokens=list(SPECIAL_TOKENS)
+    )
     tok = PreTrainedTokenizerFast(
         tokenizer_object=bpe._tokenizer, eos_token="<|im_end|>", pad_token="<|endoftext|>",
         additional_special_tokens=["<|im_start|>"], clean_up_tokenization_spaces=False,
