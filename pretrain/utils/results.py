@@ -58,6 +58,7 @@ TASK_METRICS: dict[str, dict[str, bool]] = {
     "qnli": {"accuracy": False},
     "rte": {"accuracy": False},
     "wnli": {"accuracy": False},
+    "sft": {"valid_loss": True},  # mlm-finetune sft: token-weighted mean NLL of the validation file
     "contamination": {"share": True, "unique_share": True},
 }
 
