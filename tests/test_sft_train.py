@@ -87,6 +87,14 @@ def test_first_three_steps_equal_a_plain_pytorch_loop(chat_llama: Path, tmp_path
     assert (tmp_path / "hf" / "chat_template.jinja").is_file() or "chat_template" in (
         tmp_path / "hf" / "tokenizer_config.json"
     ).read_text()
+    # the saved checkpoint (our format, tokenizer carried) evaluates to the run's own valid_loss
+    again = tmp_path / "again"
+    assert main(["sft", "--ckpt", str(save), "--data", str(data), "--eval-only", "--seq-length", "128",
+                 "--results-dir", str(again)]) == 0  # fmt: skip
+    after = json.loads((again / "results.json").read_text())["metrics"]
+    assert after["valid_loss_tokens"] == rec["metrics"]["valid_loss_tokens"]
+    assert abs(after["valid_loss"] - rec["metrics"]["valid_loss"]) <= 1e-6 * rec["metrics"]["valid_loss"]
+    assert rec["metrics"]["valid_loss"] < theirs[0]
 
 
 @pytest.mark.parametrize(
@@ -109,3 +117,25 @@ def test_bad_input_is_one_line(
 ) -> None:
     argv = ["sft", "--hf-model", str(chat_llama), "--data", str(SFT_CHAT_FILE), *flags]
     assert needle in one_line_error(main, argv, capsys)
+
+
+@pytest.mark.slow
+def test_packed_training_at_pp2_dp2_with_zero1_equals_one_process(chat_llama: Path, tmp_path: Path) -> None:
+    """Losses and valid_loss of 2 packed SFT steps: pp2 x dp2 with the distributed optimizer = 1 process."""
+    from tests.distributed import torchrun
+
+    argv = ["sft", "--hf-model", str(chat_llama), "--data", str(SFT_CHAT_FILE), "--valid-data", str(SFT_CHAT_FILE),
+            "--pack", "--seq-length", "128", "--global-batch-size", "4", "--micro-batch-size", "1", "--epochs", "1",
+            "--lr", "1e-3", "--no-progress"]  # fmt: skip
+    assert main([*argv, "--results-dir", str(tmp_path / "one")]) == 0
+    proc = torchrun(4, "finetune.cli", [*argv, "--pp", "2", "--use-distributed-optimizer", "--results-dir",
+                                        str(tmp_path / "four")])  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, four = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "four"))
+    assert four["details"]["layout"] == "tp1-pp2-dp2" and one["details"]["iterations"] >= 2
+    torch.testing.assert_close(torch.tensor(four["details"]["train_losses"]), torch.tensor(one["details"]["train_losses"]),
+                               rtol=1e-5, atol=0)  # fmt: skip
+    assert (
+        abs(four["metrics"]["valid_loss"] - one["metrics"]["valid_loss"])
+        <= 1e-5 * one["metrics"]["valid_loss"]
+    )
