@@ -97,6 +97,18 @@ def test_first_three_steps_equal_a_plain_pytorch_loop(chat_llama: Path, tmp_path
     assert rec["metrics"]["valid_loss"] < theirs[0]
 
 
+def test_a_chat_template_file_travels_with_the_saved_tokenizer(chat_llama: Path, tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    template = tmp_path / "plain.jinja"  # no generation markers: the mask comes from prefix diffing
+    template.write_text("{%- for m in messages -%}{{- m['role'] + ': ' + m['content'] + '\\n' -}}{%- endfor -%}"
+                        "{%- if add_generation_prompt -%}{{- 'assistant: ' -}}{%- endif -%}")  # fmt: skip
+    save = tmp_path / "ck"
+    assert main(["sft", "--hf-model", str(chat_llama), "--data", str(SFT_CHAT_FILE), "--chat-template", str(template),
+                 "--global-batch-size", "24", "--seq-length", "128", "--save", str(save), "--no-progress"]) == 0  # fmt: skip
+    assert AutoTokenizer.from_pretrained(save / "tokenizer").chat_template == template.read_text()
+
+
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [

@@ -50,6 +50,20 @@ def describe(flag: str, s: SampleSet, rows: int, pack: bool) -> str:
             f"{s.truncated} truncated to --seq-length{skipped}; {rows} {'packed ' if pack else ''}sequences")  # fmt: skip
 
 
+def _save_tokenizer(directory: Path, dec: Decoder, data: SFTData) -> None:
+    """The tokenizer beside the checkpoint; with ``--chat-template FILE``, that template (the one the
+    model was trained on) replaces the tokenizer's own in a Hugging Face tokenizer's files."""
+    from pretrain.tokenizer.hf import HuggingFaceTokenizer
+    from pretrain.tokenizer.loader import save_tokenizer
+    from pretrain.utils.atomic import atomic_open
+
+    save_tokenizer(dec.tokenizer, directory)
+    template = data.template
+    if template is not None and template.from_file and isinstance(dec.tokenizer, HuggingFaceTokenizer):
+        with atomic_open(directory / "chat_template.jinja", "w") as fh:
+            fh.write(template.text)
+
+
 def run_sft(args: Any, dec: Decoder, cfg: ModelConfig, parallel: ParallelConfig, data: SFTData, *,
             seq_length: int, dp: int) -> int:  # fmt: skip
     """Train and evaluate on this launch's ranks; rank 0 prints and writes ``results.json``."""
@@ -76,9 +90,7 @@ def run_sft(args: Any, dec: Decoder, cfg: ModelConfig, parallel: ParallelConfig,
     task = SFTTask(model_cfg=cfg, train_cfg=train_cfg, rows=rows, pretrained=dec.tensors)
     result = train(task, ps=ps, optim_cfg=optim, lr_cfg=lr, cfg=train_cfg, ckpt_args=meta)
     if args.save is not None and ps.rank == 0:
-        from pretrain.tokenizer.loader import save_tokenizer
-
-        save_tokenizer(dec.tokenizer, Path(args.save) / "tokenizer")
+        _save_tokenizer(Path(args.save) / "tokenizer", dec, data)
     params = count_parameters(result["trainer"], vocab_size=cfg.vocab_size)  # a collective
     valid = None
     if data.valid_rows is not None:

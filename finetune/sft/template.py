@@ -24,6 +24,7 @@ class ChatTemplate:
 
     text: str
     source: str
+    from_file: bool = False  # --chat-template FILE (saved with a --save'd tokenizer)
 
     @property
     def has_generation_markers(self) -> bool:
@@ -48,7 +49,7 @@ def chat_template(
             raise UserError(f"--chat-template {path}: cannot read ({exc})") from None
         if not text.strip():
             raise UserError(f"--chat-template {path}: the file is empty")
-        return ChatTemplate(text=text, source=str(path))
+        return ChatTemplate(text=text, source=str(path), from_file=True)
     found: Any = getattr(hf_tokenizer, "chat_template", None)
     if isinstance(found, dict):  # several named templates: the default one
         found = found.get("default")
