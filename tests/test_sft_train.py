@@ -109,6 +109,19 @@ def test_a_chat_template_file_travels_with_the_saved_tokenizer(chat_llama: Path,
     assert AutoTokenizer.from_pretrained(save / "tokenizer").chat_template == template.read_text()
 
 
+def test_help_shows_the_shared_flag_groups(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit) as exc:
+        main(["sft", "--help"])
+    out = capsys.readouterr().out
+    assert exc.value.code == 0 and out.startswith("usage: mlm-finetune sft")
+    for flag in ("--tensor-model-parallel-size N, --tp N", "--tokenizer-dir DIR", "--force-tokenizer", "--bf16",
+                 "--use-distributed-optimizer", "--loss-on {assistant,completion,all}", "--pack", "--chat-template FILE"):  # fmt: skip
+        assert flag in out, flag
+
+
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
@@ -132,19 +145,25 @@ def test_bad_input_is_one_line(
 
 
 @pytest.mark.slow
-def test_packed_training_at_pp2_dp2_with_zero1_equals_one_process(chat_llama: Path, tmp_path: Path) -> None:
-    """Losses and valid_loss of 2 packed SFT steps: pp2 x dp2 with the distributed optimizer = 1 process."""
+@pytest.mark.parametrize(
+    ("layout", "flags"),
+    [("tp1-pp2-dp2", ["--pp", "2", "--use-distributed-optimizer"]), ("tp2-pp1-dp2", ["--tp", "2"])],
+)
+def test_packed_training_in_parallel_equals_one_process(
+    chat_llama: Path, tmp_path: Path, layout: str, flags: list[str]
+) -> None:
+    """Losses and valid_loss of 2 packed SFT steps: pp2 x dp2 with ZeRO-1, and tp2 x dp2 = 1 process."""
     from tests.distributed import torchrun
 
     argv = ["sft", "--hf-model", str(chat_llama), "--data", str(SFT_CHAT_FILE), "--valid-data", str(SFT_CHAT_FILE),
             "--pack", "--seq-length", "128", "--global-batch-size", "4", "--micro-batch-size", "1", "--epochs", "1",
             "--lr", "1e-3", "--no-progress"]  # fmt: skip
     assert main([*argv, "--results-dir", str(tmp_path / "one")]) == 0
-    proc = torchrun(4, "finetune.cli", [*argv, "--pp", "2", "--use-distributed-optimizer", "--results-dir",
+    proc = torchrun(4, "finetune.cli", [*argv, *flags, "--results-dir",
                                         str(tmp_path / "four")])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, four = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "four"))
-    assert four["details"]["layout"] == "tp1-pp2-dp2" and one["details"]["iterations"] >= 2
+    assert four["details"]["layout"] == layout and one["details"]["iterations"] >= 2
     torch.testing.assert_close(torch.tensor(four["details"]["train_losses"]), torch.tensor(one["details"]["train_losses"]),
                                rtol=1e-5, atol=0)  # fmt: skip
     assert (
