@@ -107,6 +107,8 @@ def _check_flags(args: Any) -> None:
     flags_from_namespace(DTypeFlags, args).dtype_name()  # --bf16 with --fp16: refused
     if args.eval_only and args.save is not None:
         raise UserError("--eval-only trains nothing to --save; drop --save")
+    if args.chat_template is not None and not Path(args.chat_template).is_file():
+        raise UserError(f"--chat-template: file not found: {args.chat_template}")
     if args.results_dir is not None:
         check_writable_output(args.results_dir, kind="dir", flag="--results-dir", shared=True)
     if args.log_json is not None:
@@ -139,14 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     _check_flags(args)
-    records = read_data(args)
+    records, loss_on = read_data(args)
     dec = load_decoder(ckpt=args.ckpt, hf_model=args.hf_model, tokenizer_dir=args.tokenizer_dir,
                        force_tokenizer=args.force_tokenizer)  # fmt: skip
     cfg, seq_length = _model_cfg(args, dec)
     parallel = parallel_from_args(args, num_layers=cfg.num_layers)
     cfg.check_tensor_parallel(parallel.tp)
     dp = _data_parallel_size(parallel)
-    data = encode_data(args, records, dec, seq_length)
+    data = encode_data(args, records, loss_on, dec, seq_length)
     return run_sft(args, dec, cfg, parallel, data, seq_length=seq_length, dp=dp)
 
 

@@ -28,20 +28,27 @@ class SFTData:
     loss_on: str
 
 
-def read_data(args: Any) -> dict[str, list[SFTRecord]]:
-    """Every record of ``--data`` (and ``--valid-data``), each line checked, before the model is read."""
-    paths = {"--data": BUILTIN_DATA.get(args.data, args.data)}
-    if args.valid_data is not None:
-        paths["--valid-data"] = BUILTIN_DATA.get(args.valid_data, args.valid_data)
-    records = {flag: read_records(path, flag=flag) for flag, path in paths.items()}
-    loss_on: LossOn = args.loss_on or ("assistant" if records["--data"][0].format == "chat" else "completion")
+def read_data(args: Any) -> tuple[dict[str, list[SFTRecord]], LossOn]:
+    """The records this run uses (``--eval-only``: ``--valid-data``, else ``--data``; training:
+    both), every line checked before the model is read, and the ``--loss-on`` they get."""
+    flags: tuple[str, ...] = ("--data", "--valid-data")
+    paths = {flag: getattr(args, flag[2:].replace("-", "_")) for flag in flags}
+    if args.eval_only:
+        flags = ("--valid-data",) if paths["--valid-data"] is not None else ("--data",)
+    records = {
+        f: read_records(BUILTIN_DATA.get(paths[f], paths[f]), flag=f) for f in flags if paths[f] is not None
+    }
+    first = next(iter(records.values()))[0].format
+    loss_on: LossOn = args.loss_on or ("assistant" if first == "chat" else "completion")
     for flag, recs in records.items():
         check_loss_on(loss_on, recs[0].format, flag=flag)
-    args.loss_on = loss_on
-    return records
+    return records, loss_on
 
 
-def encode_data(args: Any, records: dict[str, list[SFTRecord]], dec: Decoder, seq_length: int) -> SFTData:
+def encode_data(
+    args: Any, records: dict[str, list[SFTRecord]], loss_on: LossOn, dec: Decoder, seq_length: int
+) -> SFTData:
+    """Render, mask, truncate and lay out every file's records with ``dec``'s tokenizer."""
     from finetune.sft.masks import ChatRenderer
 
     renderer, template = None, None
@@ -49,12 +56,12 @@ def encode_data(args: Any, records: dict[str, list[SFTRecord]], dec: Decoder, se
         hf = hf_tokenizer(dec.tokenizer)
         template = chat_template(hf, args.chat_template, tokenizer_source=f"the tokenizer of {dec.source}")
         renderer = ChatRenderer(hf, template)
-    sets = {flag: encode_records(recs, tokenizer=dec.tokenizer, renderer=renderer, loss_on=args.loss_on,
+    sets = {flag: encode_records(recs, tokenizer=dec.tokenizer, renderer=renderer, loss_on=loss_on,
                                  seq_length=seq_length, flag=flag) for flag, recs in records.items()}  # fmt: skip
     pad = next((i for i in (dec.tokenizer.pad, dec.tokenizer.eod) if i is not None), 0)
     layout = pack_rows if args.pack else pad_rows
     rows = {flag: layout(s.samples, seq_length, pad) for flag, s in sets.items()}
     train = None if args.eval_only else "--data"
-    valid = "--valid-data" if "--valid-data" in sets else None if train else "--data"
+    valid = "--valid-data" if "--valid-data" in sets else "--data" if args.eval_only else None
     return SFTData(train=sets.get(train or ""), valid=sets.get(valid or ""), train_rows=rows.get(train or ""),
-                   valid_rows=rows.get(valid or ""), template=template, loss_on=args.loss_on)  # fmt: skip
+                   valid_rows=rows.get(valid or ""), template=template, loss_on=loss_on)  # fmt: skip
