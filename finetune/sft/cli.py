@@ -16,6 +16,7 @@ samples, the chat template's sha256, the LoRA settings (null: full SFT), layout 
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import sys
 from pathlib import Path
@@ -90,7 +91,7 @@ def build_parser() -> OneLineParser:
     return p
 
 
-def _check_flags(args: Any) -> None:
+def _check_flags(args: argparse.Namespace) -> None:
     """Refusals that need no file read: LoRA, ranges, --eval-only with --save, outputs."""
     from pretrain.checkpoint.legacy.layout import TRACKER
 
@@ -120,7 +121,7 @@ def _check_flags(args: Any) -> None:
                             "--overwrite to replace it")  # fmt: skip
 
 
-def _model_cfg(args: Any, dec: Decoder) -> tuple[ModelConfig, int]:
+def _model_cfg(args: argparse.Namespace, dec: Decoder) -> tuple[ModelConfig, int]:
     changes: dict[str, Any] = {"params_dtype": flags_from_namespace(DTypeFlags, args).dtype_name()}
     for name in ("hidden_dropout", "attention_dropout"):
         if getattr(args, name) is not None:

@@ -3,8 +3,8 @@ model is read, then rendered, masked, truncated and laid into rows with the mode
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from typing import Any
 
 from finetune.sft.packing import Rows, pack_rows, pad_rows
 from finetune.sft.records import SFTRecord, read_records
@@ -28,7 +28,7 @@ class SFTData:
     loss_on: str
 
 
-def read_data(args: Any) -> tuple[dict[str, list[SFTRecord]], LossOn]:
+def read_data(args: argparse.Namespace) -> tuple[dict[str, list[SFTRecord]], LossOn]:
     """The records this run uses (``--eval-only``: ``--valid-data``, else ``--data``; training:
     both), every line checked before the model is read, and the ``--loss-on`` they get."""
     flags: tuple[str, ...] = ("--data", "--valid-data")
@@ -46,7 +46,11 @@ def read_data(args: Any) -> tuple[dict[str, list[SFTRecord]], LossOn]:
 
 
 def encode_data(
-    args: Any, records: dict[str, list[SFTRecord]], loss_on: LossOn, dec: Decoder, seq_length: int
+    args: argparse.Namespace,
+    records: dict[str, list[SFTRecord]],
+    loss_on: LossOn,
+    dec: Decoder,
+    seq_length: int,
 ) -> SFTData:
     """Render, mask, truncate and lay out every file's records with ``dec``'s tokenizer."""
     from finetune.sft.masks import ChatRenderer

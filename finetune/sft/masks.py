@@ -14,11 +14,14 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from finetune.sft.records import Message
 from finetune.sft.template import ChatTemplate
 from pretrain.utils.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 Encoded = tuple[list[int], list[int]]  # token ids, loss mask (1 = assistant token)
 Span = tuple[int, int]  # [start, end) characters of the rendered text
@@ -27,7 +30,7 @@ Span = tuple[int, int]  # [start, end) characters of the rendered text
 class ChatRenderer:
     """Renders conversations with one template and tokenizer (a fast transformers tokenizer)."""
 
-    def __init__(self, hf_tokenizer: Any, template: ChatTemplate) -> None:
+    def __init__(self, hf_tokenizer: PreTrainedTokenizerBase, template: ChatTemplate) -> None:
         if not getattr(hf_tokenizer, "is_fast", False):
             raise UserError(
                 f"{template.source}: the assistant mask needs a fast (Rust) Hugging Face tokenizer"
@@ -51,7 +54,7 @@ class ChatRenderer:
 
     def _marked(self, messages: Sequence[Message], where: str) -> Encoded:
         try:
-            out = self.tok.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
+            out: Any = self.tok.apply_chat_template([{"role": m.role, "content": m.content} for m in messages],
                                                chat_template=self.template.text, tokenize=True, return_dict=True,
                                                return_assistant_tokens_mask=True)  # fmt: skip
         except Exception as exc:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
 
 
 def _configs(
-    args: Any, data: SFTData, seq_length: int, dp: int
+    args: argparse.Namespace, data: SFTData, seq_length: int, dp: int
 ) -> tuple[TrainingConfig, OptimizerConfig, LRScheduleConfig]:
     rows = data.train_rows
     iters = 0 if rows is None else train_iterations(len(rows["tokens"]), args.epochs, args.global_batch_size)
@@ -64,7 +65,7 @@ def _save_tokenizer(directory: Path, dec: Decoder, data: SFTData) -> None:
             fh.write(template.text)
 
 
-def run_sft(args: Any, dec: Decoder, cfg: ModelConfig, parallel: ParallelConfig, data: SFTData, *,
+def run_sft(args: argparse.Namespace, dec: Decoder, cfg: ModelConfig, parallel: ParallelConfig, data: SFTData, *,
             seq_length: int, dp: int) -> int:  # fmt: skip
     """Train and evaluate on this launch's ranks; rank 0 prints and writes ``results.json``."""
     import torch.distributed as dist
@@ -102,7 +103,7 @@ def run_sft(args: Any, dec: Decoder, cfg: ModelConfig, parallel: ParallelConfig,
     return 0
 
 
-def _report(args: Any, dec: Decoder, ps: ParallelState, data: SFTData, result: dict[str, Any],
+def _report(args: argparse.Namespace, dec: Decoder, ps: ParallelState, data: SFTData, result: dict[str, Any],
             valid: tuple[float, int] | None, params: int) -> None:  # fmt: skip
     from pretrain.utils.results import make_result, write_result
 

@@ -9,13 +9,16 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from pretrain.config import ModelConfig
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.utils.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -80,7 +83,7 @@ def load_decoder(*, ckpt: str | None, hf_model: str | None, tokenizer_dir: str |
     return _from_hf(str(hf_model), tokenizer_dir, force_tokenizer)
 
 
-def hf_tokenizer(tok: Tokenizer) -> Any:
+def hf_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerBase:
     """``tok`` as a transformers tokenizer (the one the chat template is applied with)."""
     from tools.hf_io import hf_tokenizer_of
 

@@ -36,7 +36,9 @@ from pretrain.training.task import Microbatch
 from pretrain.utils.errors import UserError
 
 
-def sft_forward_step(model: ShardedModule, mb: Microbatch, hidden: torch.Tensor | None, is_last: bool) -> Any:
+def sft_forward_step(
+    model: ShardedModule, mb: Microbatch, hidden: torch.Tensor | None, is_last: bool
+) -> torch.Tensor:
     """GPT stage forward on SFT rows: packed rows get the block-diagonal causal mask and their
     restarting positions; the last stage returns per-token losses ``[b, s]``."""
     segments = mb.get("segments")
@@ -88,7 +90,7 @@ class SFTTask:
 
     def forward_step(
         self, model: ShardedModule, mb: Microbatch, hidden: torch.Tensor | None, is_last: bool
-    ) -> Any:
+    ) -> torch.Tensor:
         return sft_forward_step(model, mb, hidden, is_last)
 
     def microbatches(self, split: str, index: int, ps: ParallelState) -> list[Microbatch]:
@@ -101,7 +103,7 @@ class SFTTask:
         return {"tokens": global_loss_tokens([mb["loss_mask"] for mb in mbs], ps)}
 
     def loss(
-        self, output: Any, mb: Microbatch, norms: dict[str, float]
+        self, output: torch.Tensor, mb: Microbatch, norms: dict[str, float]
     ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         loss = (output.float() * mb["loss_mask"]).sum() / max(norms["tokens"], 1.0)
         return loss, {"lm loss": loss.detach()}

@@ -11,9 +11,12 @@ import hashlib
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pretrain.utils.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 _GENERATION = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
@@ -36,7 +39,7 @@ class ChatTemplate:
 
 
 def chat_template(
-    hf_tokenizer: Any, template_file: str | Path | None, *, tokenizer_source: str
+    hf_tokenizer: PreTrainedTokenizerBase, template_file: str | Path | None, *, tokenizer_source: str
 ) -> ChatTemplate:
     """``--chat-template FILE``'s text, else the tokenizer's; :class:`UserError` when there is none."""
     if template_file is not None:
