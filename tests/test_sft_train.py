@@ -170,3 +170,10 @@ def test_packed_training_in_parallel_equals_one_process(
         abs(four["metrics"]["valid_loss"] - one["metrics"]["valid_loss"])
         <= 1e-5 * one["metrics"]["valid_loss"]
     )
+
+
+def test_an_encoder_is_refused_in_one_line(tiny_bert_dir: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    err = one_line_error(
+        main, ["sft", "--hf-model", str(tiny_bert_dir), "--data", str(SFT_CHAT_FILE)], capsys
+    )
+    assert "holds a bert model; SFT needs a decoder" in err

@@ -41,7 +41,9 @@ class Decoder:
 def _from_ckpt(path: str, tokenizer_dir: str | None, force: bool) -> Decoder:
     from mlm_eval.scoring.megatron import TokenizerChoice, read_gpt_checkpoint
 
-    read = read_gpt_checkpoint(path, tokenizer_cfg=TokenizerChoice(directory=tokenizer_dir, force=force))
+    read = read_gpt_checkpoint(
+        path, tokenizer_cfg=TokenizerChoice(directory=tokenizer_dir, force=force), purpose="SFT"
+    )
     return Decoder(cfg=read.cfg, tensors=read.full, tokenizer=read.tokenizer, source=path,
                    fingerprint=read.info["fingerprint"], iteration=read.info["iteration"])  # fmt: skip
 
@@ -58,7 +60,7 @@ def _from_hf(path: str, tokenizer_dir: str | None, force: bool) -> Decoder:
     if not hf_dir.is_dir():
         raise UserError(f"--hf-model {hf_dir}: not a directory")
     source = open_hf(hf_dir)
-    if source.spec.kind != "gpt":
+    if not source.spec.model_kind.causal_lm:
         raise UserError(
             f"--hf-model {hf_dir}: holds a {source.spec.kind} model; SFT needs a decoder (GPT, Llama family)"
         )

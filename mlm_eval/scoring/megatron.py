@@ -165,7 +165,10 @@ class CanonicalGPT:
 
 
 def read_gpt_checkpoint(
-    ckpt: str, *, tokenizer_cfg: TokenizerChoice | TokenizerConfig | None = None
+    ckpt: str,
+    *,
+    tokenizer_cfg: TokenizerChoice | TokenizerConfig | None = None,
+    purpose: str = "zero-shot LM evaluation",
 ) -> CanonicalGPT:
     """Read ``ckpt`` (any layout the checkpoint tools read) and its tokenizer; no model is built.
 
@@ -182,7 +185,7 @@ def read_gpt_checkpoint(
     reader, resolved = _open_with_tokenizer(ckpt, choice)
     spec, info = reader.spec, reader.info
     if not spec.model_kind.causal_lm:
-        raise UserError(f"--ckpt {ckpt}: holds a {spec.kind} model; zero-shot LM evaluation needs a GPT")
+        raise UserError(f"--ckpt {ckpt}: holds a {spec.kind} model; {purpose} needs a GPT")
     if not info.vocab_known:
         raise UserError(f"--ckpt {ckpt}: the true vocabulary size is unknown ({info.vocab_source})")
     full = {name: reader.tensor(name).clone() for name in reader.names()}
