@@ -16,7 +16,7 @@ from finetune.sft.tiny_tokenizer import SFT_CHAT_FILE
 from tests.cli_helpers import one_line_error
 from tests.sft_fixtures import chat_messages, make_chat_llama
 
-LR, STEPS, N = 1e-3, 3, 6
+LR, WD, STEPS, N = 1e-3, 0.1, 3, 6
 
 
 @pytest.fixture(scope="module")
@@ -27,13 +27,17 @@ def chat_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _plain_loop(
     model_dir: Path, conversations: list[list[dict[str, str]]]
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """transformers model + torch AdamW; every step's batch is all conversations (loss: the masked
-    NLL sum over their assistant tokens / their count), gradients clipped to norm 1."""
+    """transformers model + torch AdamW (weight decay on matrices only); every step's batch is all
+    conversations (loss: the masked NLL sum over their assistant tokens / their count), gradients
+    clipped to norm 1."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model: Any = AutoModelForCausalLM.from_pretrained(model_dir).train()
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+    decay = [p for p in model.parameters() if p.dim() > 1]  # Megatron's groups: no decay on norms/biases
+    rest = [p for p in model.parameters() if p.dim() <= 1]
+    groups = [{"params": decay, "weight_decay": WD}, {"params": rest, "weight_decay": 0.0}]
+    opt = torch.optim.AdamW(groups, lr=LR, betas=(0.9, 0.999), eps=1e-8)
     encoded = [
         tok.apply_chat_template(m, return_dict=True, return_assistant_tokens_mask=True) for m in conversations
     ]
@@ -66,7 +70,7 @@ def test_first_three_steps_equal_a_plain_pytorch_loop(chat_llama: Path, tmp_path
     save, out = tmp_path / "sft_ckpt", tmp_path / "res"
     assert main(["sft", "--hf-model", str(chat_llama), "--data", str(data), "--valid-data", str(data), "--epochs", str(STEPS),
                  "--global-batch-size", str(N), "--micro-batch-size", "2", "--lr", str(LR), "--lr-decay-style", "constant",
-                 "--seq-length", "128", "--save", str(save), "--results-dir", str(out), "--no-progress"]) == 0  # fmt: skip
+                 "--weight-decay", str(WD), "--seq-length", "128", "--save", str(save), "--results-dir", str(out), "--no-progress"]) == 0  # fmt: skip
     rec = json.loads((out / "results.json").read_text())
     theirs, state = _plain_loop(chat_llama, chat_messages(data))
     assert rec["details"]["iterations"] == STEPS
