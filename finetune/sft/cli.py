@@ -26,6 +26,7 @@ from finetune.sft.data import BUILTIN_DATA, encode_data, read_data
 from finetune.sft.samples import LOSS_ON
 from finetune.sft.source import Decoder, load_decoder
 from pretrain.config import DTypeFlags, ModelConfig, ParallelConfig
+from pretrain.models.lora import ALL_TARGETS, LoraConfig
 from pretrain.tokenizer.flags import TokenizerFlags
 from pretrain.training.cli import add_parallel_args, parallel_from_args
 from pretrain.utils.cli import OneLineParser
@@ -75,11 +76,15 @@ def build_parser() -> OneLineParser:
     t.add_argument("--attention-dropout", type=float, default=None, help="default: the model's")
     t.add_argument("--seed", type=int, default=1234)
     add_flag_group(p, DTypeFlags, title="training", group=t, include=("bf16", "fp16"))
-    lora = p.add_argument_group("LoRA (not yet available: full-parameter SFT only)")
-    lora.add_argument("--lora-rank", type=int, default=None)
-    lora.add_argument("--lora-alpha", type=float, default=None)
-    lora.add_argument("--lora-dropout", type=float, default=None)
-    lora.add_argument("--lora-targets", default=None)
+    lora = p.add_argument_group("LoRA (default: full-parameter SFT)")
+    lora.add_argument("--lora-rank", type=int, default=None, help="adapter rank r (turns LoRA on)")
+    lora.add_argument("--lora-alpha", type=float, default=None, help="scaling alpha / r (default: r)")
+    lora.add_argument(
+        "--lora-dropout", type=float, default=None, help="dropout on the adapter input (default: 0)"
+    )
+    lora.add_argument(
+        "--lora-targets", default=None, help="comma-separated among qkv,proj,fc1,fc2 (default: all)"
+    )
     o = p.add_argument_group("output")
     o.add_argument("--save", default=None, help="save the fine-tuned model here (our checkpoint format)")
     o.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --save")
@@ -91,14 +96,28 @@ def build_parser() -> OneLineParser:
     return p
 
 
+def lora_from_flags(args: argparse.Namespace) -> LoraConfig | None:
+    """The ``--lora-*`` flags as a :class:`LoraConfig` (None without ``--lora-rank``)."""
+    given = [f"--{n.replace('_', '-')}" for n in LORA_FLAGS if getattr(args, n) is not None]
+    if args.lora_rank is None:
+        if given:
+            raise UserError(f"{given[0]} needs --lora-rank R (LoRA is on only with a rank)")
+        return None
+    if args.fp16:
+        raise UserError(
+            "--fp16 with --lora-rank: LoRA adapters train in float32 beside the frozen base; use --bf16"
+        )
+    targets = (
+        ALL_TARGETS if args.lora_targets is None else tuple(t.strip() for t in args.lora_targets.split(","))
+    )
+    return LoraConfig(rank=args.lora_rank, alpha=float(args.lora_rank if args.lora_alpha is None else args.lora_alpha),
+                      dropout=args.lora_dropout or 0.0, targets=targets)  # fmt: skip
+
+
 def _check_flags(args: argparse.Namespace) -> None:
-    """Refusals that need no file read: LoRA, ranges, --eval-only with --save, outputs."""
+    """Refusals that need no file read: ranges, --eval-only with --save, outputs (LoRA: lora_from_flags)."""
     from pretrain.checkpoint.legacy.layout import TRACKER
 
-    given = [f"--{n.replace('_', '-')}" for n in LORA_FLAGS if getattr(args, n) is not None]
-    if given:
-        raise UserError(f"{given[0]}: LoRA is not available in this build yet; drop the --lora-* flags for "
-                        "full-parameter SFT")  # fmt: skip
     for flag, ok, rule in (("--epochs", args.epochs > 0, "> 0"), ("--lr", args.lr >= 0, ">= 0"),
                            ("--lr-warmup-fraction", 0 <= args.lr_warmup_fraction < 1, "in [0, 1)"),
                            ("--global-batch-size", args.global_batch_size >= 1, ">= 1"),
@@ -142,15 +161,22 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     args.argv = list(argv if argv is not None else sys.argv[1:])
     _check_flags(args)
+    lora = lora_from_flags(args)
     records, loss_on = read_data(args)
     dec = load_decoder(ckpt=args.ckpt, hf_model=args.hf_model, tokenizer_dir=args.tokenizer_dir,
                        force_tokenizer=args.force_tokenizer)  # fmt: skip
+    if dec.lora is not None:
+        if lora is not None:
+            raise UserError(
+                f"--ckpt {args.ckpt} holds a LoRA adapter (rank {dec.lora.rank}); drop the --lora-* flags"
+            )
+        lora = dec.lora
     cfg, seq_length = _model_cfg(args, dec)
     parallel = parallel_from_args(args, num_layers=cfg.num_layers)
     cfg.check_tensor_parallel(parallel.tp)
     dp = _data_parallel_size(parallel)
     data = encode_data(args, records, loss_on, dec, seq_length)
-    return run_sft(args, dec, cfg, parallel, data, seq_length=seq_length, dp=dp)
+    return run_sft(args, dec, cfg, parallel, data, seq_length=seq_length, dp=dp, lora=lora)
 
 
 def _data_parallel_size(parallel: ParallelConfig) -> int:

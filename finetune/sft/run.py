@@ -16,11 +16,12 @@ if TYPE_CHECKING:
     from finetune.sft.samples import SampleSet
     from finetune.sft.source import Decoder
     from pretrain.config import ModelConfig, ParallelConfig
+    from pretrain.models.lora import LoraConfig
     from pretrain.parallel.state import ParallelState
 
 
 def _configs(
-    args: argparse.Namespace, data: SFTData, seq_length: int, dp: int
+    args: argparse.Namespace, data: SFTData, seq_length: int, dp: int, *, lora: bool
 ) -> tuple[TrainingConfig, OptimizerConfig, LRScheduleConfig]:
     rows = data.train_rows
     iters = 0 if rows is None else train_iterations(len(rows["tokens"]), args.epochs, args.global_batch_size)
@@ -32,8 +33,10 @@ def _configs(
         progress=not args.no_progress and iters > 0,
     )  # fmt: skip
     train_cfg.num_microbatches(dp)  # divisibility, before any process group
+    # LoRA: the optimizer sees only the float32 adapters (the bf16 base is frozen)
+    half = {"fp16": args.fp16 and not lora, "bf16": args.bf16 and not lora}
     optim = OptimizerConfig(lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay, clip_grad=args.clip_grad,
-                            use_distributed_optimizer=args.use_distributed_optimizer, fp16=args.fp16, bf16=args.bf16)  # fmt: skip
+                            use_distributed_optimizer=args.use_distributed_optimizer, **half)  # fmt: skip
     lr = (LRScheduleConfig(lr=args.lr, min_lr=args.lr, decay_style="constant") if iters == 0 else
           LRScheduleConfig(lr=args.lr, min_lr=args.min_lr if args.lr_decay_style != "constant" else args.lr,
                            decay_style=args.lr_decay_style, warmup_iters=int(args.lr_warmup_fraction * iters),
@@ -66,7 +69,7 @@ def _save_tokenizer(directory: Path, dec: Decoder, data: SFTData) -> None:
 
 
 def run_sft(args: argparse.Namespace, dec: Decoder, cfg: ModelConfig, parallel: ParallelConfig, data: SFTData, *,
-            seq_length: int, dp: int) -> int:  # fmt: skip
+            seq_length: int, dp: int, lora: LoraConfig | None = None) -> int:  # fmt: skip
     """Train and evaluate on this launch's ranks; rank 0 prints and writes ``results.json``."""
     import torch.distributed as dist
 
@@ -74,7 +77,7 @@ def run_sft(args: argparse.Namespace, dec: Decoder, cfg: ModelConfig, parallel: 
     from pretrain.checkpoint.types import FinetuneRecord
     from pretrain.training.loop import count_parameters, setup_parallel, train
 
-    train_cfg, optim, lr = _configs(args, data, seq_length, dp)
+    train_cfg, optim, lr = _configs(args, data, seq_length, dp, lora=lora is not None)
     ps = setup_parallel(parallel, seed=args.seed)
     if ps.rank == 0:
         for flag, s, r in (
@@ -88,7 +91,8 @@ def run_sft(args: argparse.Namespace, dec: Decoder, cfg: ModelConfig, parallel: 
                              finetune=record, argv=args.argv)  # fmt: skip
     rows = data.train_rows if data.train_rows is not None else data.valid_rows
     assert rows is not None
-    task = SFTTask(model_cfg=cfg, train_cfg=train_cfg, rows=rows, pretrained=dec.tensors)
+    task = SFTTask(model_cfg=cfg, train_cfg=train_cfg, rows=rows, pretrained=dec.tensors, lora=lora,
+                   lora_base=None if lora is None else dec.base_of(), adapter=dec.adapter)  # fmt: skip
     result = train(task, ps=ps, optim_cfg=optim, lr_cfg=lr, cfg=train_cfg, ckpt_args=meta)
     if args.save is not None and ps.rank == 0:
         _save_tokenizer(Path(args.save) / "tokenizer", dec, data)
@@ -97,14 +101,14 @@ def run_sft(args: argparse.Namespace, dec: Decoder, cfg: ModelConfig, parallel: 
     if data.valid_rows is not None:
         valid = valid_loss(task.chunks, ps, data.valid_rows, train_cfg.micro_batch_size)
     if ps.rank == 0:
-        _report(args, dec, ps, data, result, valid, params)
+        _report(args, dec, ps, data, result, valid, params, lora)
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
 
 
 def _report(args: argparse.Namespace, dec: Decoder, ps: ParallelState, data: SFTData, result: dict[str, Any],
-            valid: tuple[float, int] | None, params: int) -> None:  # fmt: skip
+            valid: tuple[float, int] | None, params: int, lora: LoraConfig | None) -> None:  # fmt: skip
     from pretrain.utils.results import make_result, write_result
 
     history = result["history"]
@@ -119,7 +123,7 @@ def _report(args: argparse.Namespace, dec: Decoder, ps: ParallelState, data: SFT
         "loss_tokens": {k: s.loss_tokens for k, s in sets.items() if s is not None},
         "template_sha256": None if data.template is None else data.template.sha256,
         "template_source": None if data.template is None else data.template.source,
-        "loss_on": data.loss_on, "pack": args.pack, "lora": None, "layout": layout, "dtype": dtype,
+        "loss_on": data.loss_on, "pack": args.pack, "lora": None if lora is None else lora.to_dict(), "layout": layout, "dtype": dtype,
         "eval_only": args.eval_only, "iterations": result["final_iteration"],
         "final_loss": history[-1]["loss"] if history else None, "train_losses": [h["loss"] for h in history],
         "hyperparameters": {k: getattr(args, k) for k in ("epochs", "global_batch_size", "micro_batch_size", "lr",

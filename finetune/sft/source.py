@@ -1,7 +1,8 @@
 """The decoder SFT starts from: ``--ckpt DIR`` (ours or Megatron's, any layout and format) or
 ``--hf-model DIR`` (a Hugging Face Llama-family or GPT-2 directory, read memory-mapped), with its
 tokenizer (the checkpoint's own, or ``--tokenizer-dir`` checked against it) and that tokenizer as a
-transformers tokenizer for chat templates.
+transformers tokenizer for chat templates. A LoRA checkpoint as ``--ckpt`` is its base (opened from
+the path it records, fingerprint checked) plus its adapter.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from pretrain.checkpoint.lora_adapter import LoraBase
 from pretrain.config import ModelConfig
+from pretrain.models.lora import LoraConfig
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.utils.errors import UserError
 
@@ -32,6 +35,13 @@ class Decoder:
     fingerprint: str
     iteration: int | None = None
     source_model_type: str | None = None  # a Hugging Face source's model_type (exported back as it)
+    lora: LoraConfig | None = None  # a LoRA checkpoint's settings, ``adapter`` its full tensors
+    adapter: Mapping[str, torch.Tensor] | None = None
+    base: LoraBase | None = None  # the base weights: a LoRA checkpoint's, else these (``base_of``)
+
+    def base_of(self) -> LoraBase:
+        """The base weights new LoRA adapters on this decoder belong to."""
+        return self.base or LoraBase(path=str(Path(self.source).resolve()), fingerprint=self.fingerprint)
 
     @property
     def name(self) -> str:
@@ -81,8 +91,31 @@ def load_decoder(*, ckpt: str | None, hf_model: str | None, tokenizer_dir: str |
     if (ckpt is None) == (hf_model is None):
         raise UserError("give exactly one of --ckpt DIR or --hf-model DIR")
     if ckpt is not None:
+        from pretrain.checkpoint.lora_adapter import is_lora_checkpoint
+
+        if Path(ckpt).is_dir() and is_lora_checkpoint(ckpt):
+            return _from_lora(ckpt, tokenizer_dir, force_tokenizer)
         return _from_ckpt(ckpt, tokenizer_dir, force_tokenizer)
     return _from_hf(str(hf_model), tokenizer_dir, force_tokenizer)
+
+
+def _from_lora(ckpt: str, tokenizer_dir: str | None, force: bool) -> Decoder:
+    """A LoRA checkpoint: its recorded base (a checkpoint or Hugging Face directory), checked by
+    fingerprint, with the adapter's settings and tensors."""
+    import dataclasses
+
+    from pretrain.checkpoint.lora_adapter import check_base, read_adapter
+
+    adapter = read_adapter(ckpt)
+    path = adapter.base.path
+    if not Path(path).is_dir():
+        raise UserError(f"--ckpt {ckpt}: the LoRA adapter's base {path} is not a directory (moved?)")
+    hf = (Path(path) / "config.json").is_file()
+    base = _from_hf(path, tokenizer_dir, force) if hf else _from_ckpt(path, tokenizer_dir, force)
+    check_base(adapter, base.fingerprint, where=f"--ckpt {ckpt}")
+    return dataclasses.replace(
+        base, source=ckpt, lora=adapter.lora, adapter=adapter.tensors, base=adapter.base
+    )
 
 
 def hf_tokenizer(tok: Tokenizer) -> PreTrainedTokenizerBase:

@@ -19,12 +19,14 @@ import torch.distributed as dist
 
 from finetune.sft.packing import Rows, block_causal_mask
 from finetune.tasks import rows_to_microbatches
+from pretrain.checkpoint.lora_adapter import LoraBase
 from pretrain.config import ModelConfig
 from pretrain.data.gpt_dataset import global_batch_indices
 from pretrain.distributed.ddp import global_loss_tokens
 from pretrain.models.base import ShardedModule
 from pretrain.models.forward_context import ForwardContext
 from pretrain.models.gpt import GPTModel
+from pretrain.models.lora import LoraConfig, add_lora
 from pretrain.models.sharding import load_full_state_dict
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.partition import build_model_chunks
@@ -64,7 +66,11 @@ def epoch_rows(index: int, n: int, global_batch: int, ps: ParallelState, seed: i
 
 @dataclass(kw_only=True)
 class SFTTask:
-    """Training rows, the decoder config and its starting weights (``None``: ``--load`` gives them)."""
+    """Training rows, the decoder config and its starting weights (``None``: ``--load`` gives them).
+
+    With ``lora``, every chunk gets adapters after the base weights are loaded (only they train;
+    ``adapter`` holds full adapter tensors to start from) and checkpoints hold the adapter with a
+    reference to ``lora_base``."""
 
     model_cfg: ModelConfig
     train_cfg: TrainingConfig
@@ -72,6 +78,9 @@ class SFTTask:
     pretrained: Mapping[str, torch.Tensor] | None = None
     model_type: str = "gpt"
     loss_names: tuple[str, ...] = ("lm loss",)
+    lora: LoraConfig | None = None
+    lora_base: LoraBase | None = None
+    adapter: Mapping[str, torch.Tensor] | None = None
     chunks: list[ShardedModule] = field(default_factory=list)
 
     def build_chunks(self, ps: ParallelState) -> list[ShardedModule]:
@@ -80,11 +89,14 @@ class SFTTask:
 
     def load_initial_weights(self, chunks: list[ShardedModule], ps: ParallelState) -> None:
         """The starting decoder's canonical tensors into every chunk (before the optimizer copies them)."""
-        if self.pretrained is None:
-            return
         for chunk in chunks:
             try:
-                load_full_state_dict(chunk, self.pretrained)  # type: ignore[arg-type]
+                if self.pretrained is not None:
+                    load_full_state_dict(chunk, self.pretrained)  # type: ignore[arg-type]
+                if self.lora is not None:
+                    add_lora(chunk, self.lora, seed=self.train_cfg.seed)
+                    if self.adapter is not None:
+                        load_full_state_dict(chunk, dict(self.adapter), strict=False)
             except (KeyError, ValueError) as exc:
                 raise UserError(f"the starting model's weights do not fit its config: {exc}") from None
 

@@ -188,8 +188,9 @@ class Trainer:
         """Save a resumable checkpoint; an interrupted save leaves no ``iter_XXXXXXX.tmp`` behind."""
         assert self.cfg.save is not None
         try:
-            save_training_checkpoint(self.cfg.save, iteration, self.chunks, self.ps, self.optimizer,
-                                     self.scheduler, self.ckpt_args)  # fmt: skip
+            # a task training LoRA adapters names their base weights (the checkpoint holds the adapter)
+            save_training_checkpoint(self.cfg.save, iteration, self.chunks, self.ps, self.optimizer, self.scheduler,
+                                     self.ckpt_args, lora_base=getattr(self.task, "lora_base", None))  # fmt: skip
         except BaseException:
             if self.ps.rank == 0:
                 shutil.rmtree(iteration_dir(self.cfg.save, iteration).with_suffix(".tmp"), ignore_errors=True)
