@@ -129,7 +129,6 @@ def test_help_shows_the_shared_flag_groups(
 @pytest.mark.parametrize(
     ("flags", "needle"),
     [
-        (["--lora-rank", "8"], "--lora-rank: LoRA is not available in this build yet"),
         (["--epochs", "0"], "--epochs must be > 0, got 0"),
         (["--eval-only", "--save", "x"], "--eval-only trains nothing to --save"),
         (
