@@ -145,18 +145,25 @@ def test_lora_flag_errors_are_one_line(
 
 
 @pytest.mark.slow
-def test_lora_at_pp2_dp2_zero1_equals_one_process(chat_llama: Path, tmp_path: Path) -> None:
-    """Losses, valid_loss and the adapter weights after LoRA SFT: pp2 x dp2 with ZeRO-1 = 1 process."""
+@pytest.mark.parametrize(
+    ("layout", "flags"),
+    [("tp1-pp2-dp2", ["--pp", "2", "--use-distributed-optimizer"]), ("tp2-pp1-dp2", ["--tp", "2"])],
+)
+def test_lora_in_parallel_equals_one_process(
+    chat_llama: Path, tmp_path: Path, layout: str, flags: list[str]
+) -> None:
+    """Losses, valid_loss and the adapter weights after LoRA SFT: pp2 x dp2 with ZeRO-1, and tp2 x dp2,
+    equal one process."""
     from pretrain.checkpoint.lora_adapter import read_adapter
     from tests.distributed import torchrun
 
     argv = ["sft", "--hf-model", str(chat_llama), *TRAIN, *LORA]
     assert main([*argv, "--save", str(tmp_path / "ck1"), "--results-dir", str(tmp_path / "one")]) == 0
-    proc = torchrun(4, "finetune.cli", [*argv, "--pp", "2", "--use-distributed-optimizer", "--save",
+    proc = torchrun(4, "finetune.cli", [*argv, *flags, "--save",
                                         str(tmp_path / "ck4"), "--results-dir", str(tmp_path / "four")])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, four = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "four"))
-    assert four["details"]["layout"] == "tp1-pp2-dp2"
+    assert four["details"]["layout"] == layout
     torch.testing.assert_close(torch.tensor(four["details"]["train_losses"]), torch.tensor(one["details"]["train_losses"]),
                                rtol=1e-5, atol=0)  # fmt: skip
     assert (
