@@ -207,7 +207,7 @@ OPTIONS: tuple[Option, ...] = (
            hf_fixed={_G: (False, "has no QK-norm"), _L: (False, "has no full-width QK-norm"), _B: (False, "has no QK-norm"),
                      _MX: (False, "has no QK-norm"), _Q2: (False, "has no QK-norm"),
                      _Q3: (False, "has per-head QK-norm, not full-width"), _OL: (True, "has full-width QK-norm")},
-           switches={**dict.fromkeys(_MOES, False), _OL: True}, tensors=("q_full_layernorm", "k_full_layernorm"),
+           switches={**dict.fromkeys(_MOES, False), _OL: True},
            meaning="full-width query/key RMSNorm (OLMoE)"),
     # mixture of experts (Megatron's MoE flags and semantics; pretrain.models.moe)
     Option(field="num_experts", megatron="num_experts", read=_value("num_experts", default=None, cast=int),
@@ -256,6 +256,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(field="moe_expert_capacity_factor", megatron="moe_expert_capacity_factor",
            read=_value("moe_expert_capacity_factor", default=None, cast=float),
            flag=_flag("--moe-expert-capacity-factor", help="expert capacity (default: dropless)"),
+           hf_fixed={g: (None, "routes without capacity (dropless)") for g in _MOES},
            meaning="expert capacity with token dropping"),
     Option(field="moe_token_drop_policy", megatron="moe_token_drop_policy",
            read=_value("moe_token_drop_policy", default="probs", cast=str),
