@@ -33,7 +33,9 @@ def _eval(source: list[str], out: Path) -> dict[str, Any]:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2_moe", "olmoe"])
-def test_eval_of_converted_checkpoint_equals_hf_model(tmp_path: Path, family: str) -> None:
+def test_eval_of_converted_checkpoint_equals_hf_model(
+    tmp_path: Path, family: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     tok = qwen_style_bpe_tokenizer()
     model = hf_model(family, vocab_size=len(tok), bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                      pad_token_id=tok.pad_token_id, max_position_embeddings=256)  # fmt: skip
@@ -45,11 +47,27 @@ def test_eval_of_converted_checkpoint_equals_hf_model(tmp_path: Path, family: st
     got = _eval(["--ckpt", str(tmp_path / "ck")], tmp_path / "ck.json")["metrics"]
     for key in ("adjusted_ppl", "token_ppl"):
         assert got[key] == pytest.approx(want[key], rel=1e-6), key
+    _generate_equals_transformers(tmp_path / "ck", model, tok, capsys)
     assert convert_main(["to-hf", "--load", str(tmp_path / "ck"), "--save", str(tmp_path / "out")]) == 0
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
         assert (tmp_path / "out" / name).is_file(), name
     config = json.loads((tmp_path / "out" / "config.json").read_text())
     assert config["eos_token_id"] == tok.eos_token_id
+
+
+def _generate_equals_transformers(ckpt: Path, hf: Any, tok: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """``mlm-generate --ckpt`` (KV cache) on the converted checkpoint: transformers' greedy tokens."""
+    from mlm_eval.generation.cli import main as generate_main
+
+    prompt = "the quick brown fox"
+    capsys.readouterr()
+    assert generate_main(["--ckpt", str(ckpt), "--prompt", prompt, "--max-new-tokens", "8", "--json"]) == 0
+    got = json.loads(capsys.readouterr().out)
+    ids = torch.tensor([tok.encode(prompt, add_special_tokens=False)])
+    with torch.no_grad():
+        ref = hf.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=tok.eos_token_id)
+    want = ref[0, ids.shape[1] :].tolist()
+    assert got["tokens"] == (want[: want.index(tok.eos_token_id)] if tok.eos_token_id in want else want)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
