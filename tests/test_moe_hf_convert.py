@@ -132,3 +132,22 @@ def test_options_the_family_lacks_are_refused(family: str, changes: dict[str, ob
     with pytest.raises(UserError, match=named) as exc:
         check_exportable(_spec(family, **changes), recorded=family)
     assert "\n" not in str(exc.value)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_layered_option_groups_round_trip(family: str) -> None:
+    """Each MoE family's keys are its own option group over llama's: written and read back they
+    give the same fields, and llama's refusal of experts is replaced by the family's key."""
+    from types import SimpleNamespace
+
+    from pretrain import model_options as mo
+
+    cfg = import_state(family, hf_model(family))[0]
+    groups = ("llama", family)
+    written = mo.hf_kwargs(cfg, groups)
+    assert written["num_experts_per_tok"] == 2 and "num_experts" not in mo.hf_unsupported(cfg, groups, family)
+    read = mo.config_kwargs_from_hf(SimpleNamespace(**written), groups)
+    for field, value in read.items():
+        if field != "ffn_hidden_size":  # Mixtral/OLMoE: intermediate_size is the expert width
+            assert value == getattr(cfg, field), field
+    assert mo.hf_unsupported(cfg, "llama", "Llama")  # the dense group refuses the experts

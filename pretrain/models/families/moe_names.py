@@ -26,8 +26,8 @@ Make = Literal["copy", "cat", "qkv", "fused_gate_up", "fused_down"]
 
 @dataclass(frozen=True, kw_only=True)
 class ExpertNames:
-    """A family's per-expert names under ``model.layers.{i}.``: the block, its router and the
-    gate / up / down projections of expert ``e`` (``{e}`` in the template)."""
+    """A family's per-expert names under ``model.layers.{i}.``: the block (its router is
+    ``{block}.gate``) and the gate / up / down projections of ``{block}.experts.{e}.``."""
 
     block: str
     gate: str
@@ -36,9 +36,6 @@ class ExpertNames:
 
     def router(self) -> str:
         return f"{self.block}.gate.weight"
-
-    def expert(self, e: int, which: str) -> str:
-        return f"{self.block}.experts.{e}.{getattr(self, which)}.weight"
 
 
 MIXTRAL = ExpertNames(block="block_sparse_moe", gate="w1", up="w3", down="w2")
@@ -122,8 +119,9 @@ def _moe(cfg: ModelConfig, i: int, family: str, *, fused: bool) -> list[Piece]:
                       shapes=((experts, h, width),), what=("[experts, hidden, expert width]",), expert=e),
             ]  # fmt: skip
         else:
-            per = tuple(f"{hf}{names.block}.experts.{e}.{getattr(names, w)}" for w in ("gate", "up", "down"))
-            out += _swiglu(expert, "", per, h, width)  # type: ignore[arg-type]
+            out += _swiglu(
+                expert, f"{hf}{names.block}.experts.{e}.", (names.gate, names.up, names.down), h, width
+            )
     shared = cfg.moe_shared_expert_intermediate_size
     if shared is not None:
         out += _swiglu(ours + "shared_experts.", hf + "mlp.shared_expert.", ("gate_proj", "up_proj", "down_proj"),
