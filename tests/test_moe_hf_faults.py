@@ -70,12 +70,15 @@ def _save_fused(directory: Path, family: str, change=None, **overrides: object) 
     save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
 
 
-def test_square_fused_expert_matrix_is_ambiguous(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """2I == H: gate_up_proj [E, 2I, H] and a transposed copy have the same shape (transformers
-    #47031), so the fused layout is refused rather than guessed."""
-    _save_fused(tmp_path / "hf", "mixtral", intermediate_size=16)  # 2 x 16 == hidden 32
+@pytest.mark.parametrize(("width", "tensor"), [(16, "gate_up_proj"), (32, "down_proj")])
+def test_square_fused_expert_matrix_is_ambiguous(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], width: int, tensor: str
+) -> None:
+    """2I == H (gate_up_proj [E, 2I, H]) or I == H (down_proj [E, H, I]): a transposed copy has the
+    same shape (transformers #47031), so the fused layout is refused rather than guessed."""
+    _save_fused(tmp_path / "hf", "mixtral", intermediate_size=width)  # hidden 32
     err = _from_hf_error(tmp_path, capsys)
-    assert "model.layers.0.mlp.experts.gate_up_proj" in err and "ambiguous" in err
+    assert f"model.layers.0.mlp.experts.{tensor}" in err and "ambiguous" in err
 
 
 def test_transposed_fused_expert_matrix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
