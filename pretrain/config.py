@@ -75,6 +75,8 @@ class ModelConfig:
     add_bias_linear: bool = True  # False = Megatron's --disable-bias-linear
     add_qkv_bias: bool = False  # QKV bias even without linear biases (Qwen2)
     qk_layernorm: bool = False  # per-head norm of queries and keys before RoPE (Qwen3)
+    # RMSNorm over the whole query projection [nq d] and key projection [g d], not per head (OLMoE)
+    qk_layernorm_full_width: bool = False
     squared_relu: bool = False  # relu(x)^2 instead of GeLU (Megatron's --squared-relu; not with swiglu)
     # Mixture of experts (Megatron's --num-experts etc.; None = a dense MLP in every layer).
     num_experts: int | None = None  # routed experts per MoE layer
@@ -117,6 +119,11 @@ class ModelConfig:
         self._check_llama_options()
         if self.squared_relu and self.swiglu:
             raise UserError("model config: squared_relu and swiglu exclude each other")
+        if self.qk_layernorm_full_width and (self.qk_layernorm or self.normalization != "RMSNorm"):
+            raise UserError(
+                "model config: qk_layernorm_full_width (OLMoE's full-width RMSNorm) excludes qk_layernorm "
+                "(per head) and needs normalization RMSNorm"
+            )
         if self.num_experts is not None:
             self._check_moe_options()
 
@@ -266,6 +273,11 @@ class ModelConfig:
                 if width is not None and width % tp:
                     raise UserError(f"{name} {width} is not divisible by --tp {tp}")
         groups = self.query_groups
+        if self.qk_layernorm_full_width and groups % tp:
+            raise UserError(
+                f"num_query_groups {groups} is not divisible by --tp {tp}: the full-width key norm "
+                "(qk_layernorm_full_width) needs each key-value group on one rank"
+            )
         if groups % tp and tp % groups:
             raise UserError(
                 f"num_query_groups {groups} and --tp {tp}: one must divide the other "

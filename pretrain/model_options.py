@@ -99,6 +99,13 @@ def _write_ffn(cfg: ModelConfig, mcore: bool) -> dict[str, object]:
 
 _G, _L, _B = "gpt2", "llama", "bert"
 _LLAMAS = ("llama", "mistral", "qwen2", "qwen3")  # the model_types of the Llama group's families
+# The mixture-of-experts families: each group is layered over "llama" (their attention keys are
+# Llama's); a column of theirs replaces llama's for the same option (see hf_kwargs).
+_MX, _Q2, _Q3, _OL = "mixtral", "qwen2_moe", "qwen3_moe", "olmoe"
+_MOES = (_MX, _Q2, _Q3, _OL)  # their model_types are their group names
+_SOFTMAX_ONLY = {g: ("softmax", "scores experts with a softmax") for g in (_MX, _Q2, _Q3, _OL)}
+_NO_SCALING = {g: (None, "does not scale the top-k probabilities") for g in (_MX, _Q2, _Q3, _OL)}
+_NO_SHARED = {g: (None, "has no shared expert") for g in (_MX, _Q3, _OL)}
 OPTIONS: tuple[Option, ...] = (
     # sizes
     Option(field="num_layers", megatron="num_layers", hf={_G: "n_layer", _L: "num_hidden_layers", _B: "num_hidden_layers"},
@@ -154,7 +161,7 @@ OPTIONS: tuple[Option, ...] = (
            aliases=("use_rotary_position_embeddings", "add_position_embedding"), read=codecs.read_position,
            write=codecs.write_position, flag=_flag("--position-embedding-type", choices=("learned_absolute", "rope")),
            hf_fixed={_G: ("learned_absolute", "has learned positions"), _B: ("learned_absolute", "has learned positions"), _L: ("rope", "has RoPE only")},
-           switches={"gpt2": "learned_absolute", **dict.fromkeys(_LLAMAS, "rope")}, meaning="learned_absolute or rope"),
+           switches={"gpt2": "learned_absolute", **dict.fromkeys((*_LLAMAS, *_MOES), "rope")}, meaning="learned_absolute or rope"),
     Option(field="rotary_base", megatron="rotary_base", read=_value("rotary_base", default=10000.0, cast=float),
            flag=_flag("--rotary-base"), meaning="RoPE base"),
     Option(field="rotary_percent", megatron="rotary_percent", read=_value("rotary_percent", default=1.0, cast=float),
@@ -184,38 +191,61 @@ OPTIONS: tuple[Option, ...] = (
            flag=_flag("--disable-bias-linear", kind="store_false"), hf_fixed={_L: (False, "has no o_proj or MLP biases; --disable-bias-linear")},
            meaning="linear biases"),
     Option(field="add_qkv_bias", megatron="add_qkv_bias", read=codecs.read_qkv_bias, write=codecs.write_qkv_bias,
-           flag=_flag("--add-qkv-bias", kind="store_true"), switches={**dict.fromkeys(_LLAMAS, False), "qwen2": True},
+           flag=_flag("--add-qkv-bias", kind="store_true"), hf={_Q2: "qkv_bias"},
+           hf_fixed={g: (False, "has no QKV bias") for g in (_MX, _Q3, _OL)},
+           switches={**dict.fromkeys(_LLAMAS, False), "qwen2": True, _MX: False},
            meaning="QKV bias without other biases (Qwen2)"),
     Option(field="qk_layernorm", megatron="qk_layernorm", flag=_flag("--qk-layernorm", kind="store_true"),
-           hf_fixed={_G: (False, "has no QK-norm"), _B: (False, "has no QK-norm")},
-           switches={**dict.fromkeys(_LLAMAS, False), "qwen3": True}, tensors=("q_layernorm", "k_layernorm"),
+           hf_fixed={_G: (False, "has no QK-norm"), _B: (False, "has no QK-norm"), _MX: (False, "has no QK-norm"),
+                     _Q2: (False, "has no QK-norm"), _Q3: (True, "has per-head QK-norm"),
+                     _OL: (False, "has full-width QK-norm, not per head")},
+           switches={**dict.fromkeys(_LLAMAS, False), "qwen3": True, **dict.fromkeys(_MOES, False), _Q3: True},
+           tensors=("q_layernorm", "k_layernorm"),
            meaning="per-head query/key norms (Qwen3)"),
+    Option(field="qk_layernorm_full_width", flag=_flag("--qk-layernorm-full-width", kind="store_true",
+           help="RMSNorm over the whole query and key projections, not per head (OLMoE; mlm-toolkit's flag)"),
+           hf_fixed={_G: (False, "has no QK-norm"), _L: (False, "has no full-width QK-norm"), _B: (False, "has no QK-norm"),
+                     _MX: (False, "has no QK-norm"), _Q2: (False, "has no QK-norm"),
+                     _Q3: (False, "has per-head QK-norm, not full-width"), _OL: (True, "has full-width QK-norm")},
+           switches={**dict.fromkeys(_MOES, False), _OL: True},
+           meaning="full-width query/key RMSNorm (OLMoE)"),
     # mixture of experts (Megatron's MoE flags and semantics; pretrain.models.moe)
     Option(field="num_experts", megatron="num_experts", read=_value("num_experts", default=None, cast=int),
            flag=_flag("--num-experts", help="routed experts per MoE layer (default: dense MLPs)"),
+           hf={_MX: "num_local_experts", _Q2: "num_experts", _Q3: "num_experts", _OL: "num_experts"},
            hf_fixed={_G: (None, "has dense MLPs only"), _L: (None, "has dense MLPs only"), _B: (None, "has dense MLPs only")},
            meaning="routed experts"),
     Option(field="moe_router_topk", megatron="moe_router_topk", read=_value("moe_router_topk", default=2, cast=int),
-           flag=_flag("--moe-router-topk"), meaning="experts per token"),
+           hf={g: "num_experts_per_tok" for g in (_MX, _Q2, _Q3, _OL)}, flag=_flag("--moe-router-topk"),
+           meaning="experts per token"),
     Option(field="moe_ffn_hidden_size", megatron="moe_ffn_hidden_size",
            read=_value("moe_ffn_hidden_size", default=None, cast=int), flag=_flag("--moe-ffn-hidden-size"),
+           hf={_MX: "intermediate_size", _Q2: "moe_intermediate_size", _Q3: "moe_intermediate_size", _OL: "intermediate_size"},
            meaning="routed expert width"),
     Option(field="moe_layer_freq", megatron="moe_layer_freq", read=codecs.read_layer_freq, write=codecs.write_layer_freq,
            flag=_flag("--moe-layer-freq", parse=codecs.parse_layer_freq, help="every N-th layer is MoE, or a 0/1 list per layer"),
            meaning="which layers are MoE"),
     Option(field="moe_router_pre_softmax", megatron="moe_router_pre_softmax",
-           flag=_flag("--moe-router-pre-softmax", kind="store_true"), meaning="softmax before top-k (no renormalisation)"),
+           flag=_flag("--moe-router-pre-softmax", kind="store_true"),
+           hf_fixed={_MX: (False, "renormalises the top-k probabilities")},  # the others: norm_topk_prob (converter)
+           switches={_MX: False},
+           meaning="softmax before top-k (no renormalisation)"),
     Option(field="moe_router_score_function", megatron="moe_router_score_function",
            read=_value("moe_router_score_function", default="softmax", cast=str),
-           flag=_flag("--moe-router-score-function", choices=("softmax", "sigmoid")), meaning="router score function"),
+           flag=_flag("--moe-router-score-function", choices=("softmax", "sigmoid")), hf_fixed=_SOFTMAX_ONLY,
+           meaning="router score function"),
     Option(field="moe_router_topk_scaling_factor", megatron="moe_router_topk_scaling_factor",
            read=_value("moe_router_topk_scaling_factor", default=None, cast=float),
-           flag=_flag("--moe-router-topk-scaling-factor"), meaning="top-k probability scaling"),
+           flag=_flag("--moe-router-topk-scaling-factor"), hf_fixed=_NO_SCALING, meaning="top-k probability scaling"),
     Option(field="moe_shared_expert_intermediate_size", megatron="moe_shared_expert_intermediate_size",
            read=_value("moe_shared_expert_intermediate_size", default=None, cast=int),
-           flag=_flag("--moe-shared-expert-intermediate-size"), meaning="shared expert width"),
+           flag=_flag("--moe-shared-expert-intermediate-size"), hf={_Q2: "shared_expert_intermediate_size"},
+           hf_fixed=_NO_SHARED, switches={_MX: None}, meaning="shared expert width"),
     Option(field="moe_shared_expert_gate", megatron="moe_shared_expert_gate",
-           flag=_flag("--moe-shared-expert-gate", kind="store_true"), meaning="sigmoid-gated shared expert (Qwen2-MoE)"),
+           flag=_flag("--moe-shared-expert-gate", kind="store_true"),
+           hf_fixed={_MX: (False, "has no shared expert"), _Q2: (True, "gates its shared expert"),
+                     _Q3: (False, "has no shared expert"), _OL: (False, "has no shared expert")},
+           switches={_Q2: True}, meaning="sigmoid-gated shared expert (Qwen2-MoE)"),
     Option(field="moe_router_load_balancing_type", megatron="moe_router_load_balancing_type",
            read=codecs.read_load_balancing, flag=_flag("--moe-router-load-balancing-type", choices=("aux_loss", "none")),
            meaning="router load balancing (training)"),
@@ -226,6 +256,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(field="moe_expert_capacity_factor", megatron="moe_expert_capacity_factor",
            read=_value("moe_expert_capacity_factor", default=None, cast=float),
            flag=_flag("--moe-expert-capacity-factor", help="expert capacity (default: dropless)"),
+           hf_fixed={g: (None, "routes without capacity (dropless)") for g in _MOES},
            meaning="expert capacity with token dropping"),
     Option(field="moe_token_drop_policy", megatron="moe_token_drop_policy",
            read=_value("moe_token_drop_policy", default="probs", cast=str),
@@ -407,13 +438,24 @@ def _field_type(name: str) -> Callable[[str], object]:
 # --- Hugging Face config.json ----------------------------------------------------------------------
 
 
-def hf_unsupported(cfg: ModelConfig, group: str, architecture: str) -> list[str]:
+Groups = str | tuple[str, ...]
+
+
+def _deciding_group(option: Option, groups: Groups) -> str | None:
+    """The group whose column (``hf`` key or ``hf_fixed`` value) speaks for ``option``: the last of
+    ``groups`` that has one (a layered group such as ``("llama", "mixtral")`` overrides its base)."""
+    names = (groups,) if isinstance(groups, str) else groups
+    return next((g for g in reversed(names) if g in option.hf or g in option.hf_fixed), None)
+
+
+def hf_unsupported(cfg: ModelConfig, group: Groups, architecture: str) -> list[str]:
     """``field=value (ARCHITECTURE has ...)`` for every option whose value family ``group``'s
     architecture cannot hold (the :attr:`Option.hf_fixed` column), in table order."""
     out = []
     for option in OPTIONS:
-        if option.field and group in option.hf_fixed:
-            value, what = option.hf_fixed[group]
+        g = _deciding_group(option, group) if option.field else None
+        if option.field and g is not None and g in option.hf_fixed:
+            value, what = option.hf_fixed[g]
             if getattr(cfg, option.field) != value:
                 out.append(f"{option.field}={getattr(cfg, option.field)} ({architecture} {what})")
     return out
@@ -430,18 +472,34 @@ def absent_modules(cfg: ModelConfig) -> tuple[str, ...]:
     return tuple(t for o in OPTIONS if o.field and o.tensors and not getattr(cfg, o.field) for t in o.tensors)
 
 
-def hf_kwargs(cfg: ModelConfig, group: str) -> dict[str, object]:
-    """The one-to-one ``config.json`` keys of family ``group`` for ``cfg``."""
-    return {o.hf[group]: getattr(cfg, o.field) for o in OPTIONS if o.field and group in o.hf}
-
-
-def config_kwargs_from_hf(hf_config: object, group: str) -> dict[str, object]:
-    """The ``ModelConfig`` fields of family ``group``'s one-to-one keys present in ``hf_config``."""
-    out: dict[str, object] = {}
+def _keyed(group: Groups) -> list[tuple[str, str]]:
+    """(field, ``config.json`` key) of every option with a one-to-one key in ``group`` (layered)."""
+    out = []
     for option in OPTIONS:
-        if option.field and group in option.hf and hasattr(hf_config, option.hf[group]):
-            out[option.field] = getattr(hf_config, option.hf[group])
+        g = _deciding_group(option, group) if option.field else None
+        if option.field and g is not None and g in option.hf:
+            out.append((option.field, option.hf[g]))
     return out
+
+
+def hf_kwargs(cfg: ModelConfig, group: Groups) -> dict[str, object]:
+    """The one-to-one ``config.json`` keys of family ``group`` for ``cfg``. Layered groups may map
+    two fields to one key (Mixtral's ``intermediate_size`` is the expert width, llama's the dense
+    width): the later group's field wins."""
+    out: dict[str, object] = {}
+    names = (group,) if isinstance(group, str) else group
+    for g in names:  # base first, so a later group's key replaces it
+        out.update((key, getattr(cfg, field)) for field, key in _keyed(group) if _owner(field, group) == g)
+    return out
+
+
+def _owner(field: str, group: Groups) -> str | None:
+    return _deciding_group(BY_FIELD[field], group)
+
+
+def config_kwargs_from_hf(hf_config: object, group: Groups) -> dict[str, object]:
+    """The ``ModelConfig`` fields of family ``group``'s one-to-one keys present in ``hf_config``."""
+    return {field: getattr(hf_config, key) for field, key in _keyed(group) if hasattr(hf_config, key)}
 
 
 __all__ = [
@@ -459,7 +517,7 @@ __all__ = [
     "absent_modules",
     "family_switches",
     "gelu_kind",
-    "hf_unsupported",
+    "Groups",
     "hf_unsupported",
     "hf_kwargs",
     "is_mcore",

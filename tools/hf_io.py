@@ -112,7 +112,8 @@ def export_family_of(spec: ModelSpec, recorded: str | None = None) -> Family:
 def check_exportable(spec: ModelSpec, recorded: str | None = None) -> None:
     """Raise :class:`UserError` (one line naming each option) unless the architecture ``spec`` exports
     to holds it exactly. From the config alone, so a refusal comes before any tensor is read."""
-    export_family_of(spec, recorded).module().check_exportable(spec.cfg)
+    fam = export_family_of(spec, recorded)
+    fam.module().check_exportable(spec.cfg, family=fam)
 
 
 def hf_state_and_config(
@@ -123,7 +124,7 @@ def hf_state_and_config(
     the special-token ids are the tokenizer's (``None`` where it has none). ``family``: the HF
     ``model_type`` the checkpoint was converted from, written back when it holds the model."""
     fam = export_family_of(spec, family)
-    return fam.module().export_tensors(full, spec.cfg, fresh_heads=spec.fresh_heads), _hf_config(
+    return fam.module().export_tensors(full, spec.cfg, fresh_heads=spec.fresh_heads, family=fam), _hf_config(
         fam, spec, tokenizer
     )
 
@@ -133,7 +134,7 @@ def _hf_config(fam: Family, spec: ModelSpec, tokenizer: Tokenizer | None) -> Pre
     from transformers import AutoConfig
 
     converter = fam.module()
-    converter.check_exportable(spec.cfg)
+    converter.check_exportable(spec.cfg, family=fam)
     kw = converter.export_config(
         spec.cfg, fam, special_ids=_special_ids(tokenizer), fresh_heads=spec.fresh_heads
     )
@@ -184,7 +185,7 @@ def export_hf(
     config = _hf_config(fam, spec, tokenizer)
 
     def convert(chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return fam.module().export_tensors(chunk, spec.cfg, fresh_heads=spec.fresh_heads)
+        return fam.module().export_tensors(chunk, spec.cfg, fresh_heads=spec.fresh_heads, family=fam)
 
     hf_metas = convert({n: meta_like(get(n)) for n in names})
     written = progress(len(hf_metas)) if progress is not None else None

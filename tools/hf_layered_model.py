@@ -149,10 +149,36 @@ def per_layer_model(hf_dir: Path, spec: ModelSpec) -> tuple[nn.Module, Safetenso
 
 
 def file_key(files: SafetensorsDir, key: str, model: nn.Module) -> str | None:
-    """The name of ``key`` (a state-dict key of ``model``) in the files: itself or with the base
-    model's prefix (a ``BertModel`` read from a ``BertForPreTraining`` export)."""
+    """The name of ``key`` (a state-dict key of ``model``) in the files: itself, with the base
+    model's prefix (a ``BertModel`` read from a ``BertForPreTraining`` export), or Mixtral's file
+    name of its router (``block_sparse_moe.gate``, ``mlp.gate`` in transformers 5's module)."""
     prefixed = f"{getattr(model, 'base_model_prefix', '')}.{key}"
-    return key if key in files.files else prefixed if prefixed in files.files else None
+    mixtral = key.replace(".mlp.gate.", ".block_sparse_moe.gate.")
+    return next((k for k in (key, prefixed, mixtral) if k in files.files), None)
+
+
+# transformers 5's fused expert parameters <- the per-expert file tensors (Qwen/OLMoE, Mixtral names)
+_FUSED_PARTS = {
+    "gate_up_proj": ((".mlp.experts.{e}.", ("gate_proj", "up_proj")), (".block_sparse_moe.experts.{e}.", ("w1", "w3"))),
+    "down_proj": ((".mlp.experts.{e}.", ("down_proj",)), (".block_sparse_moe.experts.{e}.", ("w2",))),
+}  # fmt: skip
+
+
+def fused_experts(files: SafetensorsDir, key: str) -> torch.Tensor | None:
+    """``model.layers.{i}.mlp.experts.gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` stacked
+    from the per-expert tensors ``save_pretrained`` writes (None when ``key`` is not one)."""
+    head, _, leaf = key.rpartition(".")
+    if not head.endswith(".mlp.experts") or leaf not in _FUSED_PARTS:
+        return None
+    layer = head[: -len(".mlp.experts")]
+    for template, parts in _FUSED_PARTS[leaf]:
+        stacked, e = [], 0
+        while f"{layer}{template.format(e=e)}{parts[0]}.weight" in files.files:
+            stacked.append(torch.cat([files.get(f"{layer}{template.format(e=e)}{p}.weight") for p in parts]))
+            e += 1
+        if stacked:
+            return torch.stack(stacked)
+    return None
 
 
 def load_outside_layers(model: nn.Module, files: SafetensorsDir, layer_prefix: str) -> None:
@@ -179,12 +205,13 @@ def layer_loader(
 
     def materialize(i: int) -> None:
         layer = layers[i].to_empty(device="cpu")
-        state = {}
+        state: dict[str, torch.Tensor] = {}
         for key, param in layer.state_dict().items():
             name = file_key(files, f"{prefix}{i}.{key}", model)
-            if name is None:
+            tensor = files.get(name) if name is not None else fused_experts(files, f"{prefix}{i}.{key}")
+            if tensor is None:
                 raise UserError(f"to-hf verify: the export has no tensor {prefix}{i}.{key}")
-            state[key] = files.get(name)
+            state[key], name = tensor, name or f"{prefix}{i}.{key}"
             if state[key].shape != param.shape:
                 raise UserError(f"to-hf verify: {name} has shape {tuple(state[key].shape)}, "
                                 f"transformers expects {tuple(param.shape)}")  # fmt: skip

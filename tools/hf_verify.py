@@ -49,6 +49,7 @@ from tools.hf_layered_model import (
     per_layer_model,
     quiet_transformers,
 )
+from tools.hf_verify_routes import record_routes
 
 VerifyMode = Literal["auto", "full", "per-layer"]
 MODES: tuple[VerifyMode, ...] = ("auto", "full", "per-layer")
@@ -79,6 +80,7 @@ class VerifyResult:
     what: str
     batch: tuple[int, int]
     comparisons: tuple[Comparison, ...]
+    moe_layers: int = 0  # MoE layers whose router choices were compared (tools.hf_verify_routes)
 
     @property
     def worst(self) -> Comparison:
@@ -87,9 +89,10 @@ class VerifyResult:
     def line(self) -> str:
         w = self.worst
         what, at = (self.what, "") if self.mode == "full" else ("stage", f" (largest at {w.where})")
+        routes = f"; router top-k equal in {self.moe_layers} MoE layers" if self.moe_layers else ""
         return (
             f"verify: max |{what} difference| = {w.diff:.3e} <= {w.limit:.3e}{at}, "
-            f"transformers vs. the checkpoint on a {self.batch[0]}x{self.batch[1]} probe batch ({self.mode})"
+            f"transformers vs. the checkpoint on a {self.batch[0]}x{self.batch[1]} probe batch ({self.mode}){routes}"
         )
 
 
@@ -204,13 +207,14 @@ def verify_export(source: TensorSource, spec: ModelSpec, hf_dir: Path, *, mode: 
     """Compare the export in ``hf_dir`` with our model of ``source`` (see the module docstring).
 
     Raises :class:`UserError` (one line: the max difference, its limit and the first stage that
-    diverges) on a mismatch or when ``transformers`` cannot load the export."""
+    diverges) on a mismatch or when ``transformers`` cannot load the export; for a mixture of
+    experts also when a layer's router choices differ (:mod:`tools.hf_verify_routes`)."""
     files = SafetensorsDir(hf_dir)
     chosen = choose_mode(mode, files)
     ids = probe_ids(spec)
     what = spec.model_kind.probe_output
     try:
-        with quiet_transformers():
+        with quiet_transformers(), record_routes() as routes:
             found = _run(source, spec, hf_dir, ids, chosen, tolerance)
     except UserError:
         raise
@@ -219,8 +223,6 @@ def verify_export(source: TensorSource, spec: ModelSpec, hf_dir: Path, *, mode: 
         raise UserError(
             f"to-hf verify: transformers cannot run the export ({type(exc).__name__}: {msg})"
         ) from None
-    result = VerifyResult(mode=chosen, what=what, batch=(int(ids.shape[0]), int(ids.shape[1])),
-                          comparisons=tuple(found))  # fmt: skip
     bad = [c for c in found if not c.ok]
     if bad:
         worst = max(found, key=lambda c: c.diff)
@@ -228,7 +230,8 @@ def verify_export(source: TensorSource, spec: ModelSpec, hf_dir: Path, *, mode: 
             f"to-hf verify: the export's {what}s differ from the checkpoint's by up to {worst.diff:.3e} "
             f"(limit {bad[0].limit:.3e}); first divergence at {bad[0].where} ({chosen} comparison)"
         )
-    return result
+    return VerifyResult(mode=chosen, what=what, batch=(int(ids.shape[0]), int(ids.shape[1])),
+                        comparisons=tuple(found), moe_layers=routes.check(tolerance))  # fmt: skip
 
 
 def _run(source: TensorSource, spec: ModelSpec, hf_dir: Path, ids: torch.Tensor, chosen: str,

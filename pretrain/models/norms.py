@@ -8,7 +8,13 @@ from torch import nn
 
 from pretrain.config import ModelConfig
 from pretrain.parallel.state import ParallelState
-from pretrain.tensor_parallel.mappings import ProcessGroup, copy_to_tp_region
+from pretrain.tensor_parallel.layers import mark_partition
+from pretrain.tensor_parallel.mappings import (
+    ProcessGroup,
+    copy_to_tp_region,
+    group_size,
+    reduce_from_tp_region,
+)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -47,6 +53,35 @@ def _shared(w: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
     return w if group is None else copy_to_tp_region(w, group)
 
 
+class FullWidthRMSNorm(nn.Module):
+    """RMSNorm over a whole projection of ``width`` channels split along its last dimension over the
+    TP group (OLMoE's query/key norm over ``[nq d]`` / ``[g d]``, not per head).
+
+    Input ``[..., width / tp]`` (this rank's heads, in the projection's order); ``weight``
+    ``[width / tp]``, sharded with the heads (partition dim 0). The mean of squares is over the
+    full width: each rank's sum of squares is all-reduced over ``group`` (forward and backward:
+    every rank's output depends on every rank's input).
+    """
+
+    def __init__(self, width: int, *, eps: float, group: ProcessGroup | None, tp: int = 1,
+                 device: torch.device | None = None, dtype: torch.dtype | None = None) -> None:  # fmt: skip
+        super().__init__()
+        self.eps, self.width, self.group = eps, width, group
+        local = width // tp  # tp, not the group's size: checkpoint plans build models without groups
+        self.weight = mark_partition(nn.Parameter(torch.empty(local, device=device, dtype=dtype)), 0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        squares = h.pow(2).sum(-1, keepdim=True)
+        if group_size(self.group) > 1:  # sum over ranks, gradient summed back (g then f)
+            squares = copy_to_tp_region(reduce_from_tp_region(squares, self.group), self.group)
+        h = h * torch.rsqrt(squares / self.width + self.eps)
+        return self.weight * h.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{tuple(self.weight.shape)} of {self.width}, eps={self.eps}"
+
+
 class HeadLayerNorm(nn.LayerNorm):
     """A LayerNorm whose replicated parameters see only this rank's part of the input (QK-norm over
     the local heads): their gradient is all-reduced over ``grad_group`` (f on the parameters)."""
@@ -79,3 +114,12 @@ def layer_norm(
     if group is not None:
         return HeadLayerNorm(size, eps=cfg.layernorm_epsilon, grad_group=group, device=ps.device, dtype=dtype)
     return nn.LayerNorm(size, eps=cfg.layernorm_epsilon, device=ps.device, dtype=dtype)
+
+
+def full_width_norm(cfg: ModelConfig, ps: ParallelState, width: int) -> FullWidthRMSNorm:
+    """OLMoE's query or key norm (``cfg.qk_layernorm_full_width``) over a projection of ``width``
+    channels, this rank's ``width / tp`` of it (see :class:`FullWidthRMSNorm`)."""
+    group = ps.tp_group if ps.tp_size > 1 else None
+    dtype = DTYPES[cfg.params_dtype]
+    return FullWidthRMSNorm(width, eps=cfg.layernorm_epsilon, group=group, tp=ps.tp_size, device=ps.device,
+                            dtype=dtype)  # fmt: skip

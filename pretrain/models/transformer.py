@@ -26,7 +26,7 @@ from pretrain.models.forward_context import (
     query_rows_mask,
 )
 from pretrain.models.moe.layer import MoEMLP
-from pretrain.models.norms import DTYPES, layer_norm
+from pretrain.models.norms import DTYPES, full_width_norm, layer_norm
 from pretrain.models.rotary import RotaryEmbedding, apply_rotary
 from pretrain.parallel.rng import checkpointed
 from pretrain.parallel.state import ParallelState
@@ -95,6 +95,9 @@ class ParallelAttention(nn.Module):
         if cfg.qk_layernorm:
             self.q_layernorm = layer_norm(cfg, ps, cfg.head_dim, per_head=True)
             self.k_layernorm = layer_norm(cfg, ps, cfg.head_dim, per_head=True)
+        if cfg.qk_layernorm_full_width:  # OLMoE: one RMSNorm over all query / all key channels
+            self.q_full_layernorm = full_width_norm(cfg, ps, cfg.num_attention_heads * cfg.head_dim)
+            self.k_full_layernorm = full_width_norm(cfg, ps, cfg.query_groups * cfg.head_dim)
 
     def _qkv(self, x: torch.Tensor, rotary: Rotary | None) -> tuple[torch.Tensor, ...]:
         """q ``[b, heads, s, d]``, k and v ``[b, groups, s, d]`` (QK-norm and RoPE applied)."""
@@ -135,9 +138,12 @@ class ParallelAttention(nn.Module):
 
     def _norm_and_rotate(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_rotary: Rotary | None,
                          k_rotary: Rotary | None) -> tuple[torch.Tensor, ...]:  # fmt: skip
-        """QK-norm (per head) then RoPE on ``[b, s, heads, d]`` tensors; returned heads-first."""
+        """QK-norm (per head, or full-width) then RoPE on ``[b, s, heads, d]`` tensors; returned heads-first."""
         if hasattr(self, "q_layernorm"):
             q, k = self.q_layernorm(q), self.k_layernorm(k)
+        if hasattr(self, "q_full_layernorm"):  # over [heads d] / [groups d] of this rank, TP-summed
+            q = self.q_full_layernorm(q.flatten(-2)).view_as(q)
+            k = self.k_full_layernorm(k.flatten(-2)).view_as(k)
         if q_rotary is not None and k_rotary is not None:
             q, k = apply_rotary(q, *q_rotary), apply_rotary(k, *k_rotary)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)

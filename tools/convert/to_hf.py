@@ -47,7 +47,9 @@ def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
             f"--lora-as {lora_as}: --load {source.load} is not a LoRA checkpoint (no lora_adapter.pt)"
         )
     reader, given = source.open()
-    check_exportable(reader.spec)  # an option the target lacks: refused before any tensor is read
+    meta = reader.metadata
+    family = None if meta is None else meta.provenance.source_model_type  # e.g. Mistral stays Mistral
+    check_exportable(reader.spec, family)  # an option the target lacks: refused before any tensor is read
     try:
         tok = source.tokenizer(reader, required=not weights_only, given=given)
     except UserError as exc:
@@ -58,8 +60,6 @@ def run_to_hf(source: SourceOptions, save: Path, *, weights_only: bool = False,
         raise UserError(
             f"--load {source.load}: the true vocabulary size is unknown; pass --vocab-size or --tokenizer-dir"
         )
-    meta = reader.metadata
-    family = None if meta is None else meta.provenance.source_model_type  # e.g. Mistral stays Mistral
     return _export(reader, None if tok is None else tok.tokenizer, family, save=save, max_shard_size=max_shard_size,
                    verify=verify, verify_tol=verify_tol)  # fmt: skip
 
@@ -69,7 +69,7 @@ def _export(reader: TensorSource, tokenizer: Tokenizer | None, family: str | Non
     """The verified export of ``reader`` (a checkpoint, or a LoRA base with its adapter merged)."""
     from tools.hf_io import check_exportable, export_hf
 
-    check_exportable(reader.spec)
+    check_exportable(reader.spec, family)
     bars: list[Any] = []
 
     def start_bar(total: int) -> Any:

@@ -150,7 +150,7 @@ def unsupported(cfg: ModelConfig) -> list[str]:
     return out
 
 
-def check_exportable(cfg: ModelConfig) -> None:
+def check_exportable(cfg: ModelConfig, *, family: Family | None = None) -> None:
     """Raise :class:`UserError` (one line naming each option) unless HF BERT holds ``cfg`` exactly."""
     problems = unsupported(cfg)
     if problems:
@@ -342,8 +342,8 @@ def export_config(cfg: ModelConfig, family: Family, *, special_ids: Mapping[str,
             **pad, **family.hf_extra}  # fmt: skip
 
 
-def export_tensors(full: Mapping[str, torch.Tensor], cfg: ModelConfig, *,
-                   fresh_heads: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:  # fmt: skip
+def export_tensors(full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, fresh_heads: tuple[str, ...] = (),
+                   family: Family | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     return canonical_to_hf(full, cfg, include_tied=False, fresh_heads=fresh_heads)
 
 

@@ -55,8 +55,10 @@ class Converter(Protocol):
         our model cannot compute exactly."""
         ...
 
-    def check_exportable(self, cfg: ModelConfig) -> None:
-        """Raise ``UserError`` naming every option of ``cfg`` the architecture cannot express."""
+    def check_exportable(self, cfg: ModelConfig, *, family: Family | None = None) -> None:
+        """Raise ``UserError`` naming every option of ``cfg`` the architecture cannot express
+        (``family``: the one the export goes to, for a converter whose families differ in more
+        than their switches; None: the config's)."""
         ...
 
     def export_config(
@@ -71,7 +73,13 @@ class Converter(Protocol):
         ...
 
     def export_tensors(
-        self, full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, fresh_heads: tuple[str, ...]
+        self,
+        full: Mapping[str, torch.Tensor],
+        cfg: ModelConfig,
+        *,
+        fresh_heads: tuple[str, ...],
+        family: Family | None = None,
     ) -> dict[str, torch.Tensor]:
-        """The HF state dict of canonical ``full`` tensors (tied copies omitted)."""
+        """The HF state dict of canonical ``full`` tensors (tied copies omitted; ``family``: as
+        for :meth:`check_exportable`, the names of the MoE families differ)."""
         ...

@@ -89,7 +89,7 @@ def unsupported(cfg: ModelConfig) -> list[str]:
     return out
 
 
-def check_exportable(cfg: ModelConfig) -> None:
+def check_exportable(cfg: ModelConfig, *, family: Family | None = None) -> None:
     """Raise :class:`UserError` (one line naming each option) unless GPT-2 holds ``cfg`` exactly."""
     problems = unsupported(cfg)
     if problems:
@@ -294,6 +294,6 @@ def export_config(cfg: ModelConfig, family: Family, *, special_ids: Mapping[str,
             **family.hf_extra}  # fmt: skip
 
 
-def export_tensors(full: Mapping[str, torch.Tensor], cfg: ModelConfig, *,
-                   fresh_heads: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:  # fmt: skip
+def export_tensors(full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, fresh_heads: tuple[str, ...] = (),
+                   family: Family | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     return canonical_to_hf(full, cfg)

@@ -104,11 +104,17 @@ def unsupported(cfg: ModelConfig) -> list[str]:
     QKV bias (Qwen2), QK-norm (Qwen3). Refused: everything listed here (GeLU and squared ReLU
     are excluded by SwiGLU in :class:`ModelConfig`)."""
     out = hf_unsupported(cfg, "llama", "the Llama family")  # the fixed-value options (pretrain.model_options)
-    if cfg.use_rope_scaling and cfg.rotary_seq_len_interpolation_factor is not None:
-        out.append("use_rope_scaling with rotary_seq_len_interpolation_factor (one RoPE scaling only)")
+    out += conditions(cfg)
     if not out:  # each family fixes its switches (registry): a mix of two siblings' is none of them
         out += _unmatched_switches(dataclasses.asdict(cfg))
     return out
+
+
+def conditions(cfg: ModelConfig) -> list[str]:
+    """The refusals between options of the Llama attention (shared by the MoE families)."""
+    if cfg.use_rope_scaling and cfg.rotary_seq_len_interpolation_factor is not None:
+        return ["use_rope_scaling with rotary_seq_len_interpolation_factor (one RoPE scaling only)"]
+    return []
 
 
 def _unmatched_switches(values: Mapping[str, object]) -> list[str]:
@@ -325,7 +331,7 @@ def import_hf(
     return HFImport(cfg=cfg, makers=lazy_hf_to_canonical(state, cfg))
 
 
-def check_exportable(cfg: ModelConfig) -> None:
+def check_exportable(cfg: ModelConfig, *, family: Family | None = None) -> None:
     check_supported(cfg)
 
 
@@ -347,6 +353,6 @@ def export_config(cfg: ModelConfig, family: Family, *, special_ids: Mapping[str,
     }
 
 
-def export_tensors(full: Mapping[str, torch.Tensor], cfg: ModelConfig, *,
-                   fresh_heads: tuple[str, ...] = ()) -> dict[str, torch.Tensor]:  # fmt: skip
+def export_tensors(full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, fresh_heads: tuple[str, ...] = (),
+                   family: Family | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
     return canonical_to_hf(full, cfg)

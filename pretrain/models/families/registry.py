@@ -29,22 +29,28 @@ class Family:
     """One Hugging Face model family (see the module docstring).
 
     ``converter``: the converter module's name under ``pretrain.models.families`` (or a full
-    module path); ``kind``: which of our models computes it (``gpt`` or ``bert``); ``switches``:
-    the ``ModelConfig`` values the family fixes; ``hf_extra``: constant ``config.json`` keys it
-    writes; ``export_default``: the family chosen for a matching config that records no family
-    (Llama rather than Mistral, whose tensors are the same).
+    module path); ``kind``: which of our models computes it (``gpt`` or ``bert``); ``moe``: its
+    MLPs are mixtures of experts (it holds a config only when ``num_experts`` is set, a dense
+    family only when it is not); ``switches``: the ``ModelConfig`` values the family fixes;
+    ``hf_extra``: constant ``config.json`` keys it writes; ``export_default``: the family chosen
+    for a matching config that records no family (Llama rather than Mistral, whose tensors are
+    the same).
     """
 
     model_type: str
     architecture: str
     converter: str
     kind: str = "gpt"
+    moe: bool = False
     switches: Mapping[str, object] = field(default_factory=dict)
     hf_extra: Mapping[str, object] = field(default_factory=dict)
     export_default: bool = True
 
     def holds(self, values: Mapping[str, object]) -> bool:
-        """Whether a model with these ``ModelConfig`` values is this family (its switches match)."""
+        """Whether a model with these ``ModelConfig`` values is this family (its MLP kind and its
+        switches match)."""
+        if (values.get("num_experts") is not None) != self.moe:
+            return False
         return all(values.get(k) == v for k, v in self.switches.items())
 
     def module(self) -> ModuleType:
@@ -82,8 +88,9 @@ def export_family(values: Mapping[str, object], kind: str, *, recorded: str | No
 
     Among the families of that kind whose switches match: the one the checkpoint ``recorded`` when
     it is one of them, else the first marked ``export_default``, else the first. When none matches,
-    the first family of the kind whose first switch matches (or the kind's first family): its
-    converter then refuses the export, naming the options its architecture lacks.
+    the recorded family if it has the model's kind and MLP kind (dense or MoE), else the first of
+    them whose first switch matches (or the first of that MLP kind, or the kind's first family): its converter then refuses the export,
+    naming the options its architecture lacks.
     """
     same_kind = [f for f in families() if f.kind == kind]
     if not same_kind:
@@ -94,11 +101,16 @@ def export_family(values: Mapping[str, object], kind: str, *, recorded: str | No
             return f
     if holding:
         return next((f for f in holding if f.export_default), holding[0])
-    for f in same_kind:
+    moe = values.get("num_experts") is not None
+    same_mlp = [f for f in same_kind if f.moe == moe] or same_kind
+    for f in same_mlp:  # the recorded family refuses in its own words (what a Qwen2-MoE lacks)
+        if f.model_type == recorded:
+            return f
+    for f in same_mlp:
         first = next(iter(f.switches.items()), None)
         if first is not None and values.get(first[0]) == first[1]:
             return f
-    return same_kind[0]
+    return same_mlp[0]
 
 
 def supported_model_types() -> str:
@@ -126,6 +138,14 @@ for _family in (
     _builtin("qwen2", architecture="Qwen2ForCausalLM", converter="llama", hf_extra={"sliding_window": None}),
     _builtin("qwen3", architecture="Qwen3ForCausalLM", converter="llama",
              hf_extra={"attention_bias": False, "sliding_window": None}),
+    # mixtures of experts (converter pretrain.models.families.moe)
+    _builtin("mixtral", architecture="MixtralForCausalLM", converter="moe", moe=True,
+             hf_extra={"sliding_window": None}),
+    _builtin("qwen2_moe", architecture="Qwen2MoeForCausalLM", converter="moe", moe=True),
+    _builtin("qwen3_moe", architecture="Qwen3MoeForCausalLM", converter="moe", moe=True,
+             hf_extra={"attention_bias": False}),
+    _builtin("olmoe", architecture="OlmoeForCausalLM", converter="moe", moe=True,
+             hf_extra={"attention_bias": False, "clip_qkv": None}),
     _builtin("bert", architecture="BertForPreTraining", converter="bert", kind="bert"),
     _builtin("megatron-bert", architecture="MegatronBertForPreTraining", converter="bert", kind="bert"),
 ):  # fmt: skip

@@ -1,0 +1,140 @@
+"""No silent expert loss: planted faults in MoE checkpoints are each caught loudly -- one line naming
+the tensor, exit 2, nothing written -- or, for faults that keep every shape (two experts swapped),
+by ``to-hf --verify``'s logit and router comparison."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from pretrain.checkpoint.plan import ModelSpec
+from pretrain.checkpoint.types import DictSource
+from pretrain.utils.errors import UserError
+from tests.cli_helpers import one_line_error
+from tests.moe_hf_fixtures import hf_model, import_state, save_hf
+from tools.convert_cli import main
+from tools.hf_io import export_hf
+from tools.hf_verify import verify_export
+from tools.hf_verify_routes import Routes
+
+pytest.importorskip("transformers")
+L0 = "model.layers.0.mlp."
+
+
+def _rewrite(directory: Path, change) -> None:  # type: ignore[no-untyped-def]
+    path = directory / "model.safetensors"
+    state = dict(load_file(str(path)))
+    change(state)
+    save_file(state, str(path), metadata={"format": "pt"})
+
+
+def _from_hf_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> str:
+    capsys.readouterr()  # save_pretrained's progress bar
+    err = one_line_error(main, ["from-hf", "--load", str(tmp_path / "hf"), "--save", str(tmp_path / "ck"),
+                                "--tp", "2", "--weights-only"], capsys)  # fmt: skip
+    assert not (tmp_path / "ck").exists()
+    return err
+
+
+def test_missing_expert_tensor(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    save_hf("qwen3_moe", tmp_path / "hf")
+    _rewrite(tmp_path / "hf", lambda s: s.pop(L0 + "experts.3.up_proj.weight"))
+    assert "missing tensor model.layers.0.mlp.experts.3.up_proj.weight" in _from_hf_error(tmp_path, capsys)
+
+
+def test_expert_count_disagreeing_with_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    save_hf("mixtral", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_local_experts": 5}))
+    err = _from_hf_error(tmp_path, capsys)
+    assert "experts.5" in err and "num_experts=5" in err and "disagree" in err
+
+
+def test_zeroed_router(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    save_hf("olmoe", tmp_path / "hf")
+    _rewrite(tmp_path / "hf", lambda s: s[L0 + "gate.weight"].zero_())
+    assert f"{L0}gate.weight is all zeros" in _from_hf_error(tmp_path, capsys)
+
+
+def _save_fused(directory: Path, family: str, change=None, **overrides: object) -> None:  # type: ignore[no-untyped-def]
+    hf = hf_model(family, **overrides)
+    directory.mkdir()
+    hf.config.save_pretrained(str(directory))
+    state = {k: v.contiguous() for k, v in hf.state_dict().items()}
+    if change is not None:
+        change(state)
+    save_file(state, str(directory / "model.safetensors"), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize(("width", "tensor"), [(16, "gate_up_proj"), (32, "down_proj")])
+def test_square_fused_expert_matrix_is_ambiguous(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], width: int, tensor: str
+) -> None:
+    """2I == H (gate_up_proj [E, 2I, H]) or I == H (down_proj [E, H, I]): a transposed copy has the
+    same shape (transformers #47031), so the fused layout is refused rather than guessed."""
+    _save_fused(tmp_path / "hf", "mixtral", intermediate_size=width)  # hidden 32
+    err = _from_hf_error(tmp_path, capsys)
+    assert f"model.layers.0.mlp.experts.{tensor}" in err and "ambiguous" in err
+
+
+def test_transposed_fused_expert_matrix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    def transpose(state: dict[str, torch.Tensor]) -> None:
+        state[L0 + "experts.down_proj"] = state[L0 + "experts.down_proj"].transpose(1, 2).contiguous()
+
+    _save_fused(tmp_path / "hf", "qwen2_moe", transpose)
+    err = _from_hf_error(tmp_path, capsys)
+    assert f"{L0}experts.down_proj has shape [6, 24, 32], expected [6, 32, 24]" in err and "transposed" in err
+
+
+def _export(tmp_path: Path, family: str) -> tuple[DictSource, ModelSpec, Path]:
+    cfg, full = import_state(family, hf_model(family))
+    spec = ModelSpec(kind="gpt", cfg=cfg)
+    source = DictSource(spec, full)
+    export_hf(source, spec, tmp_path / "out", family=family)
+    return source, spec, tmp_path / "out"
+
+
+def test_swapped_experts_are_caught_by_verify(tmp_path: Path) -> None:
+    source, spec, out = _export(tmp_path, "mixtral")
+    verify_export(source, spec, out, mode="per-layer")  # the faithful export passes
+
+    def swap(state: dict[str, torch.Tensor]) -> None:
+        for w in ("w1", "w2", "w3"):
+            a, b = (f"model.layers.2.block_sparse_moe.experts.{e}.{w}.weight" for e in (0, 1))
+            state[a], state[b] = state[b].clone(), state[a].clone()
+
+    _rewrite(out, swap)
+    for mode in ("full", "per-layer"):
+        with pytest.raises(UserError, match="first divergence at layer 2") as exc:
+            verify_export(source, spec, out, mode=mode)  # type: ignore[arg-type]
+        assert "\n" not in str(exc.value)
+
+
+def test_zeroed_router_is_refused_on_export(tmp_path: Path) -> None:
+    cfg, full = import_state("qwen2_moe", hf_model("qwen2_moe"))
+    name = "language_model.encoder.layers.2.mlp.router.weight"
+    full[name] = torch.zeros_like(full[name])
+    spec = ModelSpec(kind="gpt", cfg=cfg)
+    with pytest.raises(UserError, match=f"{name} is all zeros"):
+        export_hf(DictSource(spec, full), spec, tmp_path / "out", family="qwen2_moe")
+    assert not (tmp_path / "out").exists()
+
+
+def test_router_choices_are_compared() -> None:
+    """A rerouted token fails the check unless transformers' own logits nearly tie it."""
+    logits = torch.tensor([[3.0, 2.0, 0.0, -1.0], [1.0, 0.5, 0.5 + 1e-7, 0.0]])
+    theirs = logits.topk(2, dim=-1).indices  # token 1: experts 0 and 2, expert 1 a hair behind
+    assert Routes(ours=[theirs.clone()], theirs=[(theirs, logits)]).check(1e-4) == 1
+    near_tie = torch.tensor([[0, 1], [0, 1]])
+    assert Routes(ours=[near_tie], theirs=[(theirs, logits)]).check(1e-4) == 1
+    wrong = torch.tensor([[0, 2], [0, 2]])
+    with pytest.raises(
+        UserError, match=r"MoE layer 0 .* routes 1 of 2 probe tokens .*token 0: checkpoint \[0, 2\]"
+    ):
+        Routes(ours=[wrong], theirs=[(theirs, logits)]).check(1e-4)
+    with pytest.raises(UserError, match="routed 0 times, the export 1"):
+        Routes(ours=[], theirs=[(theirs, logits)]).check(1e-4)
