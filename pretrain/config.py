@@ -19,6 +19,8 @@ DTypeName = Literal["float32", "bfloat16", "float16"]
 RouterScore = Literal["softmax", "sigmoid"]
 LoadBalancing = Literal["aux_loss", "none"]
 DropPolicy = Literal["probs", "position"]
+RecomputeGranularity = Literal["full", "selective"]
+RecomputeMethod = Literal["uniform", "block"]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -49,7 +51,16 @@ class ModelConfig:
     layernorm_epsilon: float = 1e-5
     init_method_std: float = 0.02
     gelu: GeluKind = "tanh"
-    recompute_activations: bool = False
+    recompute_activations: bool = False  # every layer recomputed whole (--recompute-granularity full)
+    # Activation memory (Korthikanti et al. 2022), Megatron's flags: speed and memory, never the
+    # function. "selective" recomputes the core attention (softmax, dropout, AV) only; "full" the
+    # layers chosen by recompute_method: "uniform" checkpoints groups of recompute_num_layers
+    # layers, "block" the first recompute_num_layers layers of each pipeline stage (or chunk).
+    recompute_granularity: RecomputeGranularity | None = None
+    recompute_method: RecomputeMethod | None = None
+    recompute_num_layers: int | None = None
+    # Norm and dropout regions sharded along the sequence over the TP group (needs s % tp == 0).
+    sequence_parallel: bool = False
     params_dtype: DTypeName = "float32"
     # BERT-specific switches (ignored by GPT).
     bidirectional: bool = False
@@ -117,6 +128,7 @@ class ModelConfig:
         if self.params_dtype not in ("float32", "bfloat16", "float16"):
             raise UserError(f"model config: unknown params_dtype {self.params_dtype!r}")
         self._check_llama_options()
+        self._check_recompute()
         if self.squared_relu and self.swiglu:
             raise UserError("model config: squared_relu and swiglu exclude each other")
         if self.qk_layernorm_full_width and (self.qk_layernorm or self.normalization != "RMSNorm"):
@@ -184,6 +196,22 @@ class ModelConfig:
     def moe_ffn_size(self) -> int:
         """Width of each routed expert: ``moe_ffn_hidden_size``, else the dense MLP width."""
         return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
+
+    def _check_recompute(self) -> None:
+        """Megatron's rules for the recompute flags (``arguments.py``), worded with the flags."""
+        granularity, method, n = self.recompute_granularity, self.recompute_method, self.recompute_num_layers
+        if granularity not in (None, "full", "selective"):
+            raise UserError(f"--recompute-granularity must be full or selective, got {granularity!r}")
+        if method not in (None, "uniform", "block"):
+            raise UserError(f"--recompute-method must be uniform or block, got {method!r}")
+        if granularity is not None and self.recompute_activations:
+            raise UserError("--recompute-activations and --recompute-granularity exclude each other")
+        if granularity == "full" and (method is None or n is None):
+            raise UserError("--recompute-granularity full needs --recompute-method and --recompute-num-layers")
+        if granularity != "full" and (method is not None or n is not None):
+            raise UserError("--recompute-method and --recompute-num-layers need --recompute-granularity full")
+        if n is not None and n <= 0:
+            raise UserError(f"--recompute-num-layers must be positive, got {n}")
 
     def _check_llama_options(self) -> None:
         if self.normalization not in ("LayerNorm", "RMSNorm"):

@@ -98,6 +98,7 @@ def worker_pipeline(
     from pretrain.pipeline.embedding_sync import allreduce_embedding_grads
     from pretrain.pipeline.partition import build_model_chunks
     from pretrain.pipeline.schedules import forward_backward
+    from pretrain.tensor_parallel.sequence_parallel import allreduce_sequence_parallel_grads
 
     ps = ParallelState.from_distributed(ParallelConfig(tp=tp, pp=pp), seed=0)
     chunks = build_model_chunks(cfg, ps)
@@ -116,8 +117,12 @@ def worker_pipeline(
         def loss_fn(losses: torch.Tensor, mb: dict[str, Any], n: float = n_tokens) -> torch.Tensor:
             return opt.scale_loss(masked_sum_loss(losses, mb["loss_mask"], n))
 
+        def sums() -> None:  # before the DP reduction, as the training loop does
+            allreduce_embedding_grads(chunks, ps)
+            allreduce_sequence_parallel_grads(chunks, ps.tp_group)
+
         def finalize(ddps: list[DistributedDataParallel] = ddps) -> None:
-            finalize_model_grads(ddps, embedding_sync=lambda: allreduce_embedding_grads(chunks, ps))
+            finalize_model_grads(ddps, embedding_sync=sums)
 
         forward_backward(chunks=chunks, ps=ps, microbatches=micro, loss_fn=loss_fn, finalize_grads=finalize)
         ok, norm, _ = opt.step()

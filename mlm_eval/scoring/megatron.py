@@ -106,7 +106,7 @@ def scored_width(target_ids: torch.Tensor) -> int:
 
 
 def eval_model_config(cfg: ModelConfig, dtype: DTypeName | str) -> ModelConfig:
-    """``cfg`` for evaluation: no dropout, no recompute, parameters in ``dtype`` (a DTYPES name)."""
+    """``cfg`` for evaluation: no dropout, no recompute, no sequence parallelism, parameters in ``dtype`` (a DTYPES name)."""
     if dtype not in DTYPES:
         raise UserError(f"--dtype {dtype}: expected one of {', '.join(DTYPE_FLAGS)}")
     return replace(
@@ -114,6 +114,10 @@ def eval_model_config(cfg: ModelConfig, dtype: DTypeName | str) -> ModelConfig:
         hidden_dropout=0.0,
         attention_dropout=0.0,
         recompute_activations=False,
+        recompute_granularity=None,
+        recompute_method=None,
+        recompute_num_layers=None,
+        sequence_parallel=False,
         params_dtype=cast(DTypeName, dtype),
     )
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -13,6 +14,7 @@ from pretrain.models.transformer import DTYPES, TransformerBlock, layer_norm
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.layers import ColumnParallelLinear, VocabParallelEmbedding, mark_partition
 from pretrain.tensor_parallel.mappings import copy_to_tp_region, gather_from_tp_region
+from pretrain.tensor_parallel.sequence_parallel import mark_sequence_parallel
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 
 
@@ -22,7 +24,11 @@ class Embedding(nn.Module):
     With ``position_embedding_type="rope"`` there are no position embeddings (the attention
     rotates queries and keys instead).
 
-    Output ``[b, s, h]``, replicated on TP ranks (the word lookup all-reduces over the TP group).
+    Output ``[b, s, h]``, replicated on TP ranks (the word lookup all-reduces over the TP group),
+    or with ``cfg.sequence_parallel`` this rank's sequence shard ``[b, s/t, h]``: the word lookup
+    reduce-scatters, the other embeddings are looked up at this rank's positions only (their
+    weights are ``sequence_parallel``), and the (post-LN) norm and dropout run on the shard
+    (dropout under the TP-region generator).
     """
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState) -> None:
@@ -31,7 +37,11 @@ class Embedding(nn.Module):
         padded = padded_vocab_size(
             cfg.vocab_size, tp=ps.tp_size, divisible_by=cfg.make_vocab_size_divisible_by
         )
-        self.word_embeddings = VocabParallelEmbedding(padded, cfg.hidden_size, ps=ps, dtype=dtype)
+        self.sequence_parallel = cfg.sequence_parallel and ps.tp_size > 1
+        self.tp_rank, self.tp_size, self.rng = ps.tp_rank, ps.tp_size, ps.rng
+        self.word_embeddings = VocabParallelEmbedding(
+            padded, cfg.hidden_size, ps=ps, dtype=dtype, sequence_parallel=self.sequence_parallel
+        )
         if cfg.position_embedding_type == "learned_absolute":
             self.position_embeddings = nn.Embedding(
                 cfg.max_position_embeddings, cfg.hidden_size, device=ps.device, dtype=dtype
@@ -43,6 +53,10 @@ class Embedding(nn.Module):
             )
         if cfg.post_layernorm:
             self.layernorm = layer_norm(cfg, ps)
+        if self.sequence_parallel:  # each rank sees its positions only: gradients summed over TP
+            for name in ("position_embeddings", "tokentype_embeddings", "layernorm"):
+                if hasattr(self, name):
+                    mark_sequence_parallel(getattr(self, name))
         self.dropout = cfg.hidden_dropout
         self.max_positions = cfg.max_position_embeddings
 
@@ -59,14 +73,23 @@ class Embedding(nn.Module):
                 raise ValueError(f"sequence length {s} exceeds max_position_embeddings {self.max_positions}")
             if position_ids is None:
                 position_ids = torch.arange(s, device=input_ids.device).expand_as(input_ids)
-            x = x + self.position_embeddings(position_ids)
+            x = x + self.position_embeddings(self._shard(position_ids))
         if hasattr(self, "tokentype_embeddings"):
             if tokentype_ids is None:
                 tokentype_ids = torch.zeros_like(input_ids)
-            x = x + self.tokentype_embeddings(tokentype_ids)
+            x = x + self.tokentype_embeddings(self._shard(tokentype_ids))
         if hasattr(self, "layernorm"):
             x = self.layernorm(x)
-        return F.dropout(x, self.dropout, self.training) if self.dropout > 0 else x
+        if self.dropout <= 0 or not self.training:
+            return x
+        with self.rng.fork() if self.sequence_parallel else contextlib.nullcontext():
+            return F.dropout(x, self.dropout, True)
+
+    def _shard(self, ids: torch.Tensor) -> torch.Tensor:
+        """``ids [b|1, s]`` at this rank's sequence positions under sequence parallelism."""
+        if not self.sequence_parallel:
+            return ids
+        return ids.chunk(self.tp_size, dim=-1)[self.tp_rank]
 
 
 class LanguageModel(nn.Module):

@@ -6,6 +6,11 @@ MLP, g); backward: two all-reduces (f before QKV and before the first MLP GEMM).
 
 The same layer is a Llama-family layer by configuration (:class:`~pretrain.config.ModelConfig`):
 RMSNorm, SwiGLU, RoPE, grouped-query attention, no-bias linears, QKV bias, QK-norm.
+
+With ``cfg.sequence_parallel`` (and TP > 1) the residual stream between the GEMMs is this rank's
+sequence shard ``[b, s/t, h]``: all-gather before QKV and fc1, reduce-scatter after the output
+projection and fc2 (:mod:`pretrain.tensor_parallel.sequence_parallel`). Recomputation
+(``recompute_granularity``) is planned by :mod:`pretrain.models.recompute`.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ import contextlib
 from collections.abc import Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -27,11 +33,13 @@ from pretrain.models.forward_context import (
 )
 from pretrain.models.moe.layer import MoEMLP
 from pretrain.models.norms import DTYPES, full_width_norm, layer_norm
+from pretrain.models.recompute import layer_groups
 from pretrain.models.rotary import RotaryEmbedding, apply_rotary
 from pretrain.parallel.rng import checkpointed
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from pretrain.tensor_parallel.mappings import copy_to_tp_region
+from pretrain.tensor_parallel.sequence_parallel import gather_from_sequence_region, mark_sequence_parallel
 
 __all__ = ["DTYPES", "ParallelAttention", "ParallelMLP", "TransformerBlock", "TransformerLayer", "layer_norm"]
 
@@ -48,8 +56,13 @@ class ParallelMLP(nn.Module):
         dtype = DTYPES[cfg.params_dtype]
         bias = cfg.add_bias_linear
         fc1_out = 2 * cfg.ffn_size if cfg.swiglu else cfg.ffn_size
-        self.dense_h_to_4h = ColumnParallelLinear(cfg.hidden_size, fc1_out, ps=ps, bias=bias, dtype=dtype)
-        self.dense_4h_to_h = RowParallelLinear(cfg.ffn_size, cfg.hidden_size, ps=ps, bias=bias, dtype=dtype)
+        sp = cfg.sequence_parallel
+        self.dense_h_to_4h = ColumnParallelLinear(
+            cfg.hidden_size, fc1_out, ps=ps, bias=bias, dtype=dtype, sequence_parallel=sp
+        )
+        self.dense_4h_to_h = RowParallelLinear(
+            cfg.ffn_size, cfg.hidden_size, ps=ps, bias=bias, dtype=dtype, sequence_parallel=sp
+        )
         self.swiglu = cfg.swiglu
         self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
         self.squared_relu = cfg.squared_relu
@@ -86,12 +99,17 @@ class ParallelAttention(nn.Module):
         self.causal = not cfg.bidirectional
         self.dropout = cfg.attention_dropout
         self.rng = ps.rng
+        self.selective_recompute = cfg.recompute_granularity == "selective"
         rows = (self.heads + 2 * self.groups) * self.head_dim
+        sp = cfg.sequence_parallel
         self.query_key_value = ColumnParallelLinear(
-            cfg.hidden_size, rows * ps.tp_size, ps=ps, bias=cfg.qkv_bias, dtype=dtype, local_output_size=rows
-        )
+            cfg.hidden_size, rows * ps.tp_size, ps=ps, bias=cfg.qkv_bias, dtype=dtype, local_output_size=rows,
+            sequence_parallel=sp,
+        )  # fmt: skip
         proj = cfg.num_attention_heads * cfg.head_dim
-        self.dense = RowParallelLinear(proj, cfg.hidden_size, ps=ps, bias=cfg.add_bias_linear, dtype=dtype)
+        self.dense = RowParallelLinear(
+            proj, cfg.hidden_size, ps=ps, bias=cfg.add_bias_linear, dtype=dtype, sequence_parallel=sp
+        )
         if cfg.qk_layernorm:
             self.q_layernorm = layer_norm(cfg, ps, cfg.head_dim, per_head=True)
             self.k_layernorm = layer_norm(cfg, ps, cfg.head_dim, per_head=True)
@@ -101,8 +119,9 @@ class ParallelAttention(nn.Module):
 
     def _qkv(self, x: torch.Tensor, rotary: Rotary | None) -> tuple[torch.Tensor, ...]:
         """q ``[b, heads, s, d]``, k and v ``[b, groups, s, d]`` (QK-norm and RoPE applied)."""
-        b, s, _ = x.shape
-        qkv = self.query_key_value(x).view(b, s, self.groups, self.q_per_group + 2, self.head_dim)
+        qkv = self.query_key_value(x)  # [b, s, rows]: the whole sequence under sequence parallelism
+        b, s, _ = qkv.shape
+        qkv = qkv.view(b, s, self.groups, self.q_per_group + 2, self.head_dim)
         q = qkv[:, :, :, : self.q_per_group].reshape(b, s, self.heads, self.head_dim)
         k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
         return self._norm_and_rotate(q, k, v, rotary, rotary)
@@ -148,6 +167,18 @@ class ParallelAttention(nn.Module):
             q, k = apply_rotary(q, *q_rotary), apply_rotary(k, *k_rotary)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
+    def _core_attention(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, causal: bool
+    ) -> torch.Tensor:
+        """softmax(q k^T / sqrt(d)) v with attention dropout: ``[b, heads, s_q, d]``. The part that
+        selective recomputation redoes in backward (its probabilities are ``[b, heads, s, s]``)."""
+        p = self.dropout if self.training else 0.0
+        gqa = self.groups != self.heads
+        with self.rng.fork() if p > 0.0 else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, enable_gqa=gqa
+            )
+
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         """``x [b, s, h]`` -> ``[b, s, h]``, or ``[b, n, h]`` at ``ctx.query_index [b, n]``.
 
@@ -164,12 +195,10 @@ class ParallelAttention(nn.Module):
         mask, causal = ctx.attn_mask, self.causal and ctx.attn_mask is None
         if index is not None:
             mask, causal = query_rows_mask(index, s, ctx.attn_mask, causal=self.causal), False
-        p = self.dropout if self.training else 0.0
-        gqa = self.groups != self.heads
-        with self.rng.fork() if p > 0.0 else contextlib.nullcontext():
-            ctx_out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=p, is_causal=causal, enable_gqa=gqa
-            )
+        if self.selective_recompute and self.training and torch.is_grad_enabled():
+            ctx_out = checkpointed(self._core_attention, self.rng, q, k, v, mask, causal)
+        else:
+            ctx_out = self._core_attention(q, k, v, mask, causal)
         rows = ctx_out.shape[2]
         return self.dense(ctx_out.transpose(1, 2).reshape(b, rows, self.heads * self.head_dim))  # type: ignore[no-any-return]
 
@@ -194,10 +223,20 @@ class TransformerLayer(nn.Module):
         if self.post_ln:
             self.post_mlp_layernorm = layer_norm(cfg, ps)
         self.hidden_dropout = cfg.hidden_dropout
+        self.sequence_parallel = cfg.sequence_parallel and ps.tp_size > 1
+        self.rng = ps.rng
+        if self.sequence_parallel:
+            for name in ("input_layernorm", "post_attention_layernorm", "post_mlp_layernorm"):
+                if hasattr(self, name):
+                    mark_sequence_parallel(getattr(self, name))
 
     def _drop(self, x: torch.Tensor) -> torch.Tensor:
-        # Outside TP regions: the default generator, identical on all TP ranks.
-        return F.dropout(x, self.hidden_dropout, self.training) if self.hidden_dropout > 0 else x
+        # Outside TP regions: the default generator, identical on all TP ranks; on sequence shards
+        # the TP-region generator (as Megatron), so ranks draw independent masks for their positions.
+        if self.hidden_dropout <= 0 or not self.training:
+            return x
+        with self.rng.fork() if self.sequence_parallel else contextlib.nullcontext():
+            return F.dropout(x, self.hidden_dropout, True)
 
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         """``x [b, s, h]`` -> ``[b, s, h]``, or ``[b, n, h]`` at ``ctx.query_index [b, n]`` (the
@@ -229,8 +268,13 @@ class TransformerBlock(nn.Module):
         self.layers = nn.ModuleList(TransformerLayer(cfg, ps, layer_number=n) for n in self.layer_numbers)
         if final_layernorm and not cfg.post_layernorm:
             self.final_layernorm = layer_norm(cfg, ps)
-        self.recompute = cfg.recompute_activations
+        self.groups = layer_groups(cfg, len(self.layer_numbers))
         self.rng = ps.rng
+        # With sequence parallelism the last stage gathers the sequence for the heads.
+        self.sp_group = ps.tp_group if cfg.sequence_parallel and ps.tp_size > 1 else None
+        self.gather_output = final_layernorm and self.sp_group is not None
+        if self.sp_group is not None and hasattr(self, "final_layernorm"):
+            mark_sequence_parallel(self.final_layernorm)
         if cfg.position_embedding_type == "rope":
             self.rotary_pos_emb = RotaryEmbedding(cfg)
 
@@ -239,7 +283,8 @@ class TransformerBlock(nn.Module):
         if not hasattr(self, "rotary_pos_emb"):
             return None
         if position_ids is None:
-            position_ids = torch.arange(x.shape[1], device=x.device).unsqueeze(0)
+            s = x.shape[1] * (1 if self.sp_group is None else dist.get_world_size(self.sp_group))
+            position_ids = torch.arange(s, device=x.device).unsqueeze(0)
         return self.rotary_pos_emb(position_ids, x.dtype)  # type: ignore[no-any-return]
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext | None = None) -> torch.Tensor:
@@ -249,19 +294,25 @@ class TransformerBlock(nn.Module):
         ctx = ctx or ForwardContext()
         rotary = self.rotary(x, ctx.position_ids)
         last = len(self.layers) - 1
-        for i, layer in enumerate(self.layers):
-            layer_ctx = LayerContext(
-                attn_mask=ctx.attn_mask,
-                rotary=rotary,
-                kv_cache=None if ctx.kv_cache is None else ctx.kv_cache.layer(i),
-                query_index=ctx.query_index if i == last else None,
-            )
-            if self.recompute and self.training and torch.is_grad_enabled():
-                x = checkpointed(layer, self.rng, x, layer_ctx)
-            else:
-                x = layer(x, layer_ctx)
+
+        def run(x: torch.Tensor, layers: range) -> torch.Tensor:
+            for i in layers:
+                layer_ctx = LayerContext(
+                    attn_mask=ctx.attn_mask,
+                    rotary=rotary,
+                    kv_cache=None if ctx.kv_cache is None else ctx.kv_cache.layer(i),
+                    query_index=ctx.query_index if i == last else None,
+                )
+                x = self.layers[i](x, layer_ctx)
+            return x
+
+        recompute = self.training and torch.is_grad_enabled()
+        for layers, checkpoint in self.groups:
+            x = checkpointed(run, self.rng, x, layers) if checkpoint and recompute else run(x, layers)
         if ctx.query_index is not None and not self.layers:
             x = gather_positions(x, ctx.query_index)
         if hasattr(self, "final_layernorm"):
             x = self.final_layernorm(x)
+        if self.gather_output:  # the heads' f all-reduces the gradient: backward keeps the shard
+            x = gather_from_sequence_region(x, self.sp_group)
         return x

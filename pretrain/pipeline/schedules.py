@@ -71,7 +71,12 @@ class _Executor:
         return self.ps.is_last_stage and chunk == len(self.chunks) - 1
 
     def _hidden_shape(self, mb: Microbatch) -> tuple[int, ...]:
-        return (*mb["tokens"].shape, self.chunks[0].cfg.hidden_size)
+        """``[b, s, h]``, or this rank's sequence shard ``[b, s/t, h]`` under sequence parallelism."""
+        b, s = mb["tokens"].shape
+        cfg = self.chunks[0].cfg
+        if cfg.sequence_parallel:
+            s //= self.ps.tp_size
+        return (b, s, cfg.hidden_size)
 
     def forward(self, a: Action) -> None:
         mb, model = self.mbs[a.microbatch], self.chunks[a.chunk]

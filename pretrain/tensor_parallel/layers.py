@@ -21,6 +21,11 @@ from pretrain.tensor_parallel.mappings import (
     reduce_from_tp_region,
     scatter_to_tp_region,
 )
+from pretrain.tensor_parallel.sequence_parallel import (
+    mark_sequence_parallel,
+    reduce_scatter_to_sequence_region,
+    sequence_parallel_linear,
+)
 from pretrain.tensor_parallel.vocab import vocab_range
 
 
@@ -58,6 +63,8 @@ class ColumnParallelLinear(nn.Module):
     ``gather_output``. Collectives: f (backward all-reduce of the input grad over the TP group);
     an all-gather of the output when ``gather_output``. ``local_output_size`` overrides ``out/t``
     for layers whose shards are not a plain split (fused QKV with replicated key/value heads).
+    With ``sequence_parallel`` the input is this rank's sequence shard ``[b, s/t, in]``, all-gathered
+    in forward (and again in backward) and reduce-scattered in backward, in place of f.
     """
 
     def __init__(
@@ -70,10 +77,12 @@ class ColumnParallelLinear(nn.Module):
         gather_output: bool = False,
         dtype: torch.dtype = torch.float32,
         local_output_size: int | None = None,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.group = ps.tp_group
         self.gather_output = gather_output
+        self.sequence_parallel = sequence_parallel
         local_out = (
             _divide(output_size, ps.tp_size, "output size")
             if local_output_size is None
@@ -84,7 +93,10 @@ class ColumnParallelLinear(nn.Module):
         self.bias = mark_partition(nn.Parameter(torch.empty(local_out, **kw)), 0) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
+        if self.sequence_parallel:
+            y = sequence_parallel_linear(x, self.weight, self.bias, self.group)
+        else:
+            y = F.linear(copy_to_tp_region(x, self.group), self.weight, self.bias)
         return gather_from_tp_region(y, self.group) if self.gather_output else y
 
 
@@ -94,6 +106,8 @@ class RowParallelLinear(nn.Module):
     Input ``[..., in/t]`` (already split, e.g. the output of a column-parallel layer) or full
     ``[..., in]`` when ``input_is_parallel=False``; output ``[..., out]``. Collectives: g (forward
     all-reduce over the TP group); the bias is added after the reduction so it is counted once.
+    With ``sequence_parallel`` the reduction is a reduce-scatter along the sequence (output
+    ``[b, s/t, out]``) and the bias, added on the shard, is marked ``sequence_parallel``.
     """
 
     def __init__(
@@ -105,19 +119,25 @@ class RowParallelLinear(nn.Module):
         bias: bool = True,
         input_is_parallel: bool = True,
         dtype: torch.dtype = torch.float32,
+        sequence_parallel: bool = False,
     ) -> None:
         super().__init__()
         self.group = ps.tp_group
         self.input_is_parallel = input_is_parallel
+        self.sequence_parallel = sequence_parallel
         local_in = _divide(input_size, ps.tp_size, "input size")
         kw: dict[str, Any] = {"device": ps.device, "dtype": dtype}
         self.weight = mark_partition(nn.Parameter(torch.empty(output_size, local_in, **kw)), 1)
         self.bias = mark_partition(nn.Parameter(torch.empty(output_size, **kw)), None) if bias else None
+        if self.bias is not None and sequence_parallel and ps.tp_size > 1:
+            mark_sequence_parallel(self.bias)
 
     def forward_no_bias(self, x: torch.Tensor) -> torch.Tensor:
         """The reduced output without the bias (for fused bias-dropout-add)."""
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.group)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_region(F.linear(x, self.weight), self.group)
         return reduce_from_tp_region(F.linear(x, self.weight), self.group)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -129,15 +149,18 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding with the (padded) vocabulary split by rows: weight ``[V/t, h]``.
 
     Input ids ``[...]``; output ``[..., h]``. Each rank looks up the ids in its range
-    ``[start, end)``, zeroes the others, and the TP group all-reduces (g).
+    ``[start, end)``, zeroes the others, and the TP group all-reduces (g), or with
+    ``sequence_parallel`` reduce-scatters along the sequence: output ``[b, s/t, h]``.
     """
 
     def __init__(
-        self, padded_vocab: int, hidden: int, *, ps: ParallelState, dtype: torch.dtype = torch.float32
-    ) -> None:
+        self, padded_vocab: int, hidden: int, *, ps: ParallelState, dtype: torch.dtype = torch.float32,
+        sequence_parallel: bool = False,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.group = ps.tp_group
         self.tp_size = ps.tp_size
+        self.sequence_parallel = sequence_parallel
         self.start, self.end = vocab_range(padded_vocab, tp_rank=ps.tp_rank, tp=ps.tp_size)
         w = torch.empty(self.end - self.start, hidden, device=ps.device, dtype=dtype)
         self.weight = mark_partition(nn.Parameter(w), 0)
@@ -148,4 +171,6 @@ class VocabParallelEmbedding(nn.Module):
         outside = (ids < self.start) | (ids >= self.end)
         local = (ids - self.start).masked_fill(outside, 0)
         out = F.embedding(local, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_region(out, self.group)
         return reduce_from_tp_region(out, self.group)

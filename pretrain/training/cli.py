@@ -160,6 +160,11 @@ def configs_from_args(args: Any, *, world_size: int) -> dict[str, Any]:
                         num_tokentypes=kind.tokentypes, post_layernorm=args.post_layernorm, **options)  # type: ignore[arg-type]  # fmt: skip
     model.check_training_tensor_parallel(parallel.tp)
     check_expert_parallel(model, parallel.ep, etp=parallel.expert_tp, tp=parallel.tp)
+    if model.sequence_parallel and args.seq_length % parallel.tp:
+        raise UserError(
+            f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size "
+            f"{parallel.tp}"
+        )
     if args.seq_length > model.max_position_embeddings:
         raise UserError(
             f"--seq-length {args.seq_length} exceeds --max-position-embeddings {model.max_position_embeddings}"

@@ -32,6 +32,7 @@ from pretrain.optim.lr_schedule import LRScheduler
 from pretrain.optim.optimizer import MixedPrecisionOptimizer
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.embedding_sync import allreduce_embedding_grads
+from pretrain.tensor_parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from pretrain.pipeline.schedules import forward_backward
 from pretrain.training.checkpointing import (
     load_model_weights,
@@ -110,12 +111,14 @@ class Trainer:
             parts.append(named)
             return loss if forward_only else self.optimizer.scale_loss(loss)
 
+        def model_parallel_sums() -> None:
+            allreduce_embedding_grads(self.chunks, self.ps)
+            allreduce_sequence_parallel_grads(self.chunks, self.ps.tp_group)
+
         def finalize() -> None:
-            # The tied-embedding sum runs before the DP reduction (with ZeRO-1 each rank's shard of
-            # the embedding differs between the first and last stage).
-            finalize_model_grads(
-                self.ddps, embedding_sync=lambda: allreduce_embedding_grads(self.chunks, self.ps)
-            )
+            # The tied-embedding and sequence-parallel sums run before the DP reduction (with
+            # ZeRO-1 each rank keeps only its shard of a gradient after it).
+            finalize_model_grads(self.ddps, embedding_sync=model_parallel_sums)
 
         forward_backward(
             chunks=self.chunks, ps=self.ps, microbatches=mbs, loss_fn=loss_fn, forward_only=forward_only,
