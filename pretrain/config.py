@@ -207,7 +207,9 @@ class ModelConfig:
         if granularity is not None and self.recompute_activations:
             raise UserError("--recompute-activations and --recompute-granularity exclude each other")
         if granularity == "full" and (method is None or n is None):
-            raise UserError("--recompute-granularity full needs --recompute-method and --recompute-num-layers")
+            raise UserError(
+                "--recompute-granularity full needs --recompute-method and --recompute-num-layers"
+            )
         if granularity != "full" and (method is not None or n is not None):
             raise UserError("--recompute-method and --recompute-num-layers need --recompute-granularity full")
         if n is not None and n <= 0:

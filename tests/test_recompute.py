@@ -76,8 +76,10 @@ def test_recompute_equals_no_recompute_with_dropout(family: str) -> None:
         loss, grads, saved = _step(dataclasses.replace(cfg, **options), weights, data, ParallelState.single())
         assert torch.equal(loss, ref_loss), mode
         for name, g in ref_grads.items():
-            torch.testing.assert_close(grads[name], g, rtol=0, atol=0, msg=lambda m, n=name: f"{mode} {n}: {m}")
-        assert saved < ref_bytes, f"{mode}: {saved} bytes kept, no less than without recomputation ({ref_bytes})"
+            torch.testing.assert_close(grads[name], g, rtol=0, atol=0, msg=f"{mode} {name}")
+        assert saved < ref_bytes, (
+            f"{mode}: {saved} bytes kept, no less than without recomputation ({ref_bytes})"
+        )
 
 
 def test_layer_groups_follow_megatron() -> None:
@@ -97,9 +99,15 @@ def test_layer_groups_follow_megatron() -> None:
     [
         ({"recompute_granularity": "full"}, "needs --recompute-method and --recompute-num-layers"),
         ({"recompute_method": "block", "recompute_num_layers": 1}, "need --recompute-granularity full"),
-        ({"recompute_granularity": "selective", "recompute_method": "uniform"}, "need --recompute-granularity full"),
+        (
+            {"recompute_granularity": "selective", "recompute_method": "uniform"},
+            "need --recompute-granularity full",
+        ),
         ({"recompute_granularity": "selective", "recompute_activations": True}, "exclude each other"),
-        ({"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 0}, "positive"),
+        (
+            {"recompute_granularity": "full", "recompute_method": "uniform", "recompute_num_layers": 0},
+            "positive",
+        ),
         ({"recompute_granularity": "some"}, "--recompute-granularity must be full or selective"),
     ],
 )

@@ -34,6 +34,7 @@ from torch import nn
 from pretrain.tensor_parallel.mappings import ProcessGroup, group_rank, group_size
 
 SEQ_DIM = 1
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def _split_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -63,7 +64,7 @@ def _reduce_scatter_seq(x: torch.Tensor, group: ProcessGroup | None) -> torch.Te
         raise ValueError(f"sequence length {x.shape[SEQ_DIM]} not divisible by tensor-parallel size {n}")
     flat = x.movedim(SEQ_DIM, 0).contiguous()  # reduce_scatter_tensor splits dim 0
     out = flat.new_empty((flat.shape[0] // n, *flat.shape[1:]))
-    dist.reduce_scatter_tensor(out, flat, group=group)
+    _reduce_scatter(out, flat, group=group)
     return out.movedim(0, SEQ_DIM)
 
 
@@ -80,7 +81,9 @@ class _ScatterToSequence(torch.autograd.Function):
 
 class _GatherFromSequence(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: ProcessGroup | None, reduce_scatter_grad: bool) -> torch.Tensor:
+    def forward(
+        ctx: Any, x: torch.Tensor, group: ProcessGroup | None, reduce_scatter_grad: bool
+    ) -> torch.Tensor:
         ctx.group, ctx.reduce_scatter_grad = group, reduce_scatter_grad
         return _gather_seq(x, group)
 

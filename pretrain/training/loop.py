@@ -32,8 +32,8 @@ from pretrain.optim.lr_schedule import LRScheduler
 from pretrain.optim.optimizer import MixedPrecisionOptimizer
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.embedding_sync import allreduce_embedding_grads
-from pretrain.tensor_parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from pretrain.pipeline.schedules import forward_backward
+from pretrain.tensor_parallel.sequence_parallel import allreduce_sequence_parallel_grads
 from pretrain.training.checkpointing import (
     load_model_weights,
     restore_training_state,
