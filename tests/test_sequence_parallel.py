@@ -1,5 +1,6 @@
 """Sequence parallelism (``--sequence-parallel``) equals one process on loss and every gradient:
-GPT-2, BERT (pre- and post-LN) and Llama shapes (RoPE, GQA, SwiGLU, QK-norm), at TP 2 and TP 2 x PP 2,
+GPT-2, BERT (pre- and post-LN), Llama shapes (RoPE, GQA, SwiGLU, QK-norm) and a mixture of experts,
+at TP 2 and TP 2 x PP 2,
 and with data parallelism and the distributed optimizer."""
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from tests.distributed import run_distributed
 from tests.gpt_fixtures import batch, full_weights, single_process_reference, tiny_config
 from tests.llama_fixtures import llama_config
 from tests.test_llama_parallel import llama_weights
+from tests.test_moe_parallel import moe_config, moe_weights
 
 TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -36,6 +38,9 @@ def _case(family: str) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, 
     if family == "llama":
         cfg = llama_config(num_layers=4, qk_layernorm=True, add_qkv_bias=True)
         return cfg, llama_weights(cfg), batch(cfg, b=4, s=8)
+    if family == "moe":
+        cfg = moe_config(num_layers=4)
+        return cfg, moe_weights(cfg), batch(cfg, b=4, s=8)
     cfg = bert.bert_config(post_layernorm=family == "bert-postln")
     return cfg, bert.full_weights(cfg), bert.bert_batch(cfg, b=4, s=12)
 
@@ -76,7 +81,7 @@ def _sp_step(rank: int, world: int, family: str, cfg: ModelConfig, weights, data
 
 @pytest.mark.slow
 @pytest.mark.parametrize("pp", [1, 2])
-@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "bert-postln"])
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert", "bert-postln", "moe"])
 def test_tp2_sequence_parallel_equals_single_process(family: str, pp: int) -> None:
     cfg, weights, data = _case(family)
     ref_loss, ref_grads = _reference(family, cfg, weights, data)

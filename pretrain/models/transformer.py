@@ -39,7 +39,11 @@ from pretrain.parallel.rng import checkpointed
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from pretrain.tensor_parallel.mappings import copy_to_tp_region
-from pretrain.tensor_parallel.sequence_parallel import gather_from_sequence_region, mark_sequence_parallel
+from pretrain.tensor_parallel.sequence_parallel import (
+    gather_from_sequence_region,
+    mark_sequence_parallel,
+    scatter_to_sequence_region,
+)
 
 __all__ = ["DTYPES", "ParallelAttention", "ParallelMLP", "TransformerBlock", "TransformerLayer", "layer_norm"]
 
@@ -224,7 +228,9 @@ class TransformerLayer(nn.Module):
             self.post_mlp_layernorm = layer_norm(cfg, ps)
         self.hidden_dropout = cfg.hidden_dropout
         self.sequence_parallel = cfg.sequence_parallel and ps.tp_size > 1
-        self.rng = ps.rng
+        self.rng, self.tp_group = ps.rng, ps.tp_group
+        # The MoE MLP routes whole replicated token sets: under SP it gets the gathered sequence.
+        self.moe_on_shards = moe and self.sequence_parallel
         if self.sequence_parallel:
             for name in ("input_layernorm", "post_attention_layernorm", "post_mlp_layernorm"):
                 if hasattr(self, name):
@@ -238,6 +244,13 @@ class TransformerLayer(nn.Module):
         with self.rng.fork() if self.sequence_parallel else contextlib.nullcontext():
             return F.dropout(x, self.hidden_dropout, True)
 
+    def _mlp(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.moe_on_shards:
+            return self.mlp(x)  # type: ignore[no-any-return]
+        # The MoE's own f/g make its input gradient complete on every rank: backward keeps the shard.
+        out = self.mlp(gather_from_sequence_region(x, self.tp_group))
+        return scatter_to_sequence_region(out, self.tp_group)
+
     def forward(self, x: torch.Tensor, ctx: LayerContext) -> torch.Tensor:
         """``x [b, s, h]`` -> ``[b, s, h]``, or ``[b, n, h]`` at ``ctx.query_index [b, n]`` (the
         residual stream is gathered there, so the MLP runs on those rows only)."""
@@ -245,9 +258,9 @@ class TransformerLayer(nn.Module):
         residual = x if index is None else gather_positions(x, index)
         if self.post_ln:
             x = self.post_attention_layernorm(residual + self._drop(self.self_attention(x, ctx)))
-            return self.post_mlp_layernorm(x + self._drop(self.mlp(x)))  # type: ignore[no-any-return]
+            return self.post_mlp_layernorm(x + self._drop(self._mlp(x)))  # type: ignore[no-any-return]
         x = residual + self._drop(self.self_attention(self.input_layernorm(x), ctx))
-        return x + self._drop(self.mlp(self.post_attention_layernorm(x)))
+        return x + self._drop(self._mlp(self.post_attention_layernorm(x)))
 
 
 class TransformerBlock(nn.Module):
