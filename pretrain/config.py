@@ -6,6 +6,7 @@ fields' ``metadata``).
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
@@ -196,6 +197,15 @@ class ModelConfig:
     def moe_ffn_size(self) -> int:
         """Width of each routed expert: ``moe_ffn_hidden_size``, else the dense MLP width."""
         return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
+
+    def without_memory_options(self) -> ModelConfig:
+        """This config with sequence parallelism and the recompute granularity off: how a run
+        keeps its activations is its own choice, not the model's, so checkpoints record the model
+        without it (evaluation, generation and finetuning of the checkpoint start from plain TP)."""
+        return dataclasses.replace(
+            self, sequence_parallel=False, recompute_granularity=None, recompute_method=None,
+            recompute_num_layers=None,
+        )  # fmt: skip
 
     def _check_recompute(self) -> None:
         """Megatron's rules for the recompute flags (``arguments.py``), worded with the flags."""

@@ -174,3 +174,14 @@ def test_sequence_not_divisible_by_tp_is_one_line(
         err.splitlines() == [err]
         and "--seq-length 31 is not divisible by --tensor-model-parallel-size 2" in err
     )
+
+
+def test_checkpoints_record_the_model_without_memory_options() -> None:
+    """A run's SP / recompute choice is not the model's: evaluation, generation and finetuning of
+    its checkpoint (at any TP, with KV caches and pruned queries) start from plain TP."""
+    from pretrain.checkpoint.args import build_metadata
+
+    cfg = tiny_config(sequence_parallel=True, recompute_granularity="full", recompute_method="block",
+                      recompute_num_layers=1)  # fmt: skip
+    meta = build_metadata(cfg, ParallelConfig(tp=2), kind="gpt")
+    assert meta.model == tiny_config()

@@ -39,7 +39,7 @@ def build_metadata(
     if provenance.toolkit_version is None:
         provenance = dataclasses.replace(provenance, toolkit_version=_toolkit_version())
     return CheckpointMetadata(
-        kind=kind, model=model, parallel=parallel, tokenizer=tokenizer, provenance=provenance,
+        kind=kind, model=model.without_memory_options(), parallel=parallel, tokenizer=tokenizer, provenance=provenance,
         add_binary_head=add_binary_head, fresh_heads=fresh_heads, finetune=finetune,
         module_names=module_names or kind_of(kind).default_module_names,
     )  # fmt: skip
