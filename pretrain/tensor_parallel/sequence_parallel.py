@@ -119,10 +119,14 @@ class _SequenceParallelLinear(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         x, weight = ctx.saved_tensors
-        full = _gather_seq(x, ctx.group)  # redone here: the gathered input was never kept
-        grad_x = _reduce_scatter_seq(grad.matmul(weight), ctx.group)
-        grad_w = grad.flatten(0, -2).t().matmul(full.flatten(0, -2))
-        grad_b = grad.flatten(0, -2).sum(0) if ctx.has_bias else None
+        need_x, need_w, need_b = ctx.needs_input_grad[:3]
+        grad_x = _reduce_scatter_seq(grad.matmul(weight), ctx.group) if need_x else None
+        grad_w = grad_b = None
+        if need_w:  # the gathered input was never kept: gather it again
+            full = _gather_seq(x, ctx.group)
+            grad_w = grad.flatten(0, -2).t().matmul(full.flatten(0, -2))
+        if ctx.has_bias and need_b:
+            grad_b = grad.flatten(0, -2).sum(0)
         return grad_x, grad_w, grad_b, None
 
 
