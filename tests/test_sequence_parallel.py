@@ -185,3 +185,20 @@ def test_checkpoints_record_the_model_without_memory_options() -> None:
                       recompute_num_layers=1)  # fmt: skip
     meta = build_metadata(cfg, ParallelConfig(tp=2), kind="gpt")
     assert meta.model == tiny_config()
+
+
+def _lora_refused(rank: int, world: int, cfg: ModelConfig) -> str:
+    from pretrain.models.gpt import GPTModel
+    from pretrain.models.lora import LoraConfig, add_lora
+    from pretrain.utils.errors import UserError
+
+    model = GPTModel(cfg, ParallelState.from_distributed(ParallelConfig(tp=world), seed=0))
+    with pytest.raises(UserError) as exc:
+        add_lora(model, LoraConfig(rank=2, alpha=4.0), seed=0)
+    return str(exc.value)
+
+
+@pytest.mark.slow
+def test_lora_with_sequence_parallel_is_refused_in_one_line() -> None:
+    cfg = llama_config(sequence_parallel=True)
+    assert "LoRA with --sequence-parallel is not supported" in run_distributed(_lora_refused, 2, cfg)[0]

@@ -279,6 +279,8 @@ def add_lora(model: ShardedModule, cfg: LoraConfig, *, seed: int) -> None:
             f"--lora-targets qkv: tensor-parallel size {ps.tp_size} exceeds the {mcfg.query_groups} "
             "query groups (replicated key/value heads); use a smaller --tensor-model-parallel-size"
         )
+    if mcfg.sequence_parallel and ps.tp_size > 1:  # adapters read the replicated input of the GEMMs
+        raise UserError("LoRA with --sequence-parallel is not supported yet; train the adapters without it")
     mlp = [t for t in cfg.targets if t in ("fc1", "fc2")]
     if mlp and mcfg.num_experts:  # expert MLPs are LocalLinear: adapters there are not built yet
         raise UserError(
