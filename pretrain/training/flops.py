@@ -42,7 +42,10 @@ def gpt_flops_per_iteration(
 ) -> float:
     """Model FLOPs of one training iteration of ``global_batch`` sequences of ``seq_length``."""
     tokens = float(global_batch) * seq_length
-    passes = 4 if cfg.recompute_activations else 3
+    # a second forward where every layer is recomputed whole (--recompute-activations, or full
+    # uniform recomputation); block recomputation depends on the pipeline split: counted as none
+    every_layer = cfg.recompute_granularity == "full" and cfg.recompute_method == "uniform"
+    passes = 4 if cfg.recompute_activations or every_layer else 3
     layers = passes * sum(
         layer_forward_flops_per_token(cfg, seq_length=seq_length, layer_number=i)
         for i in range(cfg.num_layers)
