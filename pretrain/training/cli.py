@@ -145,6 +145,32 @@ def parallel_from_args(args: Any, *, num_layers: int) -> ParallelConfig:
     return dataclasses.replace(flags_from_namespace(ParallelConfig, args), vp=vp)
 
 
+def _check_layout(model: ModelConfig, parallel: ParallelConfig, *, seq_length: int, world_size: int) -> int:
+    """Refuse a model / layout / sequence combination that cannot train; the data-parallel size."""
+    model.check_training_tensor_parallel(parallel.tp)
+    check_expert_parallel(model, parallel.ep, etp=parallel.expert_tp, tp=parallel.tp)
+    if model.sequence_parallel and seq_length % parallel.tp:
+        raise UserError(
+            f"--sequence-parallel: --seq-length {seq_length} is not divisible by --tensor-model-parallel-size "
+            f"{parallel.tp}"
+        )
+    if seq_length > model.max_position_embeddings:
+        raise UserError(
+            f"--seq-length {seq_length} exceeds --max-position-embeddings {model.max_position_embeddings}"
+        )
+    if world_size % (parallel.tp * parallel.pp):
+        raise UserError(
+            f"{world_size} process(es) (WORLD_SIZE, from torchrun) cannot be split into --tensor-model-parallel-size "
+            f"{parallel.tp} x --pipeline-model-parallel-size {parallel.pp} = {parallel.tp * parallel.pp}; "
+            f"launch a multiple of {parallel.tp * parallel.pp} processes"
+        )
+    dp = check_sizes(world_size, parallel.tp, parallel.pp, parallel.vp)
+    check_expert_sizes(world_size, parallel.tp, parallel.pp, parallel.ep, parallel.expert_tp)
+    stage_layer_numbers(model.num_layers, pp=parallel.pp, vp=parallel.vp,
+                        first=parallel.num_layers_in_first_stage, last=parallel.num_layers_in_last_stage)  # fmt: skip
+    return dp
+
+
 def configs_from_args(args: Any, *, world_size: int) -> dict[str, Any]:
     """Every config of a run, validated (no process group needed)."""
     tok_cfg = TokenizerConfig.from_args(args)
@@ -158,27 +184,7 @@ def configs_from_args(args: Any, *, world_size: int) -> dict[str, Any]:
     }
     model = ModelConfig(vocab_size=tokenizer.vocab_size, params_dtype=dtype, bidirectional=kind.bidirectional,
                         num_tokentypes=kind.tokentypes, post_layernorm=args.post_layernorm, **options)  # type: ignore[arg-type]  # fmt: skip
-    model.check_training_tensor_parallel(parallel.tp)
-    check_expert_parallel(model, parallel.ep, etp=parallel.expert_tp, tp=parallel.tp)
-    if model.sequence_parallel and args.seq_length % parallel.tp:
-        raise UserError(
-            f"--sequence-parallel: --seq-length {args.seq_length} is not divisible by --tensor-model-parallel-size "
-            f"{parallel.tp}"
-        )
-    if args.seq_length > model.max_position_embeddings:
-        raise UserError(
-            f"--seq-length {args.seq_length} exceeds --max-position-embeddings {model.max_position_embeddings}"
-        )
-    if world_size % (parallel.tp * parallel.pp):
-        raise UserError(
-            f"{world_size} process(es) (WORLD_SIZE, from torchrun) cannot be split into --tensor-model-parallel-size "
-            f"{parallel.tp} x --pipeline-model-parallel-size {parallel.pp} = {parallel.tp * parallel.pp}; "
-            f"launch a multiple of {parallel.tp * parallel.pp} processes"
-        )
-    dp = check_sizes(world_size, parallel.tp, parallel.pp, parallel.vp)
-    check_expert_sizes(world_size, parallel.tp, parallel.pp, parallel.ep, parallel.expert_tp)
-    stage_layer_numbers(model.num_layers, pp=parallel.pp, vp=parallel.vp,
-                        first=parallel.num_layers_in_first_stage, last=parallel.num_layers_in_last_stage)  # fmt: skip
+    dp = _check_layout(model, parallel, seq_length=args.seq_length, world_size=world_size)
     train = TrainingConfig(
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         train_iters=args.train_iters, seq_length=args.seq_length, seed=args.seed, log_interval=args.log_interval,
