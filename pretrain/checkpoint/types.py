@@ -104,6 +104,7 @@ class CheckpointInfo:
     ours: bool  # written by mlm-toolkit
     root: str = ""  # the checkpoint root (holds the tracker and tokenizer/); "" if unknown
     vocab_known: bool = True  # False: the true vocabulary size is unknown (padded rows counted)
+    ep: int = 1  # expert-parallel ranks of the files (legacy format: one file per TP x PP x EP rank)
 
 
 @runtime_checkable

@@ -3,7 +3,7 @@
 ::
 
     mlm-convert inspect CKPT [--json]
-    mlm-convert reshard --load CKPT --save NEW --target-tp 4 --target-pp 1 [--target-vp V]
+    mlm-convert reshard --load CKPT --save NEW --target-tp 4 --target-pp 1 [--target-vp V] [--target-ep E]
     mlm-convert to-hf --load CKPT --save HFDIR [--tokenizer-dir TOK] [--verify per-layer | --no-verify]
     mlm-convert from-hf --load HFDIR --save CKPT --tp 2 --pp 2 [--vp 2]
 
@@ -52,8 +52,10 @@ def _iteration(text: str) -> int | str:
 
 
 # reshard names its layout --target-tp/--target-pp/--target-vp (the source's layout is read from disk)
-TARGET_FLAGS = {"tp": ("--target-tp",), "pp": ("--target-pp",), "vp": ("--target-vp",)}
-TARGET_DESTS = {"tp": "target_tp", "pp": "target_pp", "vp": "target_vp"}
+TARGET_FLAGS = {"tp": ("--target-tp",), "pp": ("--target-pp",), "vp": ("--target-vp",), "ep": ("--target-ep",),
+                "etp": ("--target-etp",)}  # fmt: skip
+TARGET_DESTS = {"tp": "target_tp", "pp": "target_pp", "vp": "target_vp", "ep": "target_ep", "etp": "target_etp"}
+LAYOUT_SIZES = (*ParallelConfig.SIZES, *ParallelConfig.EXPERT)  # what convert commands write
 
 
 def _add_source(p: argparse.ArgumentParser, *, positional: bool = False) -> None:
@@ -75,7 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("reshard", help="rewrite a checkpoint at another TP/PP/VP layout")
     _add_source(p)
     p.add_argument("--save", type=Path, required=True, help="new output directory")
-    add_flag_group(p, ParallelConfig, title="target layout", include=ParallelConfig.SIZES, flags=TARGET_FLAGS,
+    add_flag_group(p, ParallelConfig, title="target layout", include=LAYOUT_SIZES, flags=TARGET_FLAGS,
                    dests=TARGET_DESTS, required=("tp", "pp"))  # fmt: skip
     p.add_argument("--with-optimizer", action="store_true", help="reshard the optimizer state too")
     p.add_argument("--dist-optimizer", action="store_true",
@@ -98,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--load", type=Path, required=True,
                    help=f"Hugging Face model directory (config.json model_type {supported_model_types()})")  # fmt: skip
     p.add_argument("--save", type=Path, required=True, help="new checkpoint directory")
-    add_flag_group(p, ParallelConfig, title="parallel layout", include=ParallelConfig.SIZES)
+    add_flag_group(p, ParallelConfig, title="parallel layout", include=LAYOUT_SIZES)
     p.add_argument("--make-vocab-size-divisible-by", type=int, default=128)
     _add_module_names(p)
     add_flag_group(p, TokenizerFlags, title="tokenizer", include=("tokenizer_dir", "force_tokenizer"))

@@ -69,7 +69,7 @@ def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_b
         source = merged_source(source, tensors, lora)
     tok = _hf_tokenizer(hf_dir, tokenizer_dir, rows=source.spec.cfg.vocab_size, weights_only=weights_only,
                         divisible_by=divisible_by, force=force_tokenizer)  # fmt: skip
-    bar = progress_bar(target.tp * target.pp, "from-hf")
+    bar = progress_bar(target.tp * target.pp * target.ep, "from-hf")
     options = WriteOptions(
         iteration="release",
         tokenizer=None if tok is None else tok.record,

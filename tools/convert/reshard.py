@@ -67,7 +67,7 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
         rng_state=_carried_rng(reader, target),
         module_names=module_names,
     )
-    bar = progress_bar(target.tp * target.pp, "reshard")
+    bar = progress_bar(target.tp * target.pp * target.ep, "reshard")
     with bar:
         write_checkpoint(ckpt_format, reader, save, target, options=options, optimizer=optimizer, optimizer_state=opt,
                distributed_optimizer=dist_optimizer,

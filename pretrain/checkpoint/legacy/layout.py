@@ -6,6 +6,7 @@
     SAVE/iter_0001000/mp_rank_TT/model_optim_rng.pt        (p == 1)
     SAVE/iter_0001000/mp_rank_TT_PPP/model_optim_rng.pt    (p > 1)
     SAVE/iter_0001000/mp_rank_TT_PPP/distrib_optim.pt      (distributed optimizer)
+    SAVE/iter_0001000/mp_rank_TT[_PPP]_EEE/...             (expert parallelism, EP > 1)
 
 The model state is nested as Megatron writes it: ``model["language_model"]["embedding"]
 ["word_embeddings"]["weight"]``, ``model["language_model"]["encoder"]["layers.0...."]`` (flat
@@ -42,10 +43,37 @@ def rank_dir_name(tp_rank: int, pp_rank: int, pp: int, ep_rank: int | None = Non
     return name if ep_rank is None else f"{name}_{ep_rank:03d}"
 
 
-def parse_rank_dir(name: str) -> tuple[int, int] | None:
-    """``mp_rank_TT[_PPP]`` -> (tp_rank, pp_rank); None for other names."""
+def parse_rank_dir(name: str, *, pp: int = 0, ep: int = 1) -> tuple[int, int] | None:
+    """``mp_rank_TT[_PPP]`` -> (tp_rank, pp_rank); None for other names (EP ranks: see
+    :func:`parse_expert_rank_dir`)."""
+    key = parse_expert_rank_dir(name, pp=pp, ep=ep)
+    return None if key is None or key[2] else key[:2]
+
+
+def parse_expert_rank_dir(name: str, *, pp: int, ep: int) -> tuple[int, int, int] | None:
+    """``mp_rank_TT[_PPP][_EEE]`` -> (tp_rank, pp_rank, ep_rank). One three-digit part is the PP
+    rank unless the layout has EP > 1 and PP == 1 (``pp``, ``ep``: the sizes the args record;
+    ``pp`` 0: unknown, read as PP). None for other names."""
     m = _RANK_DIR.match(name)
-    return None if m is None else (int(m.group(1)), int(m.group(2) or 0))
+    if m is None:
+        return None
+    t, a, b = int(m.group(1)), m.group(2), m.group(3)
+    if b is not None:
+        return (t, int(a), int(b))
+    if a is None:
+        return (t, 0, 0)
+    return (t, 0, int(a)) if ep > 1 and pp == 1 else (t, int(a), 0)
+
+
+def first_rank_dir(iter_dir: Path) -> Path:
+    """The TP/PP/EP rank 0 directory, whatever the layout (Megatron-LM's ``find_checkpoint_rank_0``)."""
+    for name in ("mp_rank_00", "mp_rank_00_000", "mp_rank_00_000_000"):
+        if (iter_dir / name).is_dir():
+            return iter_dir / name
+    others = sorted(p for p in iter_dir.iterdir() if _RANK_DIR.match(p.name) and p.is_dir())
+    if not others:
+        raise UserError(f"{iter_dir}: no mp_rank_* shard directories")
+    return others[0]  # rank 0 is missing: the grid check names it
 
 
 def read_tracker(root: str | Path) -> int | str:
@@ -76,11 +104,16 @@ def resolve_iteration(root: str | Path, iteration: int | str | None) -> Path:
     return path
 
 
-def list_rank_dirs(iter_dir: Path) -> dict[tuple[int, int], Path]:
-    """All ``mp_rank_*`` directories of an iteration, keyed by (tp_rank, pp_rank)."""
+def list_rank_dirs(iter_dir: Path, *, pp: int = 0, ep: int = 1) -> dict[tuple[int, int], Path]:
+    """All ``mp_rank_*`` directories of an iteration (EP rank 0's for EP > 1), keyed by (tp_rank, pp_rank)."""
+    return {k[:2]: v for k, v in list_expert_rank_dirs(iter_dir, pp=pp, ep=ep).items() if k[2] == 0}
+
+
+def list_expert_rank_dirs(iter_dir: Path, *, pp: int = 0, ep: int = 1) -> dict[tuple[int, int, int], Path]:
+    """All ``mp_rank_*`` directories of an iteration, keyed by (tp_rank, pp_rank, ep_rank)."""
     out = {}
     for child in sorted(iter_dir.iterdir()):
-        key = parse_rank_dir(child.name)
+        key = parse_expert_rank_dir(child.name, pp=pp, ep=ep)
         if key is not None and child.is_dir():
             out[key] = child
     if not out:

@@ -27,7 +27,7 @@ from pretrain.utils.errors import UserError
 
 MODULE_NAMES = ("mcore", "legacy")
 _LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.*)$")
-_LINEARS = ("self_attention.linear_qkv", "self_attention.linear_proj", "mlp.linear_fc1", "mlp.linear_fc2")
+_LINEAR_WEIGHT = re.compile(r"^decoder\.layers\.\d+\..*\b(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight$")
 
 
 def mcore_name(local: str) -> str:
@@ -43,10 +43,10 @@ def mcore_name(local: str) -> str:
 
 def _mcore_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
     out: dict[str, Any] = {mcore_name(k): v for k, v in flat.items()}
-    layers = sorted({int(m.group(1)) for k in flat if (m := _LAYER.match(k))})
-    for i in layers:
-        for linear in _LINEARS:
-            out[f"decoder.layers.{i}.{linear}._extra_state"] = None
+    # every linear layer keeps an _extra_state entry: the dense ones, each expert's, the shared expert's
+    for key in list(out):
+        if _LINEAR_WEIGHT.match(key):
+            out[key.removesuffix("weight") + "_extra_state"] = None
     if any(k.startswith("language_model.encoder.final_layernorm.") for k in flat):  # the last stage
         out["output_layer._extra_state"] = None
     return out

@@ -26,6 +26,7 @@ from pretrain.checkpoint.legacy.layout import (
     rank_dir_name,
     write_tracker,
 )
+from pretrain.checkpoint.expert_layout import check_expert_layout, experts_per_rank, slots_of_ep_rank
 from pretrain.checkpoint.legacy.module_names import chunk_to_file
 from pretrain.checkpoint.metadata import to_args
 from pretrain.checkpoint.plan import LayoutPlan, Slot
@@ -136,12 +137,17 @@ def write_layout(
 ) -> Path:
     """Write ``source`` at layout ``target`` into the new directory ``save``; returns ``save``.
 
+    With ``target.ep > 1`` each (TP, PP) rank has one file per EP rank (``mp_rank_TT[_PPP]_EEE``)
+    holding its own experts under local indices (:mod:`pretrain.checkpoint.expert_layout`).
+
     ``optimizer(tp_rank, pp_rank, slots_per_chunk)`` may supply each rank file's ``optimizer``
     entry. ``progress`` is called with each rank directory name after it is written;
     ``extra_files(tmp_dir)`` may add files (e.g. the tokenizer) before the directory is renamed.
     """
     plan = LayoutPlan.for_parallel(source.spec, target)
     cfg = source.spec.cfg
+    check_expert_layout(cfg, target, legacy=True)
+    per_rank = experts_per_rank(cfg, target.ep)
     padded = padded_vocab_size(cfg.vocab_size, tp=target.tp, divisible_by=cfg.make_vocab_size_divisible_by)
     meta = _target_metadata(source, target, options)
     args = to_args(meta, iteration=options.iteration)
@@ -149,30 +155,32 @@ def write_layout(
     with atomic_directory(save) as tmp:
         it_dir = iteration_dir(tmp, options.iteration)
         for pp_rank in range(target.pp):
-            slots = [plan.slots(pp_rank, c) for c in range(target.vp)]
+            stage = [plan.slots(pp_rank, c) for c in range(target.vp)]
             for tp_rank in range(target.tp):
-                name = rank_dir_name(tp_rank, pp_rank, target.pp)
-                state: dict[str, Any] = {
-                    "iteration": options.iteration,
-                    "checkpoint_version": CHECKPOINT_VERSION,
-                    "args": args,
-                }
-                for key, chunk_slots in zip(plan.chunk_keys(), slots, strict=True):
-                    # one expression: no local keeps this file's tensors alive while the next is built
-                    state[key] = chunk_to_file(
-                        _chunk_state(source, chunk_slots, tp_rank=tp_rank, tp=target.tp, padded=padded),
-                        names=meta.module_names, kind=meta.kind,
-                    )  # fmt: skip
-                state["optimizer"] = optimizer(tp_rank, pp_rank, slots) if optimizer else None
-                state["opt_param_scheduler"] = options.opt_param_scheduler
-                rng = options.rng_state(tp_rank, pp_rank) if options.rng_state else None
-                if rng is not None:
-                    state["rng_state"] = rng
-                with atomic_open(it_dir / name / MODEL_FILE, "wb") as fh:
-                    torch.save(state, fh)
-                del state
-                if progress is not None:
-                    progress(name)
+                for ep_rank in range(target.ep):  # the expert-free layout's file when EP == 1
+                    slots = [slots_of_ep_rank(x, ep_rank=ep_rank, per_rank=per_rank) for x in stage]
+                    name = rank_dir_name(tp_rank, pp_rank, target.pp, ep_rank if target.ep > 1 else None)
+                    state: dict[str, Any] = {
+                        "iteration": options.iteration,
+                        "checkpoint_version": CHECKPOINT_VERSION,
+                        "args": args,
+                    }
+                    for key, chunk_slots in zip(plan.chunk_keys(), slots, strict=True):
+                        # one expression: no local keeps this file's tensors alive while the next is built
+                        state[key] = chunk_to_file(
+                            _chunk_state(source, chunk_slots, tp_rank=tp_rank, tp=target.tp, padded=padded),
+                            names=meta.module_names, kind=meta.kind,
+                        )  # fmt: skip
+                    state["optimizer"] = optimizer(tp_rank, pp_rank, slots) if optimizer else None
+                    state["opt_param_scheduler"] = options.opt_param_scheduler
+                    rng = options.rng_state(tp_rank, pp_rank) if options.rng_state else None
+                    if rng is not None:
+                        state["rng_state"] = rng
+                    with atomic_open(it_dir / name / MODEL_FILE, "wb") as fh:
+                        torch.save(state, fh)
+                    del state
+                    if progress is not None:
+                        progress(name)
         write_tracker(tmp, options.iteration)
         if extra_files is not None:
             extra_files(tmp)

@@ -74,7 +74,7 @@ class TorchDistOptimizerSource:
                 f"{r.path}: {key} has shape {tuple(r.meta[key].size)}, its parameter "
                 f"{tuple(r.meta[ref.key].size)} (a flattened distributed-optimizer layout is not read)"
             )
-        full = read_region(r.path, r.meta[key], key, ref.layer, r.storage).float()
+        full = read_region(r.path, r.meta[key], key, ref.index, r.storage).float()
         if kind == "param" and r.norm_1p and is_zero_centred_norm(canonical):
             full = full + 1
         return full

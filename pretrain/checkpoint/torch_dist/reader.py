@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
+from pretrain.checkpoint.expert_layout import expert_index
 from pretrain.checkpoint.metadata import as_mapping, read_metadata
 from pretrain.checkpoint.plan import ModelSpec, Slot, chunk_slots
 from pretrain.checkpoint.safe_unpickle import load_untrusted, load_untrusted_bytes
@@ -40,13 +41,15 @@ from pretrain.checkpoint.torch_dist.storage import SafeFileSystemReader, read_dc
 from pretrain.checkpoint.types import CheckpointInfo, CheckpointMetadata
 from pretrain.checkpoint.upstream.args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
 from pretrain.checkpoint.upstream.args_semantics import OUTPUT_LAYER, is_zero_centred_norm
-from pretrain.checkpoint.upstream.names import to_local_name
+from pretrain.checkpoint.upstream.expert_names import DIST_EXPERTS, DIST_SINGLETON, FC
+from pretrain.checkpoint.upstream.names import ENC, to_local_name
 from pretrain.checkpoint.vocab_view import vocab_view
 from pretrain.model_options import layernorm_1p
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.utils.errors import UserError
 
 _STACKED = re.compile(r"^(.*?\blayers)\.(?!\d)(.*)$")
+_PER_LAYER = re.compile(r"^(?:decoder|encoder)\.layers\.(\d+)\.(.*)$")
 _GLOBAL_LAYER = re.compile(r"\.layers\.(\d+)\.")
 _HEAD = "word_embeddings_for_head.weight"
 _EMB = "language_model.embedding.word_embeddings.weight"
@@ -56,26 +59,67 @@ _COMMON_STATE = "common_state/shard_0_1"  # ShardedObject("common_state", (1,), 
 @dataclass(frozen=True)
 class _Ref:
     key: str  # the torch_dist key
-    layer: int | None  # index into the leading (stacked) dimension
+    index: tuple[int, ...] = ()  # indices into the leading axes (layer and/or expert); () whole
+    halves: str | None = None  # singleton SwiGLU experts: the ``_v`` (up) key, concatenated after ``key``
+
+    @property
+    def layer(self) -> int | None:
+        """The stacked-layer index (None: a whole or per-layer key)."""
+        return self.index[0] if self.index else None
+
+
+def _expert_refs(
+    layer: int | None, rest: str, key: str, size: tuple[int, ...], keys: set[str]
+) -> list[tuple[str, _Ref, tuple[int, ...]]] | None:
+    """Routed-expert tensors of one torch_dist key (``layer`` None: stacked over layers), as
+    ``(our name, where, shape)``: the expert-axis form or ``singleton_local_shards`` per-expert keys
+    (SwiGLU ``_w``/``_v`` pairs read as one ``[gate; up]`` tensor). None: not an expert key."""
+    layers = range(size[0]) if layer is None else [layer]
+    base = size[1:] if layer is None else size
+    if m := DIST_EXPERTS.match(rest):
+        return [
+            (f"{ENC}layers.{i}.mlp.experts.{e}.{FC[m.group(1)]}.weight",
+             _Ref(key, (i, e) if layer is None else (e,)), tuple(base[1:]))
+            for i in layers for e in range(base[0])
+        ]  # fmt: skip
+    if m := DIST_SINGLETON.match(rest):
+        if m.group(3) == "_v":
+            return []  # read with its _w key
+        other = key[: -len("_w")] + "_v" if m.group(3) else None
+        if other is not None and other not in keys:
+            raise UserError(f"torch_dist key {key} has no {other} (the up half of the expert's fc1)")
+        rows = (2 * base[0], *base[1:]) if other else tuple(base)
+        name = f"mlp.experts.{m.group(1)}.{FC[m.group(2)]}.weight"
+        return [(f"{ENC}layers.{i}.{name}", _Ref(key, (i,) if layer is None else (), other), rows) for i in layers]
+    return None
 
 
 def _map_keys(meta: dict[str, TensorStorageMetadata]) -> tuple[dict[str, _Ref], dict[str, tuple[int, ...]]]:
     """Our full-model local names (global layer indices) -> where they live; and stacked sizes."""
     refs: dict[str, _Ref] = {}
     shapes: dict[str, tuple[int, ...]] = {}
+    keys = set(meta)
     for key, md in meta.items():
-        stacked = _STACKED.match(key)
+        stacked, per_layer = _STACKED.match(key), _PER_LAYER.match(key)
+        moe = None
         if stacked is not None:
+            moe = _expert_refs(None, stacked.group(2), key, tuple(md.size), keys)
+        elif per_layer is not None:
+            moe = _expert_refs(int(per_layer.group(1)), per_layer.group(2), key, tuple(md.size), keys)
+        if moe is not None:
+            for name, ref, shape in moe:
+                refs[name], shapes[name] = ref, shape
+        elif stacked is not None:
             template = to_local_name(f"{stacked.group(1)}.0.{stacked.group(2)}")
             if template is None:
                 continue
             for i in range(md.size[0]):
                 name = template.replace(".layers.0.", f".layers.{i}.", 1)
-                refs[name], shapes[name] = _Ref(key, i), tuple(md.size[1:])
+                refs[name], shapes[name] = _Ref(key, (i,)), tuple(md.size[1:])
         else:
             local = to_local_name(key)
             if local is not None:
-                refs[local], shapes[local] = _Ref(key, None), tuple(md.size)
+                refs[local], shapes[local] = _Ref(key), tuple(md.size)
     return refs, shapes
 
 
@@ -120,13 +164,19 @@ class _BytesPlanner(DefaultLoadPlanner):
 
 
 def read_region(
-    path: Path, md: TensorStorageMetadata, key: str, layer: int | None, storage: Metadata | None = None
+    path: Path,
+    md: TensorStorageMetadata,
+    key: str,
+    index: int | tuple[int, ...] | None,
+    storage: Metadata | None = None,
 ) -> torch.Tensor:
-    """Tensor ``key`` (one ``layer`` of a stacked key) of the checkpoint at ``path``, into CPU memory
-    (``storage``: its ``.metadata`` already read, else read again)."""
-    size = tuple(md.size) if layer is None else (1, *md.size[1:])
+    """Tensor ``key`` (the slice at ``index`` of its leading axes: a stacked layer, an expert) of
+    the checkpoint at ``path``, into CPU memory (``storage``: its ``.metadata`` already read, else
+    read again)."""
+    lead = () if index is None else (index,) if isinstance(index, int) else tuple(index)
+    size = (*(1,) * len(lead), *md.size[len(lead) :])
     out = torch.empty(size, dtype=md.properties.dtype)
-    offsets = (0,) * len(size) if layer is None else (layer, *(0,) * (len(size) - 1))
+    offsets = (*lead, *(0,) * (len(size) - len(lead)))
     planner = _RegionPlanner(key, out, offsets)
 
     def describe(exc: BaseException) -> str:
@@ -140,7 +190,7 @@ def read_region(
         raise
     except Exception as exc:
         raise UserError(describe(exc)) from None
-    return out if layer is None else out[0]
+    return out.reshape(md.size[len(lead) :])
 
 
 @dataclass
@@ -175,7 +225,10 @@ class TorchDistReader:
         return dataclasses.replace(self, spec=spec, info=info)
 
     def _read(self, ref: _Ref, vocab: bool) -> torch.Tensor:
-        t = read_region(self.path, self.meta[ref.key], ref.key, ref.layer, self.storage)
+        t = read_region(self.path, self.meta[ref.key], ref.key, ref.index, self.storage)
+        if ref.halves is not None:  # [gate; up] of a singleton SwiGLU expert
+            up = read_region(self.path, self.meta[ref.halves], ref.halves, ref.index, self.storage)
+            t = torch.cat([t, up])
         return t[: self.spec.cfg.vocab_size] if vocab else t
 
     def stored_rows(self, name: str) -> torch.Tensor:
@@ -279,6 +332,12 @@ def _check_slots(
     """Every tensor the model needs is stored, with its shape (vocabulary rows aside)."""
     by_local = {s.local: s for s in slots}
     missing = sorted(set(by_local) - set(refs))
+    beyond = sorted(n for n in set(refs) - set(by_local) if expert_index(n) is not None)
+    if beyond:  # the args' num_experts disagrees with the expert tensors
+        raise UserError(
+            f"{it_dir}: tensor {refs[beyond[0]].key} holds expert {expert_index(beyond[0])} "
+            f"({beyond[0]}), which the model (args num_experts, --moe-layer-freq) does not have"
+        )
     if missing:
         raise UserError(f"{it_dir}: torch_dist checkpoint lacks {len(missing)} tensor(s), e.g. {missing[:3]}")
     for name, slot in by_local.items():
@@ -338,7 +397,8 @@ def open_torch_dist(
         path=source, format="torch_dist", iteration=common.get("iteration", iteration),
         checkpoint_version=float(common.get("checkpoint_version", 3.0) or 0), kind=kind,
         tp=int(args.get("tensor_model_parallel_size") or 1), pp=int(args.get("pipeline_model_parallel_size") or 1),
-        vp=int(args.get("virtual_pipeline_model_parallel_size") or 1), vocab_size=cfg.vocab_size,
+        vp=int(args.get("virtual_pipeline_model_parallel_size") or 1), ep=int(args.get("expert_model_parallel_size") or 1),
+        vocab_size=cfg.vocab_size,
         vocab_source=how, padded_vocab_size=padded, num_parameters=_num_parameters(slots, cfg.vocab_size),
         dtypes=tuple(dtypes), ours=ours is not None, root=str(root or ""), vocab_known=not how.startswith("padded"),
     )  # fmt: skip

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import re
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
+from pretrain.checkpoint.expert_layout import check_expert_layout
 from pretrain.checkpoint.legacy.layout import CHECKPOINT_VERSION, iteration_dir, write_tracker
 from pretrain.checkpoint.legacy.writer import WriteOptions, _target_metadata, vocab_rows
 from pretrain.checkpoint.metadata import to_args
@@ -46,8 +48,9 @@ from pretrain.checkpoint.plan import ModelSpec, chunk_slots
 from pretrain.checkpoint.torch_dist.dcp_failures import dcp_failures, first_line
 from pretrain.checkpoint.torch_dist.optimizer import optimizer_common, optimizer_entry_kinds
 from pretrain.checkpoint.types import TensorSource
+from pretrain.checkpoint.upstream.expert_names import to_dist_expert
 from pretrain.checkpoint.upstream.names import MCORE_BLOCK, to_mcore_key
-from pretrain.config import ParallelConfig
+from pretrain.config import ModelConfig, ParallelConfig
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.atomic import atomic_directory, atomic_open
 from pretrain.utils.errors import UserError
@@ -58,7 +61,8 @@ METADATA_JSON = {
     "common_backend": "torch",
     "common_backend_version": 1,
 }
-_EXTRA_STATE = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+_LINEAR_WEIGHT = re.compile(r"\.(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight$")
+_LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.*)$")
 
 
 @dataclass(frozen=True)
@@ -68,9 +72,11 @@ class _Entry:
     key: str
     shape: tuple[int, ...]
     dtype: torch.dtype
-    parts: tuple[tuple[str, int | None], ...]  # (canonical name, layer) per chunk; layer None: whole
+    # (canonical name, index along the leading axes: (layer,), (layer, expert), (expert,) or () whole)
+    parts: tuple[tuple[str, tuple[int, ...]], ...]
     pad_rows: int | None  # vocabulary tensors: padded row count
     state_kind: str | None = None  # an optimizer state ("exp_avg", ...) of the weight; None: the weight
+    lead: tuple[int, ...] = ()  # sizes of the leading axes (layers and/or experts)
 
 
 def _check_representable(spec: ModelSpec) -> None:
@@ -96,39 +102,70 @@ def _check_representable(spec: ModelSpec) -> None:
         )
 
 
+def _homogeneous(cfg: ModelConfig) -> bool:
+    """megatron-core stacks layers along a leading axis only when every layer has the same kind
+    of MLP; with ``--moe-layer-freq`` mixing dense and MoE layers each layer has its own keys
+    (``decoder.layers.N.*``, ``non_homogeneous_layers``)."""
+    kinds = {cfg.is_moe_layer(i) for i in range(cfg.num_layers)}
+    return len(kinds) == 1
+
+
+def _place(
+    canonical: str, kind: str, cfg: ModelConfig, stacked: bool
+) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """``(key, index, leading sizes)`` of one canonical tensor in the sharded state dict."""
+    key, layer = to_mcore_key(canonical, kind)
+    m = _LAYER.match(canonical)
+    expert = to_dist_expert(m.group(2)) if m is not None else None
+    if expert is not None:  # one tensor with an expert axis (SequentialMLP's sharded state dict)
+        key = f"{MCORE_BLOCK[kind]}.layers.{expert[0]}"
+    if layer is None:
+        return key, (), ()
+    index, lead = ((layer,), (cfg.num_layers,)) if stacked else ((), ())
+    if not stacked:
+        key = key.replace(".layers.", f".layers.{layer}.", 1)
+    if expert is not None:
+        index, lead = (*index, expert[1]), (*lead, int(cfg.num_experts or 0))
+    return key, index, lead
+
+
 def _entries(source: TensorSource, tp: int) -> list[_Entry]:
     spec = source.spec
     cfg = spec.cfg
     _check_representable(spec)
     padded = padded_vocab_size(cfg.vocab_size, tp=tp, divisible_by=cfg.make_vocab_size_divisible_by)
     slots = chunk_slots(spec, tp=1, pre_process=True, post_process=True, layer_numbers=range(cfg.num_layers))
-    grouped: dict[str, list[tuple[str, int | None, tuple[int, ...], bool]]] = {}
+    stacked = _homogeneous(cfg)
+    grouped: dict[str, list[tuple[str, tuple[int, ...], tuple[int, ...], tuple[int, ...], bool]]] = {}
     for slot in slots:
-        key, layer = to_mcore_key(slot.canonical, spec.kind)
+        key, index, lead = _place(slot.canonical, spec.kind, cfg, stacked)
         shape = (padded, *slot.shape[1:]) if slot.vocab else slot.shape
-        grouped.setdefault(key, []).append((slot.canonical, layer, shape, slot.vocab))
+        grouped.setdefault(key, []).append((slot.canonical, index, lead, shape, slot.vocab))
     dtype = getattr(torch, cfg.params_dtype)
     out = []
     for key, items in grouped.items():
-        layered = items[0][1] is not None
-        shape = (len(items), *items[0][2]) if layered else items[0][2]
-        parts = tuple((name, layer) for name, layer, _, _ in items)
-        out.append(_Entry(key, shape, dtype, parts, padded if items[0][3] else None))
+        _, _, lead, shape, vocab = items[0]
+        parts = tuple((name, index) for name, index, _, _, _ in items)
+        out.append(_Entry(key, (*lead, *shape), dtype, parts, padded if vocab else None, lead=lead))
     return out
 
 
-def _extra_state_keys(entries: list[_Entry], num_layers: int) -> list[str]:
-    """The ``_extra_state`` byte entries megatron-core saves: each linear layer of every layer
-    (``<block>.layers.<module>.<linear>._extra_state/shard_<layer>_<num_layers>``, the block read
-    off the stacked keys), plus ``output_layer._extra_state/shard_0_1`` for BERT (its
+def _extra_state_keys(entries: list[_Entry]) -> list[str]:
+    """The ``_extra_state`` byte entries megatron-core saves: one per linear layer's weight chunk
+    (``<stem>._extra_state/shard_<index>_<leading sizes>``, dotted over the layer and expert axes;
+    ``shard_0_1`` for a per-layer key), plus ``output_layer._extra_state/shard_0_1`` for BERT (its
     ``BertModel`` keeps the output layer's extra state; ``GPTModel`` drops it)."""
-    block = next((e.key.split(".")[0] for e in entries if e.parts[0][1] is not None), "decoder")
-    keys = [
-        f"{block}.layers.{'mlp' if 'fc' in stem else 'self_attention'}.{stem}._extra_state"
-        f"/shard_{layer}_{num_layers}"
-        for stem in _EXTRA_STATE
-        for layer in range(num_layers)
-    ]
+    keys = []
+    block = MCORE_BLOCK["gpt"]
+    for e in entries:
+        if e.state_kind is not None or not _LINEAR_WEIGHT.search(e.key):
+            continue
+        block = e.key.split(".")[0]
+        stem = e.key.removesuffix(".weight")
+        for _, index in e.parts:
+            where = ".".join(map(str, index)) if index else "0"
+            sizes = ".".join(map(str, e.lead)) if e.lead else "1"
+            keys.append(f"{stem}._extra_state/shard_{where}_{sizes}")
     return keys + (["output_layer._extra_state/shard_0_1"] if block == MCORE_BLOCK["bert"] else [])
 
 
@@ -139,22 +176,21 @@ class _StreamingPlanner(DefaultSavePlanner):
         super().__init__()
         self.entries, self.fetch = entries, fetch
         self.chunk_of: dict[tuple[str, tuple[int, ...]], tuple[str, _Entry]] = {}
-        self.num_layers = max((e.shape[0] for e in entries if e.parts[0][1] is not None), default=0)
 
     def create_local_plan(self) -> SavePlan:
         items: list[WriteItem] = []
         for e in self.entries:
             props = TensorProperties(dtype=e.dtype)
-            for name, layer in e.parts:
-                offsets = (0,) * len(e.shape) if layer is None else (layer, *(0,) * (len(e.shape) - 1))
-                sizes = e.shape if layer is None else (1, *e.shape[1:])
+            for name, index in e.parts:
+                offsets = (*index, *(0,) * (len(e.shape) - len(index)))
+                sizes = (*(1,) * len(index), *e.shape[len(index) :])
                 chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-                index = MetadataIndex(e.key, torch.Size(offsets))
+                mindex = MetadataIndex(e.key, torch.Size(offsets))
                 self.chunk_of[(e.key, tuple(offsets))] = (name, e)
-                items.append(WriteItem(index=index, type=WriteItemType.SHARD,
+                items.append(WriteItem(index=mindex, type=WriteItemType.SHARD,
                                        tensor_data=TensorWriteData(chunk=chunk, properties=props,
                                                                    size=torch.Size(e.shape))))  # fmt: skip
-        for key in _extra_state_keys(self.entries, self.num_layers):
+        for key in _extra_state_keys(self.entries):
             items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
         self.plan = SavePlan(items, planner_data={})
         return self.plan
@@ -168,7 +204,7 @@ class _StreamingPlanner(DefaultSavePlanner):
         key, offsets = write_item.index.fqn, tuple(write_item.index.offset or ())
         name, entry = self.chunk_of[(key, offsets)]
         t = self.fetch(entry, name).to(entry.dtype).contiguous()
-        return t if entry.parts[0][1] is None else t.unsqueeze(0)
+        return t.reshape((1,) * len(entry.lead) + tuple(t.shape))  # its chunk of the leading axes
 
 
 def _optimizer_entries(entries: list[_Entry], params_dtype: str, *, distributed: bool) -> list[_Entry]:
@@ -221,6 +257,7 @@ def write_torch_dist(
     format (see :mod:`pretrain.checkpoint.torch_dist.optimizer`), with the LR schedule.
     """
     source.spec.cfg.check_tensor_parallel(target.tp)
+    check_expert_layout(source.spec.cfg, target, legacy=False)  # EP/ETP: recorded in args only
     entries = _entries(source, target.tp)
     options = options or WriteOptions()
     common: dict[str, Any] = {}

@@ -22,6 +22,8 @@ import re
 
 import torch
 
+from pretrain.checkpoint.upstream.expert_names import SKIPPED as _MOE_SKIPPED
+from pretrain.checkpoint.upstream.expert_names import from_mcore_layer, to_mcore_layer
 from pretrain.models.kinds import KINDS
 
 LM = "language_model."
@@ -84,6 +86,9 @@ def _mcore_name(name: str) -> str | None:
     m = _MCORE_LAYERS.match(name)
     if m is not None:
         i, rest = m.groups()
+        moe = from_mcore_layer(rest)  # experts and shared experts (pretrain.checkpoint.upstream.expert_names)
+        if moe is not None:
+            return f"{ENC}layers.{i}.{moe}"
         for old, new in _MCORE_LAYER:
             if rest.startswith(old):
                 rest = new + rest[len(old) :]
@@ -94,7 +99,7 @@ def _mcore_name(name: str) -> str | None:
 
 def to_local_name(key: str) -> str | None:
     """Our local parameter name for upstream flat ``key``; None for entries to skip."""
-    if key.endswith(_SKIPPED) or "._extra_state" in key:
+    if key.endswith(_SKIPPED) or key.endswith(_MOE_SKIPPED) or "._extra_state" in key:
         return None
     # Legacy keys match no megatron-core prefix, so the order of the two tables is free.
     key = _replace_prefix(key, _OLD_TOP) or _mcore_name(key) or key
@@ -155,6 +160,9 @@ def to_mcore_key(canonical: str, kind: str = "gpt") -> tuple[str, int | None]:
     if m is not None:
         layer, rest = int(m.group(1)), m.group(2)
         block = MCORE_BLOCK[kind] + ".layers."
+        shared = to_mcore_layer(rest) if rest.startswith("mlp.shared_experts.") else None
+        if shared is not None:
+            return block + shared, layer
         for mcore, ours in _MCORE_LAYER:  # exact TE names come first in the table
             if rest == ours or (ours.endswith(".") and rest.startswith(ours)):
                 return block + mcore + rest[len(ours) :], layer
@@ -175,10 +183,12 @@ def to_mcore_state_name(local: str, kind: str = "gpt") -> str:
     m = _LAYER.match(local)
     if m is not None:
         layer, rest = m.groups()
-        for mcore, ours in _MCORE_LAYER:
+        moe = to_mcore_layer(rest)  # SequentialMLP experts (local index), shared experts
+        for mcore, ours in _MCORE_LAYER if moe is None else ():
             if ours.endswith(".") and rest.startswith(ours):  # module renames, not the TE folds
                 rest = mcore + rest[len(ours) :]
                 break
+        rest = moe or rest
         return f"{MCORE_BLOCK[kind]}.layers.{layer}.{rest}"
     if local.startswith("word_embeddings_for_head."):
         return "output_layer." + local[len("word_embeddings_for_head.") :]

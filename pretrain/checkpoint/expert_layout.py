@@ -1,0 +1,106 @@
+"""Expert parallelism in checkpoint files: which rank file holds which routed expert.
+
+With ``E`` experts per MoE layer and expert-parallel size ``EP``, EP rank ``r`` holds the
+``E / EP`` experts ``r * E/EP .. (r+1) * E/EP - 1`` under *local* indices ``0 .. E/EP - 1``
+(megatron-core's ``local_expert_indices_offset``); the file of (TP rank t, PP rank p, EP rank r)
+holds every other tensor as the EP-free layout does. Canonical names always carry the global
+index (``mlp.experts.{e}.``): :func:`slots_of_ep_rank` maps a chunk's slots to one EP rank's
+file, :func:`globalise` maps one file's tensors back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import torch
+
+from pretrain.checkpoint.plan import Slot
+from pretrain.checkpoint.upstream.expert_names import OUR_EXPERT, split_grouped
+from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.utils.errors import UserError
+
+# a routed expert in any per-layer file naming: SequentialMLP, TE grouped, ours (legacy names)
+_FILE_EXPERT = re.compile(
+    r"(\.mlp\.experts\.(?:local_experts\.)?)(\d+)(\.)|(\.mlp\.experts\.linear_fc[12]\.(?:weight|bias))(\d+)$"
+)
+
+
+def experts_per_rank(cfg: ModelConfig, ep: int, *, what: str = "--ep") -> int:
+    """``E / EP``, the experts of each EP rank (one line if ``EP`` does not divide ``E``)."""
+    if ep == 1:
+        return int(cfg.num_experts or 0)
+    if cfg.num_experts is None:
+        raise UserError(f"{what} {ep}: the model has no experts (expert parallelism needs --num-experts)")
+    if cfg.num_experts % ep:
+        raise UserError(f"{what} {ep}: does not divide num_experts {cfg.num_experts}")
+    return cfg.num_experts // ep
+
+
+def check_expert_layout(cfg: ModelConfig, parallel: ParallelConfig, *, legacy: bool) -> None:
+    """Refuse an EP/ETP layout the model or the format cannot hold (one line, before any work)."""
+    experts_per_rank(cfg, parallel.ep)
+    etp = parallel.expert_tp
+    if parallel.etp is not None and cfg.num_experts is None:
+        raise UserError(f"--etp {etp}: the model has no experts")
+    if cfg.num_experts is not None and cfg.moe_ffn_size % etp:
+        raise UserError(f"--etp {etp}: does not divide moe_ffn_hidden_size {cfg.moe_ffn_size}")
+    if legacy and etp != parallel.tp:
+        # each legacy rank file is one TP rank's; an expert slice of another width has no file of its own
+        raise UserError(
+            f"--etp {etp} differs from --tp {parallel.tp}: the legacy torch format "
+            "stores experts split like TP; use --ckpt-format torch_dist"
+        )
+
+
+def expert_index(name: str) -> int | None:
+    """The expert index in one of our names (``mlp.experts.{e}.``), or None."""
+    m = OUR_EXPERT.search(name)
+    return None if m is None else int(m.group(1))
+
+
+def renumber_expert(name: str, offset: int) -> str:
+    """``name`` with its expert index moved by ``offset`` (local <-> global)."""
+    m = OUR_EXPERT.search(name)
+    assert m is not None
+    return f"{name[: m.start(1)]}{int(m.group(1)) + offset}{name[m.end(1) :]}"
+
+
+def slots_of_ep_rank(slots: list[Slot], *, ep_rank: int, per_rank: int) -> list[Slot]:
+    """The slots of EP rank ``ep_rank``'s file: every non-expert slot, and its own experts with
+    local indices (``local`` renamed; ``canonical`` keeps the global index)."""
+    lo = ep_rank * per_rank
+    out = []
+    for slot in slots:
+        e = expert_index(slot.local)
+        if e is None:
+            out.append(slot)
+        elif lo <= e < lo + per_rank:
+            out.append(dataclasses.replace(slot, local=renumber_expert(slot.local, -lo)))
+    return out
+
+
+def globalise(
+    flat: dict[str, torch.Tensor], *, ep_rank: int, per_rank: int, hidden: int, path: Path
+) -> dict[str, torch.Tensor]:
+    """One EP rank file's flat tensors with global expert indices (GroupedMLP pairs split into
+    experts first). A local index past ``per_rank``: one line naming the tensor."""
+    if per_rank == 0:
+        return flat
+    flat = split_grouped(flat, local_experts=per_rank, hidden=hidden, where=str(path))
+    lo = ep_rank * per_rank
+    out: dict[str, torch.Tensor] = {}
+    for key, t in flat.items():
+        m = _FILE_EXPERT.search(key)
+        if m is not None:
+            i = int(m.group(2) if m.group(2) is not None else m.group(5))
+            if i >= per_rank:
+                raise UserError(
+                    f"{path}: tensor {key} is expert {i} of an EP rank that holds {per_rank} "
+                    f"(num_experts / expert_model_parallel_size)"
+                )
+            group = 2 if m.group(2) is not None else 5
+            key = f"{key[: m.start(group)]}{i + lo}{key[m.end(group) :]}"
+        out[key] = t
+    return out
