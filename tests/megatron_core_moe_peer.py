@@ -5,7 +5,8 @@ mlm-toolkit code).
 
 ``python -m tests.megatron_core_moe_peer save OUT --case C --tp T --ep E``: build the model from
 Megatron-LM args (:func:`moe_args`), save ``torch_dist`` (``OUT/dist``, megatron-core's own
-``dist_checkpointing.save``), the legacy per-rank files as Megatron-LM names them
+``dist_checkpointing.save``; ``OUT/dist_singleton`` with ``singleton_local_shards``: one key per
+expert), the legacy per-rank files as Megatron-LM names them
 (``OUT/legacy/iter_0000001/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``, its ``get_checkpoint_name``:
 the EP rank is appended as ``_EEE`` when EP > 1) and the probe logits (``OUT/logits.pt``).
 ``load CKPT_ITER_DIR OUT --case C --tp T --ep E``: load a ``torch_dist`` checkpoint with
@@ -77,13 +78,33 @@ def build_moe_model(args: Any) -> Any:
         **moe,
     )  # fmt: skip
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=get("normalization"))
-    return GPTModel(
+    model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=get("padded_vocab_size"),
         max_sequence_length=get("max_position_embeddings"),
         position_embedding_type=get("position_embedding_type"),
         share_embeddings_and_output_weights=not get("untie_embeddings_and_output_weights"),
         rotary_percent=get("rotary_percent", 1.0), rotary_base=get("rotary_base", 10000),
     ).eval()  # fmt: skip
+    for module in model.modules():  # GroupedMLP's forward asserts bf16; its fp32 weights compute the same
+        if type(module).__name__ == "GroupedMLP":
+            module.config = dataclasses.replace(module.config, bf16=True, params_dtype=torch.bfloat16)
+    return model
+
+
+def _grouped_gemm_on_cpu() -> None:
+    """GroupedMLP calls the ``grouped_gemm`` CUDA package's ``gmm(a, b, batch_sizes, trans_b)``:
+    rows of ``a`` in consecutive groups of ``batch_sizes``, group ``i`` times ``b[i]``. On CPU the
+    same product as a loop (the weights' layout, which these tests are about, stays megatron-core's)."""
+    from megatron.core.transformer.moe import grouped_gemm_util as gg
+
+    class _Ops:
+        @staticmethod
+        def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
+            parts = a.split(batch_sizes.tolist())
+            return torch.cat([p @ (b[i].t() if trans_b else b[i]) for i, p in enumerate(parts)])
+
+    gg.grouped_gemm_is_available = lambda: True
+    gg.ops = _Ops
 
 
 def _init(rank: int, tp: int, ep: int, port: int) -> None:
@@ -95,6 +116,7 @@ def _init(rank: int, tp: int, ep: int, port: int) -> None:
     from megatron.core.transformer.moe import moe_utils
 
     moe_utils.te_general_gemm = None  # its import failed without TransformerEngine; the plain GEMM runs
+    _grouped_gemm_on_cpu()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=tp * ep)
     ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
@@ -133,6 +155,8 @@ def _save(out: Path, case: str, rank: int, tp: int, ep: int) -> None:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
     logits = peer.probe_logits(model, args.vocab_size)
     peer.save_dist(out / "dist", {"args": args, "checkpoint_version": 3.0, "model": model.sharded_state_dict()}, 1)
+    singleton = model.sharded_state_dict(metadata={"singleton_local_shards": True})  # one key per expert
+    peer.save_dist(out / "dist_singleton", {"args": args, "checkpoint_version": 3.0, "model": singleton}, 1)
     state = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
     name = legacy_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank(), ep)
     d = out / "legacy" / "iter_0000001" / name

@@ -68,12 +68,10 @@ class _Ref:
         return self.index[0] if self.index else None
 
 
-def _expert_refs(
-    layer: int | None, rest: str, key: str, size: tuple[int, ...], keys: set[str]
-) -> list[tuple[str, _Ref, tuple[int, ...]]] | None:
+def _expert_refs(layer: int | None, rest: str, key: str, size: tuple[int, ...]) -> list[tuple[str, _Ref, tuple[int, ...]]] | None:
     """Routed-expert tensors of one torch_dist key (``layer`` None: stacked over layers), as
-    ``(our name, where, shape)``: the expert-axis form or ``singleton_local_shards`` per-expert keys
-    (SwiGLU ``_w``/``_v`` pairs read as one ``[gate; up]`` tensor). None: not an expert key."""
+    ``(our name, where, shape)``: the expert-axis form or ``singleton_local_shards`` per-expert
+    keys. None: not an expert key."""
     layers = range(size[0]) if layer is None else [layer]
     base = size[1:] if layer is None else size
     if m := DIST_EXPERTS.match(rest):
@@ -83,43 +81,48 @@ def _expert_refs(
             for i in layers for e in range(base[0])
         ]  # fmt: skip
     if m := DIST_SINGLETON.match(rest):
-        if m.group(3) == "_v":
-            return []  # read with its _w key
-        other = key[: -len("_w")] + "_v" if m.group(3) else None
-        if other is not None and other not in keys:
-            raise UserError(f"torch_dist key {key} has no {other} (the up half of the expert's fc1)")
-        rows = (2 * base[0], *base[1:]) if other else tuple(base)
         name = f"mlp.experts.{m.group(1)}.{FC[m.group(2)]}.weight"
-        return [(f"{ENC}layers.{i}.{name}", _Ref(key, (i,) if layer is None else (), other), rows) for i in layers]
+        return [(f"{ENC}layers.{i}.{name}", _Ref(key, (i,) if layer is None else ()), tuple(base)) for i in layers]
     return None
 
 
+def _refs_of(key: str, size: tuple[int, ...]) -> list[tuple[str, _Ref, tuple[int, ...]]]:
+    """``(our name, where, shape)`` of every tensor one torch_dist key holds (none: skipped)."""
+    stacked, per_layer = _STACKED.match(key), _PER_LAYER.match(key)
+    if stacked is not None:
+        moe = _expert_refs(None, stacked.group(2), key, size)
+        if moe is not None:
+            return moe
+        template = to_local_name(f"{stacked.group(1)}.0.{stacked.group(2)}")
+        if template is None:
+            return []
+        return [
+            (template.replace(".layers.0.", f".layers.{i}.", 1), _Ref(key, (i,)), tuple(size[1:]))
+            for i in range(size[0])
+        ]
+    if per_layer is not None:
+        moe = _expert_refs(int(per_layer.group(1)), per_layer.group(2), key, size)
+        if moe is not None:
+            return moe
+    local = to_local_name(key)
+    return [] if local is None else [(local, _Ref(key), tuple(size))]
+
+
 def _map_keys(meta: dict[str, TensorStorageMetadata]) -> tuple[dict[str, _Ref], dict[str, tuple[int, ...]]]:
-    """Our full-model local names (global layer indices) -> where they live; and stacked sizes."""
+    """Our full-model local names (global layer indices) -> where they live; and stacked sizes.
+
+    A SwiGLU fc1 saved with ``singleton_local_shards`` is two keys, ``<key>_w`` (gate rows) and
+    ``<key>_v`` (up rows), read as one ``[gate; up]`` tensor."""
     refs: dict[str, _Ref] = {}
     shapes: dict[str, tuple[int, ...]] = {}
-    keys = set(meta)
     for key, md in meta.items():
-        stacked, per_layer = _STACKED.match(key), _PER_LAYER.match(key)
-        moe = None
-        if stacked is not None:
-            moe = _expert_refs(None, stacked.group(2), key, tuple(md.size), keys)
-        elif per_layer is not None:
-            moe = _expert_refs(int(per_layer.group(1)), per_layer.group(2), key, tuple(md.size), keys)
-        if moe is not None:
-            for name, ref, shape in moe:
-                refs[name], shapes[name] = ref, shape
-        elif stacked is not None:
-            template = to_local_name(f"{stacked.group(1)}.0.{stacked.group(2)}")
-            if template is None:
-                continue
-            for i in range(md.size[0]):
-                name = template.replace(".layers.0.", f".layers.{i}.", 1)
-                refs[name], shapes[name] = _Ref(key, (i,)), tuple(md.size[1:])
-        else:
-            local = to_local_name(key)
-            if local is not None:
-                refs[local], shapes[local] = _Ref(key), tuple(md.size)
+        paired = key[:-2] if key.endswith(("_w", "_v")) and {key[:-2] + "_w", key[:-2] + "_v"} <= meta.keys() else None
+        if paired is not None and key.endswith("_v"):
+            continue  # read with its _w half
+        for name, ref, shape in _refs_of(paired or key, tuple(md.size)):
+            if paired is not None:
+                ref, shape = _Ref(key, ref.index, paired + "_v"), (2 * shape[0], *shape[1:])
+            refs[name], shapes[name] = ref, shape
     return refs, shapes
 
 

@@ -38,7 +38,7 @@ _OURS_EXPERT = re.compile(r"^mlp\.experts\.(\d+)\.(dense_h_to_4h|dense_4h_to_h)\
 _OURS_SHARED = re.compile(r"^mlp\.shared_experts\.(dense_h_to_4h|dense_4h_to_h)\.(.+)$")
 # torch_dist: the expert-axis key (rest after ``layers.`` or ``layers.N.``), and per-expert keys
 DIST_EXPERTS = re.compile(r"^mlp\.experts\.experts\.linear_fc([12])\.weight$")
-DIST_SINGLETON = re.compile(r"^mlp\.experts\.experts\.(\d+)\.linear_fc([12])\.weight(_w|_v)?$")
+DIST_SINGLETON = re.compile(r"^mlp\.experts\.experts\.(\d+)\.linear_fc([12])\.weight$")
 # megatron-core buffers of the router that hold no weights of ours (expert_bias only with
 # --moe-router-enable-expert-bias, which the option table refuses)
 SKIPPED = ("mlp.router.expert_bias", "mlp.router.local_tokens_per_expert")
