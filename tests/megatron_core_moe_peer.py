@@ -38,8 +38,13 @@ MOE = dict(
 CASES: dict[str, dict[str, Any]] = {
     "moe": MOE,
     # Qwen2-MoE-like: pre-softmax (no renormalisation), a sigmoid-gated shared expert, dense layer 1
-    "moe_shared": dict(MOE, moe_router_pre_softmax=True, moe_shared_expert_intermediate_size=48,
-                       moe_shared_expert_gate=True, moe_layer_freq=[1, 0]),  # fmt: skip
+    "moe_shared": dict(
+        MOE,
+        moe_router_pre_softmax=True,
+        moe_shared_expert_intermediate_size=48,
+        moe_shared_expert_gate=True,
+        moe_layer_freq=[1, 0],
+    ),  # fmt: skip
     "moe_grouped": dict(MOE, moe_grouped_gemm=True, moe_use_legacy_grouped_gemm=True),
 }
 
@@ -56,10 +61,10 @@ def moe_args(case: str, tp: int, ep: int) -> argparse.Namespace:
 
 def build_moe_model(args: Any) -> Any:
     """megatron-core's ``GPTModel`` with MoE layers (local spec) from args."""
+    import dataclasses
+
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
-
-    import dataclasses
 
     get = args.get if isinstance(args, dict) else lambda k, d=None: getattr(args, k, d)
     fields = (
@@ -77,7 +82,9 @@ def build_moe_model(args: Any) -> Any:
         expert_tensor_parallel_size=get("expert_tensor_parallel_size") or get("tensor_model_parallel_size"),
         **moe,
     )  # fmt: skip
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization=get("normalization"))
+    spec = get_gpt_decoder_block_spec(
+        config, use_transformer_engine=False, normalization=get("normalization")
+    )
     model = GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=get("padded_vocab_size"),
         max_sequence_length=get("max_position_embeddings"),
@@ -99,7 +106,9 @@ def _grouped_gemm_on_cpu() -> None:
 
     class _Ops:
         @staticmethod
-        def gmm(a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False) -> torch.Tensor:
+        def gmm(
+            a: torch.Tensor, b: torch.Tensor, batch_sizes: torch.Tensor, trans_b: bool = False
+        ) -> torch.Tensor:
             parts = a.split(batch_sizes.tolist())
             return torch.cat([p @ (b[i].t() if trans_b else b[i]) for i, p in enumerate(parts)])
 
@@ -154,14 +163,18 @@ def _save(out: Path, case: str, rank: int, tp: int, ep: int) -> None:
             if ".experts." in pname:
                 p.copy_(0.1 * torch.randn(p.shape, generator=g))
     logits = peer.probe_logits(model, args.vocab_size)
-    peer.save_dist(out / "dist", {"args": args, "checkpoint_version": 3.0, "model": model.sharded_state_dict()}, 1)
+    peer.save_dist(
+        out / "dist", {"args": args, "checkpoint_version": 3.0, "model": model.sharded_state_dict()}, 1
+    )
     singleton = model.sharded_state_dict(metadata={"singleton_local_shards": True})  # one key per expert
     peer.save_dist(out / "dist_singleton", {"args": args, "checkpoint_version": 3.0, "model": singleton}, 1)
     state = {k: v for k, v in model.state_dict().items() if "_extra_state" not in k}
     name = legacy_dir_name(ps.get_tensor_model_parallel_rank(), ps.get_expert_model_parallel_rank(), ep)
     d = out / "legacy" / "iter_0000001" / name
     d.mkdir(parents=True, exist_ok=True)
-    torch.save({"args": args, "checkpoint_version": 3.0, "iteration": 1, "model": state}, d / "model_optim_rng.pt")
+    torch.save(
+        {"args": args, "checkpoint_version": 3.0, "iteration": 1, "model": state}, d / "model_optim_rng.pt"
+    )
     (out / "legacy" / "latest_checkpointed_iteration.txt").write_text("1")
     if rank == 0:
         torch.save(logits, out / "logits.pt")

@@ -98,7 +98,9 @@ def test_ep_files_hold_their_experts_under_local_indices(tmp_path: Path) -> None
     assert sorted(p.name for p in it.iterdir()) == ["mp_rank_00_000", "mp_rank_00_001"]
     state = torch.load(it / "mp_rank_00_001" / MODEL_FILE, weights_only=False)
     key = "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1.weight"
-    assert torch.equal(state["model"][key], full["language_model.encoder.layers.0.mlp.experts.3.dense_h_to_4h.weight"])
+    assert torch.equal(
+        state["model"][key], full["language_model.encoder.layers.0.mlp.experts.3.dense_h_to_4h.weight"]
+    )
     assert not any("local_experts.2." in k for k in state["model"])
     assert state["args"].expert_model_parallel_size == 2
     assert "decoder.layers.0.mlp.experts.local_experts.1.linear_fc1._extra_state" in state["model"]
@@ -111,7 +113,9 @@ def test_ep_files_hold_their_experts_under_local_indices(tmp_path: Path) -> None
 @pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
 def test_reshard_round_trip_across_tp_pp_ep_is_exact(tmp_path: Path, fmt: str) -> None:
     """tp2 pp2 -> tp1 ep4 -> tp2 pp2 ep2 (-> torch_dist etp1), weights and optimizer state bit for bit."""
-    cfg = moe_cfg(moe_layer_freq=(1, 0, 1, 1), moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True)
+    cfg = moe_cfg(
+        moe_layer_freq=(1, 0, 1, 1), moe_shared_expert_intermediate_size=24, moe_shared_expert_gate=True
+    )
     full = random_full(cfg, seed=1)
     src = write_moe(tmp_path / "a", cfg, full, ParallelConfig(tp=2, pp=2))
     steps = [["--target-tp", "1", "--target-pp", "1", "--target-ep", "4"],
@@ -231,8 +235,32 @@ def test_bad_expert_layouts_refused(tmp_path: Path, capsys: pytest.CaptureFixtur
     cfg = moe_cfg(num_layers=2)
     root = write_moe(tmp_path / "a", cfg, random_full(cfg), ParallelConfig(tp=1, pp=1))
     save = tmp_path / "out"
-    argv = ["reshard", "--load", str(root), "--save", str(save), "--target-tp", "1", "--target-pp", "1", *flags]
+    argv = [
+        "reshard",
+        "--load",
+        str(root),
+        "--save",
+        str(save),
+        "--target-tp",
+        "1",
+        "--target-pp",
+        "1",
+        *flags,
+    ]
     _refused(argv)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and words in err, err
+    assert not save.exists()
+
+
+def test_expert_parallel_refused_for_a_dense_model(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = moe_cfg(num_experts=None, num_layers=2)
+    root = write_moe(tmp_path / "a", cfg, random_full(cfg), ParallelConfig(tp=1, pp=1))
+    save = tmp_path / "out"
+    _refused(["reshard", "--load", str(root), "--save", str(save), "--target-tp", "1", "--target-pp", "1",
+              "--target-ep", "2"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --target-ep 2: the model has no experts (expert parallelism needs --num-experts)"
     assert not save.exists()

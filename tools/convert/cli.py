@@ -54,7 +54,13 @@ def _iteration(text: str) -> int | str:
 # reshard names its layout --target-tp/--target-pp/--target-vp (the source's layout is read from disk)
 TARGET_FLAGS = {"tp": ("--target-tp",), "pp": ("--target-pp",), "vp": ("--target-vp",), "ep": ("--target-ep",),
                 "etp": ("--target-etp",)}  # fmt: skip
-TARGET_DESTS = {"tp": "target_tp", "pp": "target_pp", "vp": "target_vp", "ep": "target_ep", "etp": "target_etp"}
+TARGET_DESTS = {
+    "tp": "target_tp",
+    "pp": "target_pp",
+    "vp": "target_vp",
+    "ep": "target_ep",
+    "etp": "target_etp",
+}
 LAYOUT_SIZES = (*ParallelConfig.SIZES, *ParallelConfig.EXPERT)  # what convert commands write
 
 

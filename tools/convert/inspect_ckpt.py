@@ -65,7 +65,7 @@ def _print_inspect(record: dict[str, Any]) -> None:
     from pretrain.checkpoint.fingerprint import short_fingerprint
 
     table = Table(title=f"checkpoint {record['path']}", show_header=False)
-    for key in ("format", "kind", "iteration", "checkpoint_version", "tp", "pp", "vp", "vocab_size",
+    for key in ("format", "kind", "iteration", "checkpoint_version", "tp", "pp", "vp", "ep", "vocab_size",
                 "vocab_source", "padded_vocab_size", "num_parameters", "dtypes", "ours", "tokenizer"):  # fmt: skip
         table.add_row(key, str(record[key]))
     cfg = record["model_config"]

@@ -27,7 +27,9 @@ from pretrain.utils.errors import UserError
 
 MODULE_NAMES = ("mcore", "legacy")
 _LAYER = re.compile(r"^language_model\.encoder\.layers\.(\d+)\.(.*)$")
-_LINEAR_WEIGHT = re.compile(r"^decoder\.layers\.\d+\..*\b(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight$")
+_LINEAR_WEIGHT = re.compile(
+    r"^decoder\.layers\.\d+\..*\b(linear_qkv|linear_proj|linear_fc1|linear_fc2)\.weight$"
+)
 
 
 def mcore_name(local: str) -> str:

@@ -19,13 +19,7 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.expert_layout import (
-    expert_index,
-    experts_per_rank,
-    globalise,
-    renumber_expert,
-    slots_of_ep_rank,
-)
+from pretrain.checkpoint.legacy.expert_files import check_expert_files, merge_expert_ranks
 from pretrain.checkpoint.legacy.layout import (
     MODEL_FILE,
     first_rank_dir,
@@ -160,9 +154,7 @@ class LegacyReader:
             yield name, self.tensor(name)
 
 
-def _rank_grid(
-    it_dir: Path, args: dict[str, Any]
-) -> tuple[int, int, int, dict[tuple[int, int, int], Path]]:
+def _rank_grid(it_dir: Path, args: dict[str, Any]) -> tuple[int, int, int, dict[tuple[int, int, int], Path]]:
     """(tp, pp, ep, rank directories by (tp_rank, pp_rank, ep_rank)), every one present."""
     ep = int(args.get("expert_model_parallel_size") or 1)
     dirs = list_expert_rank_dirs(it_dir, pp=int(args.get("pipeline_model_parallel_size") or 1), ep=ep)
@@ -303,99 +295,6 @@ def _same_chunk_keys(files: list[Path], states: list[dict[str, Any]]) -> list[st
     return chunk_keys
 
 
-def _merge_optimizer(states: list[dict[str, Any]], i: int, state: dict[str, Any], offset: int) -> None:
-    """Our full-form optimizer entry of EP rank file ``state`` (experts numbered from ``offset``)
-    merged into ``states[i]``'s, keyed by global expert index (nothing when either has none)."""
-    mine, theirs = states[i].get("optimizer"), state.get("optimizer")
-    if not (isinstance(mine, dict) and isinstance(theirs, dict) and "params" in mine and "params" in theirs):
-        return
-    params = dict(mine["params"])
-    params.update((renumber_expert(k, offset), v) for k, v in theirs["params"].items() if expert_index(k) is not None)
-    states[i] = {**states[i], "optimizer": {**mine, "params": params}}
-
-
-def _merge_expert_ranks(
-    flats: list[dict[str, dict[str, torch.Tensor]]],
-    states: list[dict[str, Any]],
-    dirs: dict[tuple[int, int, int], Path],
-    args: dict[str, Any],
-    *,
-    tp: int,
-    pp: int,
-    ep: int,
-    chunk_keys: list[str],
-) -> tuple[list[dict[str, dict[str, torch.Tensor]]], list[Path]]:
-    """Per (TP, PP) rank: EP rank 0's tensors plus every EP rank's experts, global indices
-    (:func:`~pretrain.checkpoint.expert_layout.globalise`); and the EP > 0 files read."""
-    experts, hidden = int(args["num_experts"]), int(args.get("hidden_size") or 0)
-    if experts % ep:
-        raise UserError(
-            f"{dirs[(0, 0, 0)].parent}: args say num_experts {experts}, not divisible by "
-            f"expert_model_parallel_size {ep}"
-        )
-    etp = args.get("expert_tensor_parallel_size")
-    if etp not in (None, tp):
-        raise UserError(
-            f"{dirs[(0, 0, 0)].parent}: expert_tensor_parallel_size {etp} differs from "
-            f"tensor_model_parallel_size {tp}; legacy files of such a layout are not supported"
-        )
-    per, out, extra_files = experts // ep, [], []
-    for p in range(pp):
-        for t in range(tp):
-            merged = {
-                ck: globalise(flat, ep_rank=0, per_rank=per, hidden=hidden, path=dirs[(t, p, 0)])
-                for ck, flat in flats[p * tp + t].items()
-            }
-            for e in range(1, ep):
-                path = dirs[(t, p, e)] / MODEL_FILE
-                state = load_untrusted(path)
-                if _chunk_keys(state, path) != chunk_keys:
-                    raise UserError(f"{path}: holds chunks {_chunk_keys(state, path)}, expected {chunk_keys}")
-                for ck in chunk_keys:
-                    mine = globalise(flatten(state[ck]), ep_rank=e, per_rank=per, hidden=hidden, path=path)
-                    merged[ck].update(
-                        (k, v) for k, v in mine.items() if expert_index(to_local_name(k) or "") is not None
-                    )
-                _merge_optimizer(states, p * tp + t, state, e * per)
-                extra_files.append(path)
-            out.append(merged)
-    return out, extra_files
-
-
-def _check_expert_files(
-    spec: ModelSpec,
-    locals_: dict[tuple[int, int, int], dict[str, str]],
-    dirs: dict[tuple[int, int, int], Path],
-    counts: list[list[int]],
-    *,
-    tp: int,
-    ep: int,
-) -> None:
-    """Every routed expert tensor is in its EP rank's file, and no other: one line naming the
-    file and the first missing (or unexpected) tensor."""
-    per = experts_per_rank(spec.cfg, ep, what="expert_model_parallel_size")
-    layers = layers_from_counts(counts)
-    for s, stage in enumerate(layers):
-        for c, numbers in enumerate(stage):
-            pre, post = s == 0 and c == 0, s == len(layers) - 1 and c == len(stage) - 1
-            slots = chunk_slots(spec, tp=tp, pre_process=pre, post_process=post, layer_numbers=numbers)
-            want = {x.local for x in slots if expert_index(x.local) is not None}
-            for t in range(tp):
-                have = {n for n in locals_[(t, s, c)] if expert_index(n) is not None}
-                for name in sorted(want - have) + sorted(have - want):
-                    e = int(expert_index(name) or 0)
-                    path = dirs.get((t, s, min(e // per, ep - 1)), dirs[(t, s, 0)]) / MODEL_FILE
-                    local = slots_of_ep_rank(
-                        [x for x in slots if x.local == name], ep_rank=e // per, per_rank=per
-                    )
-                    what = "lacks" if name in want else "holds an unexpected"
-                    shown = local[0].local if local else name
-                    raise UserError(
-                        f"{path}: {what} expert tensor {shown} (global expert {e} of "
-                        f"{spec.cfg.num_experts}, EP {ep})"
-                    )
-
-
 def open_legacy(
     it_dir: Path,
     iteration: int | str | None,
@@ -416,8 +315,8 @@ def open_legacy(
     flats = [{ck: flatten(st[ck]) for ck in chunk_keys} for st in states]
     expert_files: list[Path] = []
     if args0.get("num_experts"):  # per-EP-rank files merged, expert indices made global
-        flats, expert_files = _merge_expert_ranks(
-            flats, states, dirs, args0, tp=tp, pp=pp, ep=ep, chunk_keys=chunk_keys
+        flats, expert_files = merge_expert_ranks(
+            flats, states, dirs, args0, tp=tp, pp=pp, ep=ep, chunk_keys=chunk_keys, chunk_keys_of=_chunk_keys
         )
     locals_ = {
         (t, p, c): _local_names(flats[file_index[(t, p)]][ck])
@@ -432,7 +331,7 @@ def open_legacy(
     if spec.cfg.untie_embeddings_and_output_weights:  # mcore output_layer / legacy head copy
         locals_ = {k: untie_head_names(v) for k, v in locals_.items()}
     if spec.cfg.num_experts is not None:
-        _check_expert_files(spec, locals_, dirs, counts, tp=tp, ep=ep)
+        check_expert_files(spec, locals_, dirs, counts, tp=tp, ep=ep)
     entries, heads = _index(spec, locals_, file_index, chunk_keys, counts, tp, files)
     dtypes = sorted(
         {str(t.dtype).removeprefix("torch.") for flat in flats for t in flat[chunk_keys[0]].values()}

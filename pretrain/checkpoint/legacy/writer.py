@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from pretrain.checkpoint.args import build_metadata
+from pretrain.checkpoint.expert_layout import check_expert_layout, experts_per_rank, slots_of_ep_rank
 from pretrain.checkpoint.legacy.layout import (
     CHECKPOINT_VERSION,
     MODEL_FILE,
@@ -26,7 +27,6 @@ from pretrain.checkpoint.legacy.layout import (
     rank_dir_name,
     write_tracker,
 )
-from pretrain.checkpoint.expert_layout import check_expert_layout, experts_per_rank, slots_of_ep_rank
 from pretrain.checkpoint.legacy.module_names import chunk_to_file
 from pretrain.checkpoint.metadata import to_args
 from pretrain.checkpoint.plan import LayoutPlan, Slot

@@ -68,7 +68,9 @@ class _Ref:
         return self.index[0] if self.index else None
 
 
-def _expert_refs(layer: int | None, rest: str, key: str, size: tuple[int, ...]) -> list[tuple[str, _Ref, tuple[int, ...]]] | None:
+def _expert_refs(
+    layer: int | None, rest: str, key: str, size: tuple[int, ...]
+) -> list[tuple[str, _Ref, tuple[int, ...]]] | None:
     """Routed-expert tensors of one torch_dist key (``layer`` None: stacked over layers), as
     ``(our name, where, shape)``: the expert-axis form or ``singleton_local_shards`` per-expert
     keys. None: not an expert key."""
@@ -82,7 +84,9 @@ def _expert_refs(layer: int | None, rest: str, key: str, size: tuple[int, ...]) 
         ]  # fmt: skip
     if m := DIST_SINGLETON.match(rest):
         name = f"mlp.experts.{m.group(1)}.{FC[m.group(2)]}.weight"
-        return [(f"{ENC}layers.{i}.{name}", _Ref(key, (i,) if layer is None else ()), tuple(base)) for i in layers]
+        return [
+            (f"{ENC}layers.{i}.{name}", _Ref(key, (i,) if layer is None else ()), tuple(base)) for i in layers
+        ]
     return None
 
 
@@ -116,7 +120,11 @@ def _map_keys(meta: dict[str, TensorStorageMetadata]) -> tuple[dict[str, _Ref], 
     refs: dict[str, _Ref] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for key, md in meta.items():
-        paired = key[:-2] if key.endswith(("_w", "_v")) and {key[:-2] + "_w", key[:-2] + "_v"} <= meta.keys() else None
+        paired = (
+            key[:-2]
+            if key.endswith(("_w", "_v")) and {key[:-2] + "_w", key[:-2] + "_v"} <= meta.keys()
+            else None
+        )
         if paired is not None and key.endswith("_v"):
             continue  # read with its _w half
         for name, ref, shape in _refs_of(paired or key, tuple(md.size)):
