@@ -120,6 +120,9 @@ def test_reshard_round_trip_across_tp_pp_ep_is_exact(tmp_path: Path, fmt: str) -
     src = write_moe(tmp_path / "a", cfg, full, ParallelConfig(tp=2, pp=2))
     steps = [["--target-tp", "1", "--target-pp", "1", "--target-ep", "4"],
              ["--target-tp", "2", "--target-pp", "2", "--target-ep", "2"]]  # fmt: skip
+    if fmt == "torch":  # virtual pipeline chunks with EP 4
+        steps.append(["--target-tp", "1", "--target-pp", "2", "--target-vp", "2", "--target-ep", "4"])
+        steps.append(["--target-tp", "2", "--target-pp", "2", "--target-ep", "2"])
     if fmt == "torch_dist":
         steps.append(["--target-tp", "2", "--target-pp", "1", "--target-ep", "2", "--target-etp", "1",
                       "--ckpt-format", "torch_dist"])  # fmt: skip

@@ -87,3 +87,26 @@ def test_megatron_core_loads_our_moe_output(peer, tmp_path: Path, fmt: str, ep: 
         _peer("load-legacy", str(save), str(tmp_path / "loaded"), "--case", "moe_shared", "--ep", str(ep))
     ref = torch.load(out / "logits.pt")
     assert (torch.load(tmp_path / "loaded" / "logits.pt") - ref).abs().max().item() < TOL
+
+
+@pytest.mark.parametrize("experts", [2, 8])
+def test_expert_count_disagreeing_with_args_refused(peer, tmp_path: Path, experts: int) -> None:
+    """args num_experts 2 (tensors hold 4: experts 2, 3 are extra) or 8 (4 missing): one line."""
+    import shutil
+
+    from pretrain.checkpoint.opener import open_checkpoint
+    from pretrain.utils.errors import UserError
+
+    out = peer("moe", 1)
+    for fmt in ("dist", "legacy"):
+        root = tmp_path / f"{fmt}{experts}"
+        shutil.copytree(out / fmt, root)
+        name = "common.pt" if fmt == "dist" else "mp_rank_00/model_optim_rng.pt"
+        path = root / "iter_0000001" / name
+        state = torch.load(path, weights_only=False)
+        state["args"].num_experts = experts
+        torch.save(state, path)
+        with pytest.raises(UserError) as exc:
+            open_checkpoint(root)
+        msg = str(exc.value)
+        assert "\n" not in msg and ("expert" in msg or "router.weight" in msg), msg

@@ -71,7 +71,7 @@ def merge_expert_ranks(
     for p in range(pp):
         for t in range(tp):
             merged = {
-                ck: globalise(flat, ep_rank=0, per_rank=per, hidden=hidden, path=dirs[(t, p, 0)])
+                ck: globalise(flat, ep_rank=0, per_rank=per, hidden=hidden, path=dirs[(t, p, 0)] / MODEL_FILE)
                 for ck, flat in flats[p * tp + t].items()
             }
             for e in range(1, ep):
