@@ -72,5 +72,8 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
         write_checkpoint(ckpt_format, reader, save, target, options=options, optimizer=optimizer, optimizer_state=opt,
                distributed_optimizer=dist_optimizer,
                progress=lambda _name: bar.update(1), extra_files=tokenizer_files(tok))  # fmt: skip
-    print(f"wrote {save} (tp={target.tp}, pp={target.pp}, vp={target.vp}, iteration {options.iteration})")
+    experts = f", ep={target.ep}, etp={target.expert_tp}" if target.ep > 1 or target.etp is not None else ""
+    print(
+        f"wrote {save} (tp={target.tp}, pp={target.pp}, vp={target.vp}{experts}, iteration {options.iteration})"
+    )
     return 0

@@ -8,8 +8,9 @@ their *global* shapes, so TP/PP of the writer do not matter: fused QKV rows are 
 ``[groups][q heads of the group, k, v][head_dim]`` and SwiGLU ``linear_fc1`` is ``[gate; up]``
 (megatron-core stores the two halves as separate shards). Layer tensors are either stacked over
 layers (``decoder.layers.self_attention.linear_qkv.weight`` ``[L, ...]``) or per layer with
-global indices (``decoder.layers.5....``). :meth:`TorchDistReader.tensor` reads only the region
-of one layer (a custom load planner over the stored chunks), so memory stays near one tensor.
+global indices (``decoder.layers.5....``); routed experts have an expert axis or one key each
+(:mod:`pretrain.checkpoint.torch_dist.keys`). :meth:`TorchDistReader.tensor` reads only the region
+of one layer (and expert) (a custom load planner over the stored chunks), so memory stays near one tensor.
 The model's semantics come from ``args`` (:mod:`pretrain.model_options`), exactly as
 for legacy files: norms stored zero-centred (``apply_layernorm_1p``) get 1 added, an untied
 ``output_layer`` is read as our ``output_layer``.
@@ -37,101 +38,21 @@ from pretrain.checkpoint.metadata import as_mapping, read_metadata
 from pretrain.checkpoint.plan import ModelSpec, Slot, chunk_slots
 from pretrain.checkpoint.safe_unpickle import load_untrusted, load_untrusted_bytes
 from pretrain.checkpoint.torch_dist.dcp_failures import dcp_failures, first_line
+from pretrain.checkpoint.torch_dist.keys import Ref as _Ref
+from pretrain.checkpoint.torch_dist.keys import map_keys as _map_keys
 from pretrain.checkpoint.torch_dist.storage import SafeFileSystemReader, read_dcp_metadata
 from pretrain.checkpoint.types import CheckpointInfo, CheckpointMetadata
 from pretrain.checkpoint.upstream.args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
 from pretrain.checkpoint.upstream.args_semantics import OUTPUT_LAYER, is_zero_centred_norm
-from pretrain.checkpoint.upstream.expert_names import DIST_EXPERTS, DIST_SINGLETON, FC
-from pretrain.checkpoint.upstream.names import ENC, to_local_name
 from pretrain.checkpoint.vocab_view import vocab_view
 from pretrain.model_options import layernorm_1p
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.utils.errors import UserError
 
-_STACKED = re.compile(r"^(.*?\blayers)\.(?!\d)(.*)$")
-_PER_LAYER = re.compile(r"^(?:decoder|encoder)\.layers\.(\d+)\.(.*)$")
 _GLOBAL_LAYER = re.compile(r"\.layers\.(\d+)\.")
 _HEAD = "word_embeddings_for_head.weight"
 _EMB = "language_model.embedding.word_embeddings.weight"
 _COMMON_STATE = "common_state/shard_0_1"  # ShardedObject("common_state", (1,), (0,)).unique_key
-
-
-@dataclass(frozen=True)
-class _Ref:
-    key: str  # the torch_dist key
-    index: tuple[int, ...] = ()  # indices into the leading axes (layer and/or expert); () whole
-    halves: str | None = None  # singleton SwiGLU experts: the ``_v`` (up) key, concatenated after ``key``
-
-    @property
-    def layer(self) -> int | None:
-        """The stacked-layer index (None: a whole or per-layer key)."""
-        return self.index[0] if self.index else None
-
-
-def _expert_refs(
-    layer: int | None, rest: str, key: str, size: tuple[int, ...]
-) -> list[tuple[str, _Ref, tuple[int, ...]]] | None:
-    """Routed-expert tensors of one torch_dist key (``layer`` None: stacked over layers), as
-    ``(our name, where, shape)``: the expert-axis form or ``singleton_local_shards`` per-expert
-    keys. None: not an expert key."""
-    layers = range(size[0]) if layer is None else [layer]
-    base = size[1:] if layer is None else size
-    if m := DIST_EXPERTS.match(rest):
-        return [
-            (f"{ENC}layers.{i}.mlp.experts.{e}.{FC[m.group(1)]}.weight",
-             _Ref(key, (i, e) if layer is None else (e,)), tuple(base[1:]))
-            for i in layers for e in range(base[0])
-        ]  # fmt: skip
-    if m := DIST_SINGLETON.match(rest):
-        name = f"mlp.experts.{m.group(1)}.{FC[m.group(2)]}.weight"
-        return [
-            (f"{ENC}layers.{i}.{name}", _Ref(key, (i,) if layer is None else ()), tuple(base)) for i in layers
-        ]
-    return None
-
-
-def _refs_of(key: str, size: tuple[int, ...]) -> list[tuple[str, _Ref, tuple[int, ...]]]:
-    """``(our name, where, shape)`` of every tensor one torch_dist key holds (none: skipped)."""
-    stacked, per_layer = _STACKED.match(key), _PER_LAYER.match(key)
-    if stacked is not None:
-        moe = _expert_refs(None, stacked.group(2), key, size)
-        if moe is not None:
-            return moe
-        template = to_local_name(f"{stacked.group(1)}.0.{stacked.group(2)}")
-        if template is None:
-            return []
-        return [
-            (template.replace(".layers.0.", f".layers.{i}.", 1), _Ref(key, (i,)), tuple(size[1:]))
-            for i in range(size[0])
-        ]
-    if per_layer is not None:
-        moe = _expert_refs(int(per_layer.group(1)), per_layer.group(2), key, size)
-        if moe is not None:
-            return moe
-    local = to_local_name(key)
-    return [] if local is None else [(local, _Ref(key), tuple(size))]
-
-
-def _map_keys(meta: dict[str, TensorStorageMetadata]) -> tuple[dict[str, _Ref], dict[str, tuple[int, ...]]]:
-    """Our full-model local names (global layer indices) -> where they live; and stacked sizes.
-
-    A SwiGLU fc1 saved with ``singleton_local_shards`` is two keys, ``<key>_w`` (gate rows) and
-    ``<key>_v`` (up rows), read as one ``[gate; up]`` tensor."""
-    refs: dict[str, _Ref] = {}
-    shapes: dict[str, tuple[int, ...]] = {}
-    for key, md in meta.items():
-        paired = (
-            key[:-2]
-            if key.endswith(("_w", "_v")) and {key[:-2] + "_w", key[:-2] + "_v"} <= meta.keys()
-            else None
-        )
-        if paired is not None and key.endswith("_v"):
-            continue  # read with its _w half
-        for name, ref, shape in _refs_of(paired or key, tuple(md.size)):
-            if paired is not None:
-                ref, shape = _Ref(key, ref.index, paired + "_v"), (2 * shape[0], *shape[1:])
-            refs[name], shapes[name] = ref, shape
-    return refs, shapes
 
 
 class _RegionPlanner(DefaultLoadPlanner):
