@@ -164,7 +164,9 @@ def _rank_grid(it_dir: Path, args: dict[str, Any]) -> tuple[int, int, int, dict[
     grid = [(t, p, e) for p in range(pp) for t in range(tp) for e in range(ep)]
     missing = [key for key in grid if key not in dirs]
     if missing:
-        names = [rank_dir_name(t, p, 2 if pp > 1 or pp_named else 1, e if ep > 1 else None) for t, p, e in missing]
+        names = [
+            rank_dir_name(t, p, 2 if pp > 1 or pp_named else 1, e if ep > 1 else None) for t, p, e in missing
+        ]
         where = f"tp={tp}, pp={pp}" + (f", ep={ep}" if ep > 1 else "")
         raise UserError(f"{it_dir}: missing shard directories {', '.join(names)} ({where})")
     return tp, pp, ep, dirs
