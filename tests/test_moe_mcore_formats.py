@@ -267,3 +267,47 @@ def test_expert_parallel_refused_for_a_dense_model(
     err = capsys.readouterr().err.strip()
     assert err == "error: --target-ep 2: the model has no experts (expert parallelism needs --num-experts)"
     assert not save.exists()
+
+
+@pytest.mark.slow
+def test_our_ep_training_checkpoint_reads_with_global_experts(
+    gpt_data: dict[str, str], tmp_path: Path
+) -> None:
+    """mlm-pretrain with EP 2 (torchrun) writes mp_rank_00_000/_001 with local expert indices; the
+    reader gives EP rank 1's local expert i as global expert 2 + i, and reshard to EP 1 keeps the logits."""
+    from pretrain.checkpoint.legacy.layout import flatten
+    from tests.distributed import torchrun
+    from tests.test_moe_ep import MOE_FLAGS
+    from tests.train_fixtures import gpt_args
+
+    proc = torchrun(
+        2,
+        "pretrain.training.cli",
+        gpt_args(gpt_data, **MOE_FLAGS, **{"train-iters": 2, "save": tmp_path / "ck"}),
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    full, _, info = load_canonical(tmp_path / "ck")
+    assert info.ep == 2
+    files = [tmp_path / "ck" / "iter_0000002" / f"mp_rank_00_00{e}" / MODEL_FILE for e in range(2)]
+    for e, f in enumerate(files):
+        flat = flatten(torch.load(f, weights_only=False)["model"])
+        for layer in range(2):
+            for i in range(2):
+                ours = f"language_model.encoder.layers.{layer}.mlp.experts.{2 * e + i}.dense_h_to_4h.weight"
+                assert torch.equal(
+                    flat[f"decoder.layers.{layer}.mlp.experts.local_experts.{i}.linear_fc1.weight"],
+                    full[ours],
+                )
+    argv = [
+        "reshard",
+        "--load",
+        str(tmp_path / "ck"),
+        "--save",
+        str(tmp_path / "ep1"),
+        "--target-tp",
+        "1",
+        "--target-pp",
+        "1",
+        "--verify",
+    ]
+    assert convert(argv) == 0
