@@ -249,6 +249,17 @@ def test_megatron_core_gpt_loads_our_file_strictly(tmp_path: Path, full, gelu: s
 
 
 # --- the restricted unpickler: real-shaped upstream args of each era ------------------------------
+@pytest.fixture(autouse=True)
+def _restore_megatron_modules():  # type: ignore[no-untyped-def]
+    """The stand-in Megatron modules below replace real ones in ``sys.modules``: put the real ones
+    back after each test, so later tests import the installed megatron-core intact."""
+    saved = {k: v for k, v in sys.modules.items() if k.startswith("megatron")}
+    yield
+    for name in [k for k in sys.modules if k.startswith("megatron") and k not in saved]:
+        del sys.modules[name]
+    sys.modules.update(saved)
+
+
 def _fake_module(name: str, **members: object) -> types.ModuleType:
     """A stand-in for a Megatron module (so enums pickle under their real qualified names)."""
     mod = types.ModuleType(name)
