@@ -7,9 +7,9 @@ Everything about an option's name outside the model code is derived from :data:`
 * :func:`config_kwargs_from_args` -- the ``ModelConfig`` fields a Megatron ``args`` sets (our files
   and upstream Megatron-LM / megatron-core files alike), after :func:`check_refused`;
 * :func:`args_from_config` -- its inverse: the Megatron-named ``args`` our checkpoints write;
-* :func:`add_model_flags` / :func:`config_kwargs_from_flags` -- ``mlm-pretrain``'s architecture flags
-  (Megatron's spellings) and the fields they give;
-* :func:`hf_kwargs` / :func:`config_kwargs_from_hf` -- the plain one-to-one ``config.json`` keys of a
+* ``add_model_flags`` / ``config_kwargs_from_flags`` (:mod:`pretrain.model_option_flags`) --
+  ``mlm-pretrain``'s architecture flags (Megatron's spellings) and the fields they give;
+* ``hf_kwargs`` / ``config_kwargs_from_hf`` (:mod:`pretrain.model_option_hf`) -- the plain one-to-one ``config.json`` keys of a
   Hugging Face family group (``gpt2``, ``llama`` for Llama/Mistral/Qwen2/Qwen3, ``bert`` for BERT and
   Megatron-BERT); what is not one key to one field (activation names, RoPE scaling dictionaries)
   stays with the family's converter.
@@ -23,7 +23,6 @@ bias, RoPE's older spelling) names a *codec*: a reader from ``args`` and a write
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -401,140 +400,16 @@ def layernorm_1p(args: Args) -> bool:
     return bool(args.get("apply_layernorm_1p") or args.get("layernorm_zero_centered_gamma"))
 
 
-# --- mlm-pretrain flags ----------------------------------------------------------------------------
-
-FLAG_FIELDS = tuple(o.field for o in OPTIONS if o.field and o.flag is not None)
-
-
-def add_model_flags(group: argparse._ArgumentGroup) -> None:
-    """Every option's ``mlm-pretrain`` flag (Megatron's names), plus ``--group-query-attention`` /
-    ``--num-query-groups`` (Megatron's two-flag GQA). Defaults are ``ModelConfig``'s."""
-    for name in FLAG_FIELDS:
-        option, default = BY_FIELD[name], _default(name)
-        flag = option.flag
-        assert flag is not None
-        if flag.kind != "value":
-            group.add_argument(*flag.names, dest=name, action=flag.kind, help=flag.help or None)
-        elif flag.required:
-            group.add_argument(*flag.names, dest=name, type=_field_type(name), required=True)
-        else:
-            group.add_argument(*flag.names, dest=name, type=flag.parse or _field_type(name), choices=flag.choices,
-                               default=default, help=flag.help or None)  # fmt: skip
-    group.add_argument("--group-query-attention", action="store_true")
-    group.add_argument("--num-query-groups", type=int, default=None,
-                       help="key-value heads (with --group-query-attention)")  # fmt: skip
-
-
-def config_kwargs_from_flags(ns: argparse.Namespace) -> dict[str, object]:
-    """The ``ModelConfig`` fields of the flags of :func:`add_model_flags` (``ModelConfig`` validates)."""
-    if ns.num_query_groups is not None and not ns.group_query_attention:
-        raise UserError("--num-query-groups needs --group-query-attention (as in Megatron-LM)")
-    if ns.position_embedding_type != "rope" and (ns.use_rope_scaling or ns.rotary_percent != 1.0):
-        raise UserError("--use-rope-scaling / --rotary-percent need --position-embedding-type rope")
-    out: dict[str, object] = {name: getattr(ns, name) for name in FLAG_FIELDS}
-    out["num_query_groups"] = (ns.num_query_groups or 1) if ns.group_query_attention else None
-    return out
-
-
-def _default(name: str) -> object:
-    default = next(f.default for f in dataclasses.fields(ModelConfig) if f.name == name)
-    return None if default is dataclasses.MISSING else default
-
-
-def _field_type(name: str) -> Callable[[str], object]:
-    annotation = str(next(f.type for f in dataclasses.fields(ModelConfig) if f.name == name))
-    if annotation.startswith("int"):
-        return int
-    if annotation.startswith("float"):
-        return float
-    return str
-
-
-# --- Hugging Face config.json ----------------------------------------------------------------------
-
-
-Groups = str | tuple[str, ...]
-
-
-def _deciding_group(option: Option, groups: Groups) -> str | None:
-    """The group whose column (``hf`` key or ``hf_fixed`` value) speaks for ``option``: the last of
-    ``groups`` that has one (a layered group such as ``("llama", "mixtral")`` overrides its base)."""
-    names = (groups,) if isinstance(groups, str) else groups
-    return next((g for g in reversed(names) if g in option.hf or g in option.hf_fixed), None)
-
-
-def hf_unsupported(cfg: ModelConfig, group: Groups, architecture: str) -> list[str]:
-    """``field=value (ARCHITECTURE has ...)`` for every option whose value family ``group``'s
-    architecture cannot hold (the :attr:`Option.hf_fixed` column), in table order."""
-    out = []
-    for option in OPTIONS:
-        g = _deciding_group(option, group) if option.field else None
-        if option.field and g is not None and g in option.hf_fixed:
-            value, what = option.hf_fixed[g]
-            if getattr(cfg, option.field) != value:
-                out.append(f"{option.field}={getattr(cfg, option.field)} ({architecture} {what})")
-    return out
-
-
-def family_switches(model_type: str) -> dict[str, object]:
-    """The ``ModelConfig`` values the Hugging Face family ``model_type`` fixes (the
-    :attr:`Option.switches` column, in table order)."""
-    return {o.field: o.switches[model_type] for o in OPTIONS if o.field and model_type in o.switches}
-
-
-def absent_modules(cfg: ModelConfig) -> tuple[str, ...]:
-    """The per-layer modules (:attr:`Option.tensors`) ``cfg`` lacks because their option is off."""
-    return tuple(t for o in OPTIONS if o.field and o.tensors and not getattr(cfg, o.field) for t in o.tensors)
-
-
-def _keyed(group: Groups) -> list[tuple[str, str]]:
-    """(field, ``config.json`` key) of every option with a one-to-one key in ``group`` (layered)."""
-    out = []
-    for option in OPTIONS:
-        g = _deciding_group(option, group) if option.field else None
-        if option.field and g is not None and g in option.hf:
-            out.append((option.field, option.hf[g]))
-    return out
-
-
-def hf_kwargs(cfg: ModelConfig, group: Groups) -> dict[str, object]:
-    """The one-to-one ``config.json`` keys of family ``group`` for ``cfg``. Layered groups may map
-    two fields to one key (Mixtral's ``intermediate_size`` is the expert width, llama's the dense
-    width): the later group's field wins."""
-    out: dict[str, object] = {}
-    names = (group,) if isinstance(group, str) else group
-    for g in names:  # base first, so a later group's key replaces it
-        out.update((key, getattr(cfg, field)) for field, key in _keyed(group) if _owner(field, group) == g)
-    return out
-
-
-def _owner(field: str, group: Groups) -> str | None:
-    return _deciding_group(BY_FIELD[field], group)
-
-
-def config_kwargs_from_hf(hf_config: object, group: Groups) -> dict[str, object]:
-    """The ``ModelConfig`` fields of family ``group``'s one-to-one keys present in ``hf_config``."""
-    return {field: getattr(hf_config, key) for field, key in _keyed(group) if hasattr(hf_config, key)}
-
-
 __all__ = [
     "BY_FIELD",
     "OPTIONS",
     "REFUSED",
     "Flag",
     "Option",
-    "add_model_flags",
     "args_from_config",
     "check_refused",
     "config_kwargs_from_args",
-    "config_kwargs_from_flags",
-    "config_kwargs_from_hf",
-    "absent_modules",
-    "family_switches",
     "gelu_kind",
-    "Groups",
-    "hf_unsupported",
-    "hf_kwargs",
     "is_mcore",
     "layernorm_1p",
     "need_int",

@@ -10,6 +10,8 @@ from types import SimpleNamespace
 
 import pytest
 
+from pretrain import model_option_flags as mo_flags
+from pretrain import model_option_hf as mo_hf
 from pretrain import model_options as mo
 from pretrain.config import ModelConfig
 
@@ -75,7 +77,7 @@ def test_megatron_args_round_trip(name: str, mcore: bool) -> None:
 def _argv(cfg: ModelConfig) -> list[str]:
     """The ``mlm-pretrain`` flags that ask for ``cfg`` (derived from the table, as a user writes them)."""
     argv: list[str] = []
-    for field in mo.FLAG_FIELDS:
+    for field in mo_flags.FLAG_FIELDS:
         flag, value = mo.BY_FIELD[field].flag, getattr(cfg, field)
         assert flag is not None
         if flag.kind == "store_true" and value or flag.kind == "store_false" and not value:
@@ -91,19 +93,19 @@ def _argv(cfg: ModelConfig) -> list[str]:
 def test_pretrain_flags_round_trip(name: str) -> None:
     cfg = CONFIGS[name]
     parser = argparse.ArgumentParser()
-    mo.add_model_flags(parser.add_argument_group("model"))
-    read = mo.config_kwargs_from_flags(parser.parse_args(_argv(cfg)))
+    mo_flags.add_model_flags(parser.add_argument_group("model"))
+    read = mo_flags.config_kwargs_from_flags(parser.parse_args(_argv(cfg)))
     for field, value in read.items():
         assert value == getattr(cfg, field), field
-    assert set(read) == {*mo.FLAG_FIELDS, "num_query_groups"}
+    assert set(read) == {*mo_flags.FLAG_FIELDS, "num_query_groups"}
 
 
 def test_flag_defaults_are_model_config_defaults() -> None:
     parser = argparse.ArgumentParser()
-    mo.add_model_flags(parser.add_argument_group("model"))
+    mo_flags.add_model_flags(parser.add_argument_group("model"))
     ns = parser.parse_args(["--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "8"])
     defaults = ModelConfig(**BASE)
-    for field, value in mo.config_kwargs_from_flags(ns).items():
+    for field, value in mo_flags.config_kwargs_from_flags(ns).items():
         if field != "max_position_embeddings":  # required by ModelConfig: --seq-length stands in
             assert value == getattr(defaults, field), field
 
@@ -112,9 +114,9 @@ def test_flag_defaults_are_model_config_defaults() -> None:
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_hf_keys_round_trip(name: str, group: str) -> None:
     cfg = CONFIGS[name]
-    written = mo.hf_kwargs(cfg, group)
+    written = mo_hf.hf_kwargs(cfg, group)
     assert len(written) == len({o.hf[group] for o in mo.OPTIONS if group in o.hf})
-    read = mo.config_kwargs_from_hf(SimpleNamespace(**written), group)
+    read = mo_hf.config_kwargs_from_hf(SimpleNamespace(**written), group)
     assert read == {o.field: getattr(cfg, o.field) for o in mo.OPTIONS if o.field and group in o.hf}
 
 
@@ -124,14 +126,16 @@ def test_family_switches_and_modules_come_from_the_table() -> None:
     from pretrain.models.families import families, llama
 
     for family in families():
-        assert dict(family.switches) == mo.family_switches(family.model_type), family.model_type
-    assert mo.family_switches("qwen3") == {"position_embedding_type": "rope", "add_qkv_bias": False,
+        assert dict(family.switches) == mo_hf.family_switches(family.model_type), family.model_type
+    assert mo_hf.family_switches("qwen3") == {"position_embedding_type": "rope", "add_qkv_bias": False,
                                            "qk_layernorm": True}  # fmt: skip
     rope = dict(
         BASE, position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False
     )
     plain, normed = ModelConfig(**rope), ModelConfig(**rope, qk_layernorm=True)
-    assert mo.absent_modules(plain) == ("q_layernorm", "k_layernorm") and mo.absent_modules(normed) == ()
+    assert (
+        mo_hf.absent_modules(plain) == ("q_layernorm", "k_layernorm") and mo_hf.absent_modules(normed) == ()
+    )
     assert not any("q_norm" in hf for _, hf in llama.name_pairs(plain))
     assert sum("q_norm" in hf for _, hf in llama.name_pairs(normed)) == normed.num_layers
     both = dataclasses.replace(normed, add_qkv_bias=True)

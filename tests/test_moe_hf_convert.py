@@ -140,14 +140,16 @@ def test_layered_option_groups_round_trip(family: str) -> None:
     give the same fields, and llama's refusal of experts is replaced by the family's key."""
     from types import SimpleNamespace
 
-    from pretrain import model_options as mo
+    from pretrain import model_option_hf as mo_hf
 
     cfg = import_state(family, hf_model(family))[0]
     groups = ("llama", family)
-    written = mo.hf_kwargs(cfg, groups)
-    assert written["num_experts_per_tok"] == 2 and "num_experts" not in mo.hf_unsupported(cfg, groups, family)
-    read = mo.config_kwargs_from_hf(SimpleNamespace(**written), groups)
+    written = mo_hf.hf_kwargs(cfg, groups)
+    assert written["num_experts_per_tok"] == 2 and "num_experts" not in mo_hf.hf_unsupported(
+        cfg, groups, family
+    )
+    read = mo_hf.config_kwargs_from_hf(SimpleNamespace(**written), groups)
     for field, value in read.items():
         if field != "ffn_hidden_size":  # Mixtral/OLMoE: intermediate_size is the expert width
             assert value == getattr(cfg, field), field
-    assert mo.hf_unsupported(cfg, "llama", "Llama")  # the dense group refuses the experts
+    assert mo_hf.hf_unsupported(cfg, "llama", "Llama")  # the dense group refuses the experts

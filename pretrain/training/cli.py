@@ -27,7 +27,7 @@ from typing import Any
 from pretrain.checkpoint.args import training_metadata
 from pretrain.config import DTypeFlags, DTypeName, ModelConfig, ParallelConfig
 from pretrain.data.gpt_dataset import GPTDatasetConfig, data_hash
-from pretrain.model_options import add_model_flags, config_kwargs_from_flags
+from pretrain.model_option_flags import add_model_flags, config_kwargs_from_flags
 from pretrain.models.kinds import KINDS, kind_of
 from pretrain.models.moe.dispatch import check_expert_parallel
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig

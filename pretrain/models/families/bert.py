@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 from pretrain.config import ModelConfig
-from pretrain.model_options import config_kwargs_from_hf, hf_kwargs, hf_unsupported
+from pretrain.model_option_hf import config_kwargs_from_hf, hf_kwargs, hf_unsupported
 from pretrain.models.families.converter import HFConfig, HFImport
 from pretrain.models.families.registry import Family
 from pretrain.utils.errors import UserError

@@ -27,7 +27,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from pretrain.config import ModelConfig
-from pretrain.model_options import config_kwargs_from_hf, hf_kwargs, hf_unsupported
+from pretrain.model_option_hf import config_kwargs_from_hf, hf_kwargs, hf_unsupported
 from pretrain.models.families import llama
 from pretrain.models.families.converter import HFConfig, HFImport
 from pretrain.models.families.moe_names import FUSED_GATE_UP, Piece, pieces

@@ -21,7 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
 
-from pretrain.model_options import family_switches
+from pretrain.model_option_hf import family_switches
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,0 +1,58 @@
+"""``mlm-pretrain``'s architecture flags, derived from the option table
+(:data:`pretrain.model_options.OPTIONS`): Megatron's spellings, ``ModelConfig``'s defaults."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from collections.abc import Callable
+
+from pretrain.config import ModelConfig
+from pretrain.model_options import BY_FIELD, OPTIONS
+from pretrain.utils.errors import UserError
+
+FLAG_FIELDS = tuple(o.field for o in OPTIONS if o.field and o.flag is not None)
+
+
+def add_model_flags(group: argparse._ArgumentGroup) -> None:
+    """Every option's ``mlm-pretrain`` flag (Megatron's names), plus ``--group-query-attention`` /
+    ``--num-query-groups`` (Megatron's two-flag GQA). Defaults are ``ModelConfig``'s."""
+    for name in FLAG_FIELDS:
+        option, default = BY_FIELD[name], _default(name)
+        flag = option.flag
+        assert flag is not None
+        if flag.kind != "value":
+            group.add_argument(*flag.names, dest=name, action=flag.kind, help=flag.help or None)
+        elif flag.required:
+            group.add_argument(*flag.names, dest=name, type=_field_type(name), required=True)
+        else:
+            group.add_argument(*flag.names, dest=name, type=flag.parse or _field_type(name), choices=flag.choices,
+                               default=default, help=flag.help or None)  # fmt: skip
+    group.add_argument("--group-query-attention", action="store_true")
+    group.add_argument("--num-query-groups", type=int, default=None,
+                       help="key-value heads (with --group-query-attention)")  # fmt: skip
+
+
+def config_kwargs_from_flags(ns: argparse.Namespace) -> dict[str, object]:
+    """The ``ModelConfig`` fields of the flags of :func:`add_model_flags` (``ModelConfig`` validates)."""
+    if ns.num_query_groups is not None and not ns.group_query_attention:
+        raise UserError("--num-query-groups needs --group-query-attention (as in Megatron-LM)")
+    if ns.position_embedding_type != "rope" and (ns.use_rope_scaling or ns.rotary_percent != 1.0):
+        raise UserError("--use-rope-scaling / --rotary-percent need --position-embedding-type rope")
+    out: dict[str, object] = {name: getattr(ns, name) for name in FLAG_FIELDS}
+    out["num_query_groups"] = (ns.num_query_groups or 1) if ns.group_query_attention else None
+    return out
+
+
+def _default(name: str) -> object:
+    default = next(f.default for f in dataclasses.fields(ModelConfig) if f.name == name)
+    return None if default is dataclasses.MISSING else default
+
+
+def _field_type(name: str) -> Callable[[str], object]:
+    annotation = str(next(f.type for f in dataclasses.fields(ModelConfig) if f.name == name))
+    if annotation.startswith("int"):
+        return int
+    if annotation.startswith("float"):
+        return float
+    return str
