@@ -76,7 +76,7 @@ def _measure(ps: Any, shape: dict[str, int], mode: str) -> dict[str, float]:
 def _worker(rank: int, tp: int, tmp: str, shape: dict[str, int]) -> None:
     import torch.distributed as dist
 
-    from pretrain.config import ParallelConfig
+    from pretrain.parallel.config import ParallelConfig
     from pretrain.parallel.state import ParallelState
 
     torch.set_num_threads(1)

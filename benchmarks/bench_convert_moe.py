@@ -70,7 +70,7 @@ class _RandomSource:
 
 def _save(size: str, out: Path) -> int:
     from pretrain.checkpoint.torch_dist.writer import write_torch_dist
-    from pretrain.config import ParallelConfig
+    from pretrain.parallel.config import ParallelConfig
 
     src = _RandomSource(size)
     write_torch_dist(src, out, ParallelConfig(tp=2, pp=2))

@@ -41,11 +41,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pretrain.config import DTypeName, ModelConfig, ParallelConfig
+from pretrain.config import DTypeName, ModelConfig
 from pretrain.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads, global_loss_tokens
 from pretrain.models.gpt import GPTModel
 from pretrain.models.init import init_model_parameters
 from pretrain.optim import OptimizerConfig, build_optimizer
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 
 CASES: dict[

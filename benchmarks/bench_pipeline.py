@@ -66,7 +66,7 @@ def sleep_forward_step(model: Any, mb: dict, hidden: torch.Tensor | None, is_las
 def worker(cfg: dict[str, Any]) -> None:
     import torch.distributed as dist
 
-    from pretrain.config import ParallelConfig
+    from pretrain.parallel.config import ParallelConfig
     from pretrain.parallel.state import ParallelState
     from pretrain.pipeline.schedules import forward_backward
 

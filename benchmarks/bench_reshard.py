@@ -71,7 +71,8 @@ class RandomSource:
 def write_source(save: str, shape: dict[str, Any]) -> None:
     """Child phase: write the random model at tp=2, pp=2; print its bytes."""
     from pretrain.checkpoint.legacy.writer import WriteOptions, write_layout
-    from pretrain.config import ModelConfig, ParallelConfig
+    from pretrain.config import ModelConfig
+    from pretrain.parallel.config import ParallelConfig
 
     source = RandomSource(ModelConfig(**shape, hidden_dropout=0.0, attention_dropout=0.0))
     write_layout(source, save, ParallelConfig(tp=2, pp=2), options=WriteOptions(iteration=1))

@@ -36,8 +36,9 @@ from finetune.tokenization import PairEncoder
 from pretrain.checkpoint.args import training_metadata
 from pretrain.checkpoint.metadata import require_metadata
 from pretrain.checkpoint.types import FinetuneRecord
-from pretrain.config import DTypeFlags, DTypeName, ModelConfig, ParallelConfig
+from pretrain.config import DTypeFlags, DTypeName, ModelConfig
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.layout import check_sizes
 from pretrain.tokenizer.flags import TokenizerFlags
 from pretrain.training.cli import add_parallel_args, parallel_from_args

@@ -12,7 +12,8 @@ from pretrain.checkpoint.legacy.layout import MODEL_FILE, flatten
 from pretrain.checkpoint.legacy.writer import DictSource, WriteOptions, write_layout
 from pretrain.checkpoint.plan import ModelSpec
 from pretrain.checkpoint.upstream.names import qkv_from_canonical
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig
+from pretrain.parallel.config import ParallelConfig
 
 
 def write_ours(

@@ -10,11 +10,12 @@ from typing import Any
 
 import torch
 
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig
 from pretrain.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads, global_loss_tokens
 from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import gather_full_state_dict, load_full_state_dict
 from pretrain.optim import OptimizerConfig, build_optimizer
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from tests.gpt_fixtures import batch
 

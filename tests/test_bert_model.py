@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import torch
 
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig
 from pretrain.models.bert import BertModel, bert_forward_step, bert_loss_fn, bert_model_provider
 from pretrain.models.families.bert import (
     canonical_to_hf,
@@ -19,6 +19,7 @@ from pretrain.models.families.bert import (
 )
 from pretrain.models.init import init_model_parameters
 from pretrain.models.sharding import gather_full_state_dict, load_full_state_dict
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.embedding_sync import allreduce_embedding_grads
 from pretrain.pipeline.partition import build_model_chunks

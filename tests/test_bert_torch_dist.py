@@ -31,9 +31,10 @@ from pretrain.checkpoint.opener import load_canonical
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
 from pretrain.checkpoint.torch_dist.writer import write_torch_dist
 from pretrain.checkpoint.types import DictSource
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig
 from pretrain.models.bert import BertModel
 from pretrain.models.sharding import load_full_state_dict
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from pretrain.utils.errors import UserError
 from tests.convert_fixtures import rewrite_upstream, upstream_args, write_ours

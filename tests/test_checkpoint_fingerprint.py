@@ -17,7 +17,7 @@ from pretrain.checkpoint.fingerprint import (
 from pretrain.checkpoint.legacy.writer import DictSource, write_layout
 from pretrain.checkpoint.opener import open_checkpoint
 from pretrain.checkpoint.plan import ModelSpec
-from pretrain.config import ParallelConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.utils.errors import UserError
 from tests.convert_fixtures import write_ours
 from tests.gpt_fixtures import full_weights, tiny_config

@@ -10,10 +10,10 @@ import torch
 from pretrain.checkpoint.args import checkpoint_args, model_config_from_args
 from pretrain.checkpoint.legacy.io import load_checkpoint, save_checkpoint
 from pretrain.checkpoint.legacy.layout import TRACKER, read_tracker
-from pretrain.config import ParallelConfig
 from pretrain.models.gpt import GPTModel
 from pretrain.models.init import init_model_parameters
 from pretrain.models.sharding import gather_full_state_dict
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.partition import build_model_chunks
 from pretrain.utils.errors import UserError

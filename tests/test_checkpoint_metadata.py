@@ -24,7 +24,7 @@ from pretrain.checkpoint.metadata import read_metadata, to_args
 from pretrain.checkpoint.opener import open_checkpoint
 from pretrain.checkpoint.safe_unpickle import load_untrusted
 from pretrain.checkpoint.types import Provenance, TokenizerRecord
-from pretrain.config import ParallelConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.utils.errors import UserError
 from tests.convert_fixtures import write_ours
 from tests.gpt_fixtures import full_weights, tiny_config

@@ -9,7 +9,7 @@ from typing import ClassVar
 
 import pytest
 
-from pretrain.config import ParallelConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.utils.config_flags import virtual_pipeline_size
 from pretrain.utils.errors import UserError
 from pretrain.utils.flag_groups import flag_meta
@@ -93,7 +93,8 @@ def test_flag_dataclasses_round_trip_through_argparse() -> None:
     import argparse
     from pathlib import Path
 
-    from pretrain.config import DTypeFlags, ParallelConfig
+    from pretrain.config import DTypeFlags
+    from pretrain.parallel.config import ParallelConfig
     from pretrain.tokenizer.flags import TokenizerFlags
     from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace
 

@@ -16,8 +16,8 @@ import torch
 from pretrain.checkpoint.legacy.io import load_checkpoint
 from pretrain.checkpoint.legacy.layout import MODEL_FILE
 from pretrain.checkpoint.opener import open_checkpoint
-from pretrain.config import ParallelConfig
 from pretrain.models.sharding import gather_full_state_dict
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.partition import build_model_chunks
 from tests.convert_fixtures import write_ours
@@ -130,7 +130,7 @@ _MEMORY_SCRIPT = textwrap.dedent(
     import torch
     from pretrain.checkpoint.opener import open_checkpoint
     from pretrain.checkpoint.legacy.writer import write_layout
-    from pretrain.config import ParallelConfig
+    from pretrain.parallel.config import ParallelConfig
 
     def anon_kb():
         for line in open("/proc/self/status"):

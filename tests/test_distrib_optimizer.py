@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from pretrain.config import ParallelConfig
 from pretrain.distributed import DDPConfig, GradBuffer, Range
 from pretrain.models.sharding import gather_full_state_dict
 from pretrain.optim.distrib_optimizer import buffer_shard_ranges, reassemble_full_state
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from tests.distributed import run_distributed
 from tests.dp_training import FP32_TOL, OPT, assert_params_close, build, global_batches, reference, train_pp1

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.config import ParallelConfig
 from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import gather_full_state_dict, load_full_state_dict
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.rng import RNGStatesTracker, model_parallel_seed
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.cross_entropy import masked_mean

@@ -202,7 +202,7 @@ def test_usage_errors_exit_2(bert: Path, tmp_path: Path, capsys: pytest.CaptureF
 def test_starts_from_our_checkpoint_of_another_layout(tmp_path: Path) -> None:
     """A MegatronBERT pretraining checkpoint written at tp=2 pp=2 finetunes in one process."""
     from pretrain.checkpoint.legacy.writer import write_layout
-    from pretrain.config import ParallelConfig
+    from pretrain.parallel.config import ParallelConfig
     from pretrain.tokenizer.loader import load_tokenizer_dir, save_tokenizer
     from tools.hf_io import import_hf
 

@@ -8,11 +8,12 @@ from typing import Any
 import pytest
 import torch
 
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig
 from pretrain.inference.generate import GenerationConfig, generate
 from pretrain.inference.sampling import SamplingConfig, filter_logits, next_tokens, row_generators
 from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import load_full_state_dict
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from tests.distributed import run_distributed
 from tests.gpt_fixtures import full_weights, tiny_config

@@ -21,10 +21,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pretrain.config import ParallelConfig
 from pretrain.distributed import DDPConfig, finalize_model_grads, global_loss_tokens
 from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import gather_full_state_dict, load_full_state_dict
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.cross_entropy import masked_mean
 from tests.distributed import run_distributed, to_device

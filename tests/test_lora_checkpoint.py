@@ -16,7 +16,6 @@ from pretrain.checkpoint.lora_adapter import (
     is_lora_checkpoint,
     read_adapter,
 )
-from pretrain.config import ParallelConfig
 from pretrain.distributed import DDPConfig, DistributedDataParallel
 from pretrain.models.families import llama as hf_llama
 from pretrain.models.gpt import GPTModel
@@ -25,6 +24,7 @@ from pretrain.models.sharding import gather_full_state_dict, load_full_state_dic
 from pretrain.optim import build_optimizer
 from pretrain.optim.config import LRScheduleConfig
 from pretrain.optim.lr_schedule import LRScheduler
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from pretrain.training.checkpointing import (
     load_model_weights,

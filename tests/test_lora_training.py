@@ -7,11 +7,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.config import ParallelConfig
 from pretrain.models.families import llama as hf_llama
 from pretrain.models.families.llama_lora import peft_to_canonical
 from pretrain.models.lora import LoraConfig, add_lora, is_lora_name, lora_parameters
 from pretrain.models.sharding import gather_full_state_dict, load_full_state_dict
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from tests.distributed import run_distributed
 from tests.lora_fixtures import LORA, ours_from_hf, peft_model, randomise_adapters, tiny_hf

@@ -7,10 +7,10 @@ import dataclasses
 import pytest
 import torch
 
-from pretrain.config import ParallelConfig
 from pretrain.distributed import DDPConfig, finalize_model_grads, global_loss_tokens
 from pretrain.models.sharding import gather_full_state_dict
 from pretrain.optim import ConstantLossScaler, DynamicLossScaler, OptimizerConfig, build_loss_scaler
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from pretrain.utils.errors import UserError
 from tests.distributed import run_distributed

@@ -20,9 +20,9 @@ pytest.importorskip(
 )
 
 from pretrain.checkpoint.opener import load_canonical  # noqa: E402
-from pretrain.config import ParallelConfig  # noqa: E402
 from pretrain.models.gpt import GPTModel  # noqa: E402
 from pretrain.models.sharding import gather_full_state_dict, load_full_state_dict  # noqa: E402
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState  # noqa: E402
 from pretrain.tensor_parallel.sequence_parallel import allreduce_sequence_parallel_grads  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402

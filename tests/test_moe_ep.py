@@ -13,11 +13,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from pretrain.config import ParallelConfig
 from pretrain.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads, global_loss_tokens
 from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import gather_full_state_dict, load_full_state_dict
 from pretrain.optim import build_optimizer
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.layout import compute_layout
 from pretrain.parallel.layout_cli import main as layout_main
 from pretrain.parallel.state import ParallelState

@@ -23,7 +23,8 @@ from pretrain.checkpoint.optimizer.reshard import open_optimizer_source, optimiz
 from pretrain.checkpoint.optimizer.state import OPTIM_STATES, OptimizerCommon
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
 from pretrain.checkpoint.upstream.expert_names import split_grouped
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.utils.errors import UserError
 from tools.convert_cli import main as convert
 

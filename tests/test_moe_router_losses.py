@@ -114,7 +114,7 @@ def test_injected_router_loss_gradient_equals_adding_the_loss() -> None:
 
 
 def _dp_worker(rank: int, world: int, cfg, weights, data, micro: int):
-    from pretrain.config import ParallelConfig
+    from pretrain.parallel.config import ParallelConfig
     from pretrain.pipeline.schedules import forward_backward
 
     ps = ParallelState.from_distributed(ParallelConfig(tp=1, pp=1), seed=0)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pretrain.config import ParallelConfig
 from pretrain.models.sharding import gather_full_state_dict, load_full_state_dict
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.embedding_sync import allreduce_embedding_grads
 from pretrain.pipeline.partition import build_model_chunks

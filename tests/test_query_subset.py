@@ -8,11 +8,11 @@ import torch
 
 from mlm_eval.scoring.megatron import MegatronGPTScorer
 from mlm_eval.scoring.vocab import scored_query_index
-from pretrain.config import ParallelConfig
 from pretrain.models.forward_context import ForwardContext, gather_positions
 from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import load_full_state_dict
 from pretrain.models.transformer import TransformerBlock
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from tests.distributed import run_distributed
 from tests.gpt_fixtures import full_weights, tiny_config

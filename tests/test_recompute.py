@@ -10,11 +10,12 @@ import pytest
 import torch
 
 from benchmarks.saved_bytes import SavedBytes
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig
 from pretrain.models.bert import BertModel, bert_forward_step
 from pretrain.models.gpt import GPTModel
 from pretrain.models.recompute import layer_groups
 from pretrain.models.sharding import gather_full_state_dict, load_full_state_dict
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.cross_entropy import masked_mean
 from pretrain.tensor_parallel.sequence_parallel import allreduce_sequence_parallel_grads

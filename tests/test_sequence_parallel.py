@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig
 from pretrain.models.bert import bert_forward_step, bert_model_provider
 from pretrain.models.sharding import gather_full_state_dict, load_full_state_dict
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.embedding_sync import allreduce_embedding_grads
 from pretrain.pipeline.partition import build_model_chunks

@@ -6,10 +6,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.config import ParallelConfig
 from pretrain.models.gpt import GPTModel
 from pretrain.models.init import init_model_parameters
 from pretrain.models.sharding import gather_full_state_dict, load_full_state_dict
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.cross_entropy import masked_mean
 from pretrain.tensor_parallel.vocab import padded_vocab_size

@@ -24,7 +24,7 @@ from pretrain.checkpoint.optimizer.reshard import open_legacy_optimizer, optimiz
 from pretrain.checkpoint.optimizer.state import OPTIM_STATES, OptimizerCommon
 from pretrain.checkpoint.torch_dist.reader import TorchDistReader
 from pretrain.checkpoint.types import DictSource, Provenance
-from pretrain.config import ParallelConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.utils.errors import UserError
 from tests.cli_helpers import one_line_error
 from tests.test_torch_dist_reshard import _source

@@ -14,7 +14,8 @@ from pretrain.checkpoint.opener import load_canonical
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
 from pretrain.checkpoint.torch_dist.writer import write_torch_dist
 from pretrain.checkpoint.types import DictSource
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.utils.errors import UserError
 from tools.convert_cli import main as convert
 

@@ -11,7 +11,7 @@ import pytest
 from pretrain.checkpoint.opener import find_iteration_dir, load_canonical
 from pretrain.checkpoint.torch_dist.storage import read_dcp_metadata
 from pretrain.checkpoint.torch_dist.writer import write_torch_dist
-from pretrain.config import ParallelConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.utils.errors import UserError
 from tests.cli_helpers import one_line_error
 from tests.test_torch_dist_reshard import _source

@@ -22,7 +22,8 @@ from pretrain.checkpoint.types import DictSource
 from pretrain.checkpoint.upstream.args import upstream_model_config
 from pretrain.checkpoint.upstream.args_semantics import is_zero_centred_norm
 from pretrain.checkpoint.upstream.names import to_mcore_key
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.utils.errors import UserError
 
 ARGS = Path(__file__).with_name("megatron_lm_args.json")

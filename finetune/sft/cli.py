@@ -25,8 +25,9 @@ from typing import Any
 from finetune.sft.data import BUILTIN_DATA, encode_data, read_data
 from finetune.sft.samples import LOSS_ON
 from finetune.sft.source import Decoder, load_decoder
-from pretrain.config import DTypeFlags, ModelConfig, ParallelConfig
+from pretrain.config import DTypeFlags, ModelConfig
 from pretrain.models.lora import ALL_TARGETS, LoraConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer.flags import TokenizerFlags
 from pretrain.training.cli import add_parallel_args, parallel_from_args
 from pretrain.utils.cli import OneLineParser

@@ -15,8 +15,9 @@ if TYPE_CHECKING:
     from finetune.sft.data import SFTData
     from finetune.sft.samples import SampleSet
     from finetune.sft.source import Decoder
-    from pretrain.config import ModelConfig, ParallelConfig
+    from pretrain.config import ModelConfig
     from pretrain.models.lora import LoraConfig
+    from pretrain.parallel.config import ParallelConfig
     from pretrain.parallel.state import ParallelState
 
 

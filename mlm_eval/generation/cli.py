@@ -24,9 +24,10 @@ from typing import TYPE_CHECKING
 
 from mlm_eval.generation.hf import run_hf
 from mlm_eval.generation.stream import TextStream, cut_at_stop
-from pretrain.config import DTypeFlags, ParallelConfig
+from pretrain.config import DTypeFlags
 from pretrain.inference.generate import GenerationConfig
 from pretrain.inference.sampling import SamplingConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer.flags import TokenizerFlags
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry

@@ -10,8 +10,9 @@ from typing import Any
 import torch
 
 from mlm_eval.generation.stream import TextStream, cut_at_stop
-from pretrain.config import DTypeFlags, ParallelConfig
+from pretrain.config import DTypeFlags
 from pretrain.inference.sampling import SamplingConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.utils.errors import UserError
 
 

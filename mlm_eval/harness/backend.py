@@ -29,9 +29,9 @@ from tqdm import tqdm
 
 from mlm_eval.harness.engine import EngineConfig, HarnessEngine
 from mlm_eval.harness.requests import Row, loglikelihood_row, rolling_rows
-from pretrain.config import ParallelConfig
 from pretrain.inference.generate import GenerationConfig
 from pretrain.inference.sampling import SamplingConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer.factory import TokenizerConfig
 from pretrain.utils.errors import UserError
 

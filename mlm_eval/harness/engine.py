@@ -42,9 +42,9 @@ import torch.distributed as dist
 
 from mlm_eval.harness.requests import Row, deal, length_order
 from mlm_eval.scoring.scorer import DTYPE_FLAGS, LMScorer, ScoredRow, ScoreOutput, score_rows
-from pretrain.config import ParallelConfig
 from pretrain.inference.generate import GenerationConfig, StopFn, generate
 from pretrain.models.gpt import GPTModel
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.tokenizer.factory import TokenizerConfig

@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from mlm_eval.scoring.scorer import DTYPE_FLAGS, HFCausalLMScorer, LMScorer
-from pretrain.config import DTypeFlags, ParallelConfig
+from pretrain.config import DTypeFlags
+from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer.flags import TokenizerFlags
 from pretrain.utils.errors import UserError
 from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace

@@ -41,10 +41,10 @@ from mlm_eval.scoring.vocab import (
     score_hidden_invariant,
     scored_hidden,
 )
-from pretrain.config import ParallelConfig
 from pretrain.models.base import ShardedModule
 from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import load_full_state_dict
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.partition import build_model_chunks
 from pretrain.pipeline.schedules import Microbatch, forward_backward

@@ -14,8 +14,9 @@ from importlib import metadata as _dist
 
 from pretrain.checkpoint.metadata import parallel_of, require_metadata, to_args
 from pretrain.checkpoint.types import CheckpointMetadata, FinetuneRecord, Provenance, TokenizerRecord
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig
 from pretrain.models.kinds import kind_of
+from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.tokenizer.loader import checkpoint_tokenizer_dir, record_of, save_tokenizer
 from pretrain.utils.errors import UserError

@@ -18,7 +18,8 @@ import torch
 
 from pretrain.checkpoint.plan import Slot
 from pretrain.checkpoint.upstream.expert_names import OUR_EXPERT, split_grouped
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.utils.errors import UserError
 
 # a routed expert in any per-layer file naming: SequentialMLP, TE grouped, ours (legacy names)

@@ -25,9 +25,10 @@ from pretrain.checkpoint.types import (
     Provenance,
     TokenizerRecord,
 )
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig
 from pretrain.model_options import args_from_config
 from pretrain.models.kinds import is_kind, kind_of, kind_of_config
+from pretrain.parallel.config import ParallelConfig
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.errors import UserError
 

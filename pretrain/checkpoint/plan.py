@@ -12,10 +12,11 @@ from dataclasses import dataclass
 
 import torch
 
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
 from pretrain.models.kinds import KINDS, ModelKind, kind_of
 from pretrain.models.sharding import RowLayout, is_vocab_tensor, row_layout
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.layout import compute_layout
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.partition import StageLayers, stage_layer_numbers

@@ -23,9 +23,10 @@ from typing import Protocol, Self, runtime_checkable
 import torch
 
 from pretrain.checkpoint.plan import ModelSpec
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig
 from pretrain.models.kinds import kind_of
 from pretrain.models.sharding import is_vocab_tensor
+from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer.record import TokenizerRecord
 from pretrain.utils.errors import UserError
 

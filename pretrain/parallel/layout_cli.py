@@ -16,7 +16,7 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from pretrain.config import ParallelConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.layout import RankLayout, compute_layout
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import cli_entry

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from pretrain.config import ParallelConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.layout import RankLayout, compute_layout
 from pretrain.parallel.rng import RNGStatesTracker, model_parallel_seed
 

@@ -25,12 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from pretrain.checkpoint.args import training_metadata
-from pretrain.config import DTypeFlags, DTypeName, ModelConfig, ParallelConfig
+from pretrain.config import DTypeFlags, DTypeName, ModelConfig
 from pretrain.data.gpt_dataset import GPTDatasetConfig, data_hash
 from pretrain.model_option_flags import add_model_flags, config_kwargs_from_flags
 from pretrain.models.kinds import KINDS, kind_of
 from pretrain.models.moe.dispatch import check_expert_parallel
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.layout import check_expert_sizes, check_sizes
 from pretrain.pipeline.partition import stage_layer_numbers
 from pretrain.tokenizer.factory import TokenizerConfig, build_tokenizer

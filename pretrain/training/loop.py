@@ -20,7 +20,6 @@ import torch
 import torch.distributed as dist
 
 from pretrain.checkpoint.legacy.layout import iteration_dir
-from pretrain.config import ParallelConfig
 from pretrain.distributed.ddp import DDPConfig, DistributedDataParallel, finalize_model_grads
 from pretrain.models.base import ShardedModule
 from pretrain.models.init import init_model_parameters
@@ -30,6 +29,7 @@ from pretrain.optim.clip_grads import counts_for_norm
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
 from pretrain.optim.lr_schedule import LRScheduler
 from pretrain.optim.optimizer import MixedPrecisionOptimizer
+from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.embedding_sync import allreduce_embedding_grads
 from pretrain.pipeline.schedules import forward_backward

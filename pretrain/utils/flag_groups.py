@@ -11,7 +11,7 @@ Per field: the flag is ``--field-name`` (or ``metadata["flags"]``, e.g. Megatron
 (``(default: 1)``), and a bad value is argparse's one-line error with exit 2.
 
 Each shared group lives with the component that owns it: the parallel layout is
-:class:`pretrain.config.ParallelConfig` itself, the weights' dtype :class:`pretrain.config.DTypeFlags`,
+:class:`pretrain.parallel.config.ParallelConfig` itself, the weights' dtype :class:`pretrain.config.DTypeFlags`,
 the tokenizer :class:`pretrain.tokenizer.flags.TokenizerFlags` (``mlm-pretrain``, ``mlm-eval``,
 ``mlm-finetune``, ``mlm-convert``, ``mlm-generate`` and ``mlm-layout`` use the fields they need:
 ``include`` picks them, ``dests`` keeps a command's existing attribute names). This module is only the

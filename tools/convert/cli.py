@@ -25,8 +25,8 @@ import shutil
 import sys
 from pathlib import Path
 
-from pretrain.config import ParallelConfig
 from pretrain.models.families.registry import supported_architectures, supported_model_types
+from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer.flags import TokenizerFlags
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry

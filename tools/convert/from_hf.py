@@ -11,7 +11,7 @@ from tools.convert.writing import progress_bar, tokenizer_files, write_checkpoin
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from pretrain.config import ParallelConfig
+    from pretrain.parallel.config import ParallelConfig
     from pretrain.tokenizer.loader import ResolvedTokenizer
 
 

@@ -11,7 +11,7 @@ if TYPE_CHECKING:
     from pathlib import Path
 
     from pretrain.checkpoint.types import CheckpointReader
-    from pretrain.config import ParallelConfig
+    from pretrain.parallel.config import ParallelConfig
     from tools.convert.source import SourceOptions
 
 

@@ -38,8 +38,8 @@ from pretrain.checkpoint.types import (
     TensorSource,
     TokenizerRecord,
 )
-from pretrain.config import ParallelConfig
 from pretrain.models.sharding import shard_tensor
+from pretrain.parallel.config import ParallelConfig
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.atomic import atomic_directory, atomic_open
 from pretrain.utils.errors import UserError

@@ -37,9 +37,9 @@ from pretrain.checkpoint.types import CheckpointReader
 from pretrain.checkpoint.upstream.args_semantics import untie_head_names
 from pretrain.checkpoint.upstream.names import to_local_name
 from pretrain.checkpoint.upstream.optimizer import UpstreamParam, upstream_full_state
-from pretrain.config import ParallelConfig
 from pretrain.model_options import is_mcore
 from pretrain.optim.distrib_optimizer import reassemble_full_state
+from pretrain.parallel.config import ParallelConfig
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.errors import UserError
 

@@ -50,7 +50,8 @@ from pretrain.checkpoint.torch_dist.optimizer import optimizer_common, optimizer
 from pretrain.checkpoint.types import TensorSource
 from pretrain.checkpoint.upstream.expert_names import to_dist_expert
 from pretrain.checkpoint.upstream.names import MCORE_BLOCK, to_mcore_key
-from pretrain.config import ModelConfig, ParallelConfig
+from pretrain.config import ModelConfig
+from pretrain.parallel.config import ParallelConfig
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.atomic import atomic_directory, atomic_open
 from pretrain.utils.errors import UserError
