@@ -18,7 +18,9 @@ from tests.sft_fixtures import make_chat_llama
 # a few conversations from the built-in data, learnt by heart by a tiny Llama
 # (without a system message: the prompt is one user message)
 CONVERSATIONS = [
-    c for c in map(json.loads, SFT_CHAT_FILE.read_text(encoding="utf-8").splitlines()) if len(c["messages"]) == 2
+    c
+    for c in map(json.loads, SFT_CHAT_FILE.read_text(encoding="utf-8").splitlines())
+    if len(c["messages"]) == 2
 ][:3]
 
 
