@@ -10,7 +10,10 @@
    on the built-in samples (``mlm-eval wikitext103`` / ``lambada``) straight from the Megatron checkpoint;
 6. pretrain a tiny BERT (``mlm-pretrain bert``) and finetune it on the built-in GLUE-format task
    (``mlm-finetune sst2``);
-7. write the leaderboard report (``mlm-eval report``) and print where it is.
+7. supervised fine-tuning with LoRA on the built-in chat data at tp=2 (``mlm-finetune sft``), the
+   adapter exported for PEFT (``mlm-convert to-hf --lora-as adapter``) and checked in ``peft``
+   against the merged export (``python -m tools.peft_check``);
+8. write the leaderboard report (``mlm-eval report``) and print where it is.
 
 Every step is the real command a user runs; outputs go to ``--out`` (default ``demo_out/``).
 """
@@ -27,6 +30,7 @@ from pathlib import Path
 
 from pretrain.data.builtin import builtin_corpus_path
 from pretrain.tokenizer.train_tiny import train_tiny_gpt2_bpe, train_tiny_wordpiece
+from tools.demo_sft import sft_lora
 
 BIN = Path(sys.executable).parent
 
@@ -50,6 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="demo_out")
     p.add_argument("--train-iters", type=int, default=200)
     p.add_argument("--no-harness", action="store_true", help="skip the lm-evaluation-harness step")
+    p.add_argument("--no-sft", action="store_true", help="skip the SFT + LoRA step")
     return p
 
 
@@ -108,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
             "--name", "demo-gpt", "--out", str(results / f"{task}.json"),
         ])  # fmt: skip
     _finetune(out, results, args.train_iters // 2)
+    if not args.no_sft:
+        sft_lora(out, run, tool)
     run("leaderboard report", report_command(out))
     print(f"\nDemo complete. Report: {out / 'report' / 'leaderboard.html'} (also .md, .csv, .json)")
     return 0

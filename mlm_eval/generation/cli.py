@@ -12,6 +12,9 @@ terminal as it is generated; with ``--json`` every prompt gives one JSON line ``
 "prompt", "text", "tokens", "stopped"}`` in input order (prompts batched ``--batch-size`` at a time,
 split over data-parallel replicas under torchrun). ``--prompts`` reads JSON lines with a
 ``"prompt"`` (or ``"text"``) field. The output is cut before the first ``--stop`` string.
+``--apply-chat-template`` sends each prompt as one user message rendered with the tokenizer's chat
+template and the assistant's turn opened (transformers' ``apply_chat_template(...,
+add_generation_prompt=True)``); ``--chat-template FILE`` renders with that template instead.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pretrain.config import DTypeFlags
 from pretrain.inference.generate import GenerationConfig
 from pretrain.inference.sampling import SamplingConfig
 from pretrain.parallel.config import ParallelConfig
+from pretrain.tokenizer.chat import read_template_file, render_chat
 from pretrain.tokenizer.flags import TokenizerFlags
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
@@ -58,6 +62,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--json", action="store_true", help="one JSON line per prompt instead of streaming text")
     p.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
+    p.add_argument("--apply-chat-template", action="store_true",
+                   help="send each prompt as a user message in the tokenizer's chat template")  # fmt: skip
+    p.add_argument("--chat-template", metavar="FILE",
+                   help="a Jinja chat template to render prompts with (implies --apply-chat-template)")  # fmt: skip
     add_flag_group(p, DTypeFlags, title="dtype", include=("dtype",))
     add_flag_group(p, ParallelConfig, title="parallel layout (torchrun)", include=("tp", "pp"))
     tok = p.add_argument_group("tokenizer (default: the checkpoint's own)")
@@ -94,6 +102,11 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return out
 
 
+def chat_template_text(args: argparse.Namespace) -> str | None:
+    """``--chat-template FILE``'s text (checked before any model is read), else ``None``."""
+    return None if args.chat_template is None else read_template_file(args.chat_template)
+
+
 def sampling_config(args: argparse.Namespace) -> SamplingConfig:
     greedy = args.temperature == 0.0
     if args.temperature < 0:
@@ -115,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     tok_cfg = tokenizer_choice(tok_flags)
     prompts = read_prompts(args)
     sampling = sampling_config(args)
+    args.chat_template_text = chat_template_text(args)
+    args.apply_chat_template = args.apply_chat_template or args.chat_template_text is not None
     if args.hf_model:
         if tok_cfg is not None:
             flag = "--tokenizer-type" if tok_flags.tokenizer_type else "--tokenizer-dir"
@@ -145,7 +160,12 @@ def _run_ckpt(
             raise UserError(
                 f"--max-new-tokens {args.max_new_tokens} leaves no room in {engine.max_length} positions"
             )
-        ids = [list(tok.tokenize(p))[-room:] or [int(tok.eod or 0)] for p in prompts]
+        texts = prompts
+        if args.apply_chat_template:
+            source = args.chat_template or f"--ckpt {args.ckpt}"
+            texts = [render_chat(tok, [{"role": "user", "content": p}], template=args.chat_template_text,
+                                 source=source) for p in prompts]  # fmt: skip
+        ids = [list(tok.tokenize(t))[-room:] or [int(tok.eod or 0)] for t in texts]
         gen = GenerationConfig(max_new_tokens=args.max_new_tokens, sampling=sampling, use_cache=not args.no_cache,
                                eos_id=tok.eod, pad_id=int(tok.eod or 0))  # fmt: skip
 

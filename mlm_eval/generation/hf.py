@@ -50,9 +50,7 @@ def run_hf(
 
     for i, prompt in enumerate(prompts):
         torch.manual_seed(sampling.seed + i)
-        ids = torch.tensor(
-            [tok.encode(prompt, add_special_tokens=False) or [tok.eos_token_id]], device=args.device
-        )
+        ids = torch.tensor([_prompt_ids(args, tok, prompt) or [tok.eos_token_id]], device=args.device)
         stream = None if args.json else TextStream(decode, args.stop, show=True)
         if stream is not None:
             stream.start(prompt)
@@ -66,6 +64,21 @@ def run_hf(
             text, stopped = cut_at_stop(decode(out), args.stop)
             print(json.dumps({"index": i, "prompt": prompt, "text": text, "tokens": out, "stopped": stopped}))
     return 0
+
+
+def _prompt_ids(args: argparse.Namespace, tok: Any, prompt: str) -> list[int]:
+    """The prompt's ids; with ``--apply-chat-template`` one user message in the chat template
+    (``--chat-template FILE`` or the tokenizer's), the assistant's turn opened."""
+    if not getattr(args, "apply_chat_template", False):
+        return list(tok.encode(prompt, add_special_tokens=False))
+    template = getattr(args, "chat_template_text", None)
+    if template is None and not getattr(tok, "chat_template", None):
+        raise UserError(
+            f"--hf-model {args.hf_model}: the tokenizer has no chat template (--chat-template FILE)"
+        )
+    text = tok.apply_chat_template([{"role": "user", "content": prompt}], chat_template=template,
+                                   tokenize=False, add_generation_prompt=True)  # fmt: skip
+    return list(tok.encode(text, add_special_tokens=False))
 
 
 def _feed(stream: Any) -> Any:

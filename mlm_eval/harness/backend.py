@@ -32,6 +32,7 @@ from mlm_eval.harness.requests import Row, loglikelihood_row, rolling_rows
 from pretrain.inference.generate import GenerationConfig
 from pretrain.inference.sampling import SamplingConfig
 from pretrain.parallel.config import ParallelConfig
+from pretrain.tokenizer.chat import chat_template_of, read_template_file, render_chat
 from pretrain.tokenizer.factory import TokenizerConfig
 from pretrain.utils.errors import UserError
 
@@ -58,6 +59,7 @@ class MLMHarnessLM(TemplateLM):
         vocab_file: str | None = None,
         merge_file: str | None = None,
         tokenizer_model: str | None = None,
+        chat_template: str | None = None,
         max_batch_size: int | None = None,
         engine: HarnessEngine | None = None,
         **unused: Any,
@@ -66,6 +68,10 @@ class MLMHarnessLM(TemplateLM):
         if not device or (str(device).startswith("cuda") and not torch.cuda.is_available()):
             device = "cpu"  # the harness CLI's default is cuda:0 (its hf backend falls back to CPU too)
         size = _batch_size(batch_size)
+        # model_args chat_template=FILE: --apply_chat_template renders with it (checked before loading)
+        self._chat_template = (
+            None if chat_template is None else read_template_file(chat_template, flag="chat_template")
+        )
         if engine is None:
             if not ckpt:
                 raise UserError("--model mlm needs --model_args ckpt=DIR")
@@ -140,7 +146,28 @@ class MLMHarnessLM(TemplateLM):
 
     @property
     def tokenizer_name(self) -> str:
-        return type(self.tok).__name__
+        """Fingerprints the harness's request cache: the tokenizer's directory (as ``HFLM``'s
+        ``name_or_path``), else its type."""
+        path = getattr(self.tok, "model_path", None)
+        return str(path).replace("/", "__") if path else type(self.tok).__name__
+
+    def chat_template(self, chat_template: bool | str = False) -> str | None:
+        """The template ``--apply_chat_template`` renders with (recorded in the harness's results)."""
+        if chat_template is False or chat_template is None:
+            return None
+        return chat_template_of(self.tok, self._chat_template, source=self._chat_source)
+
+    def apply_chat_template(
+        self, chat_history: list[dict[str, str]], add_generation_prompt: bool = True
+    ) -> str:
+        """``chat_history`` as prompt text, as the harness's ``hf`` backend renders it: the assistant's
+        turn opened, or (``add_generation_prompt=False``) the last message left open to continue."""
+        return render_chat(self.tok, chat_history, add_generation_prompt=add_generation_prompt,
+                           template=self._chat_template, source=self._chat_source)  # fmt: skip
+
+    @property
+    def _chat_source(self) -> str:
+        return "model_args chat_template" if self._chat_template is not None else "the checkpoint's tokenizer"
 
     def tok_encode(self, string: str, add_special_tokens: bool | None = None, **kwargs: Any) -> list[int]:
         ids = list(self.tok.tokenize(string))

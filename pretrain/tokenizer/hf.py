@@ -86,6 +86,11 @@ class HuggingFaceTokenizer(Tokenizer):
         return self._vocab_size
 
     @property
+    def hf_tokenizer(self) -> Any:
+        """The ``transformers`` tokenizer itself (its chat template, ``apply_chat_template``)."""
+        return self._tok
+
+    @property
     def backend_tokenizer(self) -> Any:
         return getattr(self._tok, "backend_tokenizer", None)
 
