@@ -221,7 +221,7 @@ OPTIONS: tuple[Option, ...] = (
            hf_fixed={_G: (False, "has no QK-norm"), _L: (False, "has no full-width QK-norm"), _B: (False, "has no QK-norm"),
                      _MX: (False, "has no QK-norm"), _Q2: (False, "has no QK-norm"),
                      _Q3: (False, "has per-head QK-norm, not full-width"), _OL: (True, "has full-width QK-norm")},
-           switches={**dict.fromkeys(_MOES, False), _OL: True},
+           switches={**dict.fromkeys(_MOES, False), _OL: True}, tensors=("q_full_layernorm", "k_full_layernorm"),
            meaning="full-width query/key RMSNorm (OLMoE)"),
     # mixture of experts (Megatron's MoE flags and semantics; pretrain.models.moe)
     Option(field="num_experts", megatron="num_experts", read=_value("num_experts", default=None, cast=int),

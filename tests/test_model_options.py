@@ -133,9 +133,9 @@ def test_family_switches_and_modules_come_from_the_table() -> None:
         BASE, position_embedding_type="rope", normalization="RMSNorm", swiglu=True, add_bias_linear=False
     )
     plain, normed = ModelConfig(**rope), ModelConfig(**rope, qk_layernorm=True)
-    assert (
-        mo_hf.absent_modules(plain) == ("q_layernorm", "k_layernorm") and mo_hf.absent_modules(normed) == ()
-    )
+    full = ("q_full_layernorm", "k_full_layernorm")
+    assert mo_hf.absent_modules(plain) == ("q_layernorm", "k_layernorm", *full)
+    assert mo_hf.absent_modules(normed) == full
     assert not any("q_norm" in hf for _, hf in llama.name_pairs(plain))
     assert sum("q_norm" in hf for _, hf in llama.name_pairs(normed)) == normed.num_layers
     both = dataclasses.replace(normed, add_qkv_bias=True)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from pretrain.config import ModelConfig
+from pretrain.model_option_hf import absent_modules
 
 LM = "language_model."
 Make = Literal["copy", "cat", "qkv", "fused_gate_up", "fused_down"]
@@ -82,10 +83,11 @@ def _attention(cfg: ModelConfig, i: int) -> list[Piece]:
             hf=tuple(f"{hf}self_attn.{p}_proj.{kind}" for p in "qkv"), make="qkv",
             shapes=((nq * d, *rest), (g * d, *rest), (g * d, *rest)), what=("[q heads x head_dim, ...]",) * 3,
         ))  # fmt: skip
-    norms = [("q_layernorm", "q_norm", d), ("k_layernorm", "k_norm", d)] if cfg.qk_layernorm else []
-    if cfg.qk_layernorm_full_width:
-        norms = [("q_full_layernorm", "q_norm", nq * d), ("k_full_layernorm", "k_norm", g * d)]
-    for a, b, n in norms:
+    # per-head or full-width QK-norm: the option table says which modules a config lacks
+    norms = [("q_layernorm", "q_norm", d), ("k_layernorm", "k_norm", d),
+             ("q_full_layernorm", "q_norm", nq * d), ("k_full_layernorm", "k_norm", g * d)]  # fmt: skip
+    absent = absent_modules(cfg)
+    for a, b, n in (norm for norm in norms if norm[0] not in absent):
         out.append(Piece(ours=f"{ours}self_attention.{a}.weight", hf=(f"{hf}self_attn.{b}.weight",), make="copy",
                          shapes=((n,),), what=("[norm width]",)))  # fmt: skip
     return out
