@@ -1,0 +1,226 @@
+"""Conversion at disk speed in flat memory: the curve over model size (issue 29, part 1).
+
+Per size, a synthetic Llama-shape bf16 model (GQA, SwiGLU, untied output) is written as a legacy
+checkpoint at tp2 pp2 and as ``torch_dist``; then, each as its own ``python -m tools.convert_cli``
+process whose whole process tree's RssAnon is sampled (:mod:`benchmarks.anon_memory`):
+
+* ``to_hf``: legacy tp2 pp2 -> Hugging Face (``--max-shard-size 2GB``, ``--no-verify``);
+* ``reshard``: legacy tp2 pp2 -> tp4 pp1;
+* ``from_hf``: that HF export -> legacy tp2 pp2;
+* ``to_torch_dist``: legacy tp2 pp2 -> ``torch_dist`` (reshard ``--ckpt-format torch_dist``);
+* ``torch_dist_to_hf``: the generated ``torch_dist`` -> HF.
+
+Each reports ``mb_per_s`` (source bytes / wall time, start-up included), ``time_over_cp``
+(wall time / the time ``cp -r`` of the same source takes on the same disk, measured in the same
+run) and ``peak_anon_gb``; per size ``largest_tensor_gb`` and the bound 2 x largest + 0.5 GB.
+``anon_slope_gb_per_b_params`` is the least-squares slope of peak anonymous memory against
+parameters (billions), per conversion (goal about 0). The last line is one JSON object.
+
+Usage: ``python -m benchmarks.bench_convert_scale [--quick | --large] [--sizes 0.5b,1b] [--workdir DIR]
+[--plot docs/convert_scale.svg]``. Disk: about 4 copies of the largest model at once (3B: 24 GB).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.anon_memory import run_measured
+
+SIZES = {  # layers, hidden, heads, groups, ffn, vocab
+    "tiny": (2, 256, 8, 2, 704, 4000),
+    "small": (4, 512, 8, 2, 1408, 8000),
+    "0.5b": (16, 1536, 16, 4, 4096, 32000),
+    "1b": (20, 2048, 16, 4, 5632, 32000),
+    "3b": (28, 3072, 24, 8, 8192, 32000),
+    "7b": (32, 4096, 32, 8, 11008, 32000),
+}
+QUICK, DEFAULT, LARGE = ("tiny", "small"), ("0.5b", "1b", "3b"), ("0.5b", "1b", "3b", "7b")
+GB = 1e9
+CONVERSIONS = ("to_hf", "reshard", "from_hf", "to_torch_dist", "torch_dist_to_hf")
+
+
+def model_config(size: str):  # noqa: ANN201
+    from pretrain.config import ModelConfig
+
+    layers, hidden, heads, groups, ffn, vocab = SIZES[size]
+    return ModelConfig(
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads,
+        num_query_groups=groups, ffn_hidden_size=ffn, vocab_size=vocab, max_position_embeddings=4096,
+        normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
+        untie_embeddings_and_output_weights=True, add_bias_linear=False, params_dtype="bfloat16",
+    )  # fmt: skip
+
+
+def canonical_shapes(size: str) -> dict[str, tuple[int, ...]]:
+    """Every canonical tensor's full shape (true vocabulary rows)."""
+    from pretrain.checkpoint.plan import ModelSpec, chunk_slots
+
+    cfg = model_config(size)
+    slots = chunk_slots(ModelSpec(kind="gpt", cfg=cfg), tp=1, pre_process=True, post_process=True,
+                        layer_numbers=range(cfg.num_layers))  # fmt: skip
+    return {s.canonical: ((cfg.vocab_size, *s.shape[1:]) if s.vocab else tuple(s.shape)) for s in slots}
+
+
+def random_source(size: str):  # noqa: ANN201
+    """Canonical bf16 tensors made on demand from one random block (cheap: no randn per element)."""
+    from pretrain.checkpoint.plan import ModelSpec
+    from pretrain.checkpoint.types import LazySource
+
+    block = (0.02 * torch.randn(1 << 20, generator=torch.Generator().manual_seed(0))).to(torch.bfloat16)
+
+    def maker(shape: tuple[int, ...], seed: int):  # noqa: ANN202
+        def make() -> torch.Tensor:
+            n = torch.Size(shape).numel()
+            reps = -(-(n + seed) // block.numel())
+            return block.repeat(reps)[seed : seed + n].view(shape).clone()
+
+        return make
+
+    shapes = canonical_shapes(size)
+    makers = {n: maker(s, (i * 7919) % block.numel()) for i, (n, s) in enumerate(shapes.items())}
+    return LazySource(ModelSpec(kind="gpt", cfg=model_config(size)), makers)
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
+
+
+def _generate(size: str, work: Path) -> tuple[Path, Path]:
+    from pretrain.checkpoint.legacy.writer import WriteOptions, write_layout
+    from pretrain.checkpoint.torch_dist.writer import write_torch_dist
+    from pretrain.config import ParallelConfig
+
+    src = random_source(size)
+    legacy, dist = work / "legacy", work / "torch_dist"
+    write_layout(src, legacy, ParallelConfig(tp=2, pp=2), options=WriteOptions(iteration="release"))
+    write_torch_dist(src, dist, ParallelConfig(tp=2, pp=2))
+    return legacy, dist
+
+
+def _cp_seconds(src: Path, dst: Path) -> float:
+    start = time.perf_counter()
+    subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
+    subprocess.run(["sync", "-f", str(dst)], check=False)
+    wall = time.perf_counter() - start
+    shutil.rmtree(dst)
+    return wall
+
+
+def _convert(name: str, argv: list[str], source: Path, cp_s: float) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "tools.convert_cli", *argv]
+    m = run_measured(cmd, cwd=Path(__file__).parents[1])
+    if m.returncode != 0:
+        raise SystemExit(f"{name} failed ({m.returncode}): {m.output[-3000:]}")
+    src_bytes = _dir_bytes(source)
+    return {
+        "wall_s": round(m.wall_s, 2),
+        "mb_per_s": round(src_bytes / 1e6 / m.wall_s, 1),
+        "time_over_cp": round(m.wall_s / cp_s, 2),
+        "peak_anon_gb": round(m.peak_anon_bytes / GB, 3),
+        "source_gb": round(src_bytes / GB, 3),
+    }
+
+
+def measure_size(size: str, work: Path) -> dict[str, object]:
+    """Generate one size, run every conversion, delete the outputs; the size's figures."""
+    work.mkdir(parents=True)
+    shapes = canonical_shapes(size)
+    params = sum(torch.Size(s).numel() for s in shapes.values())
+    largest = max(torch.Size(s).numel() for s in shapes.values()) * 2
+    t0 = time.perf_counter()
+    legacy, dist = _generate(size, work)
+    generate_s = time.perf_counter() - t0
+    cp_legacy = _cp_seconds(legacy, work / "cp_legacy")
+    cp_dist = _cp_seconds(dist, work / "cp_torch_dist")
+    hf, out = work / "hf", work / "out"
+    runs: dict[str, dict[str, float]] = {}
+    runs["to_hf"] = _convert("to_hf", ["to-hf", "--load", str(legacy), "--save", str(hf), "--weights-only",
+                                       "--no-verify", "--max-shard-size", "2GB"], legacy, cp_legacy)  # fmt: skip
+    cp_hf = _cp_seconds(hf, work / "cp_hf")
+    argv = ["reshard", "--load", str(legacy), "--save", str(out), "--target-tp", "4", "--target-pp", "1"]
+    runs["reshard"] = _convert("reshard", argv, legacy, cp_legacy)
+    shutil.rmtree(out)
+    argv = ["from-hf", "--load", str(hf), "--save", str(out), "--tp", "2", "--pp", "2", "--weights-only"]
+    runs["from_hf"] = _convert("from_hf", argv, hf, cp_hf)
+    shutil.rmtree(out)
+    shutil.rmtree(hf)
+    argv = ["reshard", "--load", str(legacy), "--save", str(out), "--target-tp", "2", "--target-pp", "2",
+            "--ckpt-format", "torch_dist"]  # fmt: skip
+    runs["to_torch_dist"] = _convert("to_torch_dist", argv, legacy, cp_legacy)
+    shutil.rmtree(out)
+    argv = ["to-hf", "--load", str(dist), "--save", str(out), "--weights-only", "--no-verify",
+            "--max-shard-size", "2GB"]  # fmt: skip
+    runs["torch_dist_to_hf"] = _convert("torch_dist_to_hf", argv, dist, cp_dist)
+    shutil.rmtree(work)
+    return {
+        "size": size, "params": params, "model_gb": round(params * 2 / GB, 3),
+        "largest_tensor_gb": round(largest / GB, 3), "anon_bound_gb": round((2 * largest + 0.5 * GB) / GB, 3),
+        "generate_s": round(generate_s, 1),
+        "cp_s": {"legacy": round(cp_legacy, 2), "torch_dist": round(cp_dist, 2), "hf": round(cp_hf, 2)},
+        **runs,
+    }  # fmt: skip
+
+
+def _slope(xs: list[float], ys: list[float]) -> float:
+    if len(xs) < 2:
+        return 0.0
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else 0.0
+
+
+def summarise(points: list[dict[str, object]]) -> dict[str, object]:
+    """Slopes and goal checks over the measured sizes."""
+    bparams = [float(p["params"]) / 1e9 for p in points]  # type: ignore[arg-type]
+    slopes, met_memory, worst_speed, worst_over_cp = {}, True, float("inf"), 0.0
+    for c in CONVERSIONS:
+        runs = [p[c] for p in points]
+        slopes[c] = round(_slope(bparams, [r["peak_anon_gb"] for r in runs]), 4)  # type: ignore[index]
+        for p, r in zip(points, runs, strict=True):
+            met_memory &= r["peak_anon_gb"] <= p["anon_bound_gb"]  # type: ignore[index,operator]
+            worst_speed = min(worst_speed, r["mb_per_s"])  # type: ignore[index]
+            worst_over_cp = max(worst_over_cp, r["time_over_cp"])  # type: ignore[index]
+    return {
+        "anon_slope_gb_per_b_params": slopes, "max_anon_slope": max(slopes.values()),
+        "memory_goal_met": met_memory, "min_mb_per_s": worst_speed, "max_time_over_cp": worst_over_cp,
+        "throughput_goal_met": worst_speed >= 150 and worst_over_cp <= 2,
+    }  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--quick", action="store_true", help="tiny sizes (a smoke test, seconds)")
+    g.add_argument("--large", action="store_true", help="add 7B")
+    g.add_argument("--sizes", help="comma-separated sizes: " + ",".join(SIZES))
+    p.add_argument("--workdir", type=Path, default=None, help="where checkpoints are generated (a temp dir)")
+    p.add_argument("--plot", type=Path, default=None, help="write the curve here (.svg)")
+    a = p.parse_args()
+    sizes = QUICK if a.quick else LARGE if a.large else tuple(a.sizes.split(",")) if a.sizes else DEFAULT
+    work = Path(tempfile.mkdtemp(dir=a.workdir, prefix="bench_convert_scale."))
+    points = []
+    try:
+        for size in sizes:
+            point = measure_size(size, work / size)
+            print(json.dumps(point), flush=True)
+            points.append(point)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    if a.plot is not None:
+        from benchmarks.convert_scale_plot import write_svg
+
+        write_svg(points, a.plot)
+    print(json.dumps({"benchmark": "convert_scale", "sizes": points, **summarise(points)}))
+
+
+if __name__ == "__main__":
+    main()
