@@ -1,7 +1,7 @@
 """Peak anonymous memory of a command and every process it starts (``torchrun`` ranks included).
 
-The figure is ``RssAnon`` of ``/proc/PID/status`` summed over the process tree, sampled every
-millisecond from outside: pages of memory-mapped input files (the checkpoint being read) are
+The figure is anonymous resident memory summed over the process tree (see
+:func:`tree_anon_bytes`), sampled every millisecond from outside: pages of memory-mapped input files (the checkpoint being read) are
 file-backed, so they do not count; the kernel can reclaim them. Children run with
 ``MALLOC_MMAP_THRESHOLD_=131072`` so freed tensors go back to the OS at once and RssAnon tracks
 live memory, not glibc's cache.
@@ -17,10 +17,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-def _anon_kb(pid: int) -> int:
+def _field_kb(path: str, field: str) -> int:
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("RssAnon:"):
+        for line in Path(path).read_text().splitlines():
+            if line.startswith(field):
                 return int(line.split()[1])
     except OSError:  # the process ended between listing and reading
         pass
@@ -39,13 +39,18 @@ def _children(pid: int) -> list[int]:
 
 
 def tree_anon_bytes(pid: int) -> int:
-    """RssAnon of ``pid`` and all its descendants, in bytes."""
-    total, todo = 0, [pid]
+    """Anonymous memory of ``pid`` and all its descendants, in bytes: ``RssAnon`` of a lone
+    process; with children, each process's ``Pss_Anon`` (its share of anonymous pages), because a
+    forked child (``ctypes.util.find_library`` runs ``ldconfig`` so, torchrun's workers do not)
+    shares its parent's pages copy-on-write and ``RssAnon`` would count them twice."""
+    tree, todo = [], [pid]
     while todo:
         p = todo.pop()
-        total += _anon_kb(p)
+        tree.append(p)
         todo.extend(_children(p))
-    return total * 1024
+    if len(tree) == 1:
+        return _field_kb(f"/proc/{pid}/status", "RssAnon:") * 1024
+    return sum(_field_kb(f"/proc/{p}/smaps_rollup", "Pss_Anon:") for p in tree) * 1024
 
 
 @dataclass(frozen=True, kw_only=True)

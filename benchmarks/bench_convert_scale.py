@@ -115,9 +115,13 @@ def _cp_seconds(src: Path, dst: Path) -> float:
     return wall
 
 
+REPO = Path(__file__).parents[1]
+
+
 def _convert(name: str, argv: list[str], source: Path, cp_s: float) -> dict[str, float]:
+    """Run ``python -m tools.convert_cli ARGV`` from :data:`REPO` (``--repo``), measured."""
     cmd = [sys.executable, "-m", "tools.convert_cli", *argv]
-    m = run_measured(cmd, cwd=Path(__file__).parents[1])
+    m = run_measured(cmd, cwd=REPO, env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
     if m.returncode != 0:
         raise SystemExit(f"{name} failed ({m.returncode}): {m.output[-3000:]}")
     src_bytes = _dir_bytes(source)
@@ -204,7 +208,12 @@ def main() -> None:
     g.add_argument("--sizes", help="comma-separated sizes: " + ",".join(SIZES))
     p.add_argument("--workdir", type=Path, default=None, help="where checkpoints are generated (a temp dir)")
     p.add_argument("--plot", type=Path, default=None, help="write the curve here (.svg)")
+    p.add_argument("--repo", type=Path, default=None,
+                   help="run the conversions from this checkout (e.g. main, for a before/after)")  # fmt: skip
     a = p.parse_args()
+    if a.repo is not None:
+        global REPO
+        REPO = a.repo.resolve()
     sizes = QUICK if a.quick else LARGE if a.large else tuple(a.sizes.split(",")) if a.sizes else DEFAULT
     work = Path(tempfile.mkdtemp(dir=a.workdir, prefix="bench_convert_scale."))
     points = []
@@ -219,7 +228,7 @@ def main() -> None:
         from benchmarks.convert_scale_plot import write_svg
 
         write_svg(points, a.plot)
-    print(json.dumps({"benchmark": "convert_scale", "sizes": points, **summarise(points)}))
+    print(json.dumps({"benchmark": "convert_scale", "repo": str(REPO), "sizes": points, **summarise(points)}))
 
 
 if __name__ == "__main__":

@@ -27,17 +27,25 @@ def _panel(x0: int, title: str, xs: list[float], series: dict[str, list[float]],
     for i in range(5):
         y = ymax * i / 4
         px, py = pt(0, y).split(",")
-        out.append(f'<text x="{float(px) - 4}" y="{float(py) + 4}" text-anchor="end" font-size="10">{y:.3g}</text>')
+        out.append(
+            f'<text x="{float(px) - 4}" y="{float(py) + 4}" text-anchor="end" font-size="10">{y:.3g}</text>'
+        )
     for x in xs:
         px, py = pt(x, 0).split(",")
         out.append(f'<text x="{px}" y="{float(py) + 14}" text-anchor="middle" font-size="10">{x:.2g}</text>')
-    out.append(f'<text x="{x0 + W / 2}" y="{H + 8}" text-anchor="middle" font-size="11">parameters (B)</text>')
+    out.append(
+        f'<text x="{x0 + W / 2}" y="{H + 8}" text-anchor="middle" font-size="11">parameters (B)</text>'
+    )
     line = " ".join(pt(x, g) for x, g in zip(xs, goal, strict=True))
     out.append(f'<polyline fill="none" stroke="#888" stroke-dasharray="4 3" points="{line}"/>')
-    out.append(f'<text x="{x0 + W - 12}" y="30" text-anchor="end" font-size="10" fill="#666">{goal_label}</text>')
+    out.append(
+        f'<text x="{x0 + W - 12}" y="30" text-anchor="end" font-size="10" fill="#666">{goal_label}</text>'
+    )
     for name, ys in series.items():
         line = " ".join(pt(x, y) for x, y in zip(xs, ys, strict=True))
-        out.append(f'<polyline fill="none" stroke="{COLOURS.get(name, "#000")}" stroke-width="2" points="{line}"/>')
+        out.append(
+            f'<polyline fill="none" stroke="{COLOURS.get(name, "#000")}" stroke-width="2" points="{line}"/>'
+        )
     return out
 
 

@@ -166,7 +166,8 @@ def export_hf(
     renamed to ``save``: when it raises, nothing is left at ``save``."""
     from transformers import GenerationConfig
 
-    from tools.hf_shards import ShardWriter, meta_like, parse_shard_size, stream_hf_tensors
+    from pretrain.checkpoint.tensor_meta import meta_like, tensor_meta
+    from tools.hf_shards import ShardWriter, parse_shard_size, plan_hf_tensors, stream_hf_tensors
 
     check_exportable(spec)
     if tokenizer is not None and tokenizer.vocab_size > spec.cfg.vocab_size:
@@ -177,21 +178,26 @@ def export_hf(
     hf_tok = hf_tokenizer_of(tokenizer) if tokenizer is not None else None
     get: Callable[[str], torch.Tensor]
     if isinstance(tensors, TensorSource):
-        names, get = tensors.names(), tensors.tensor
+        source = tensors
+        names, get = source.names(), source.tensor
+        metas = {n: tensor_meta(source, n) for n in names}  # no tensor read for its shape
     else:
         full = dict(tensors)
         names, get = list(full), full.__getitem__
+        metas = {n: meta_like(t) for n, t in full.items()}
     fam = export_family_of(spec, family)  # resolved once: the per-layer conversion maps tensors only
     config = _hf_config(fam, spec, tokenizer)
 
     def convert(chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return fam.module().export_tensors(chunk, spec.cfg, fresh_heads=spec.fresh_heads, family=fam)
 
-    hf_metas = convert({n: meta_like(get(n)) for n in names})
+    hf_metas = convert(dict(metas))
     written = progress(len(hf_metas)) if progress is not None else None
+    # each shard's header from the tensors' dtypes and shapes, so every byte is written once
+    plan = plan_hf_tensors(names, metas, convert)
     with atomic_directory(save) as tmp:
-        writer = ShardWriter(tmp, max_shard_size=max_bytes)
-        for name, t in stream_hf_tensors(names, get, convert):
+        writer = ShardWriter(tmp, max_shard_size=max_bytes, plan=plan)
+        for name, t in stream_hf_tensors(names, get, convert, metas):
             writer.add(name, t)
             if written is not None:
                 written(name)

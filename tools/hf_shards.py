@@ -23,12 +23,16 @@ import re
 import shutil
 import struct
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
 import torch
 
+from pretrain.checkpoint.tensor_meta import meta_like
 from pretrain.utils.errors import UserError
+
+__all__ = ["ShardWriter", "meta_like", "plan_hf_tensors", "stream_hf_tensors"]
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 INDEX_FILE = "model.safetensors.index.json"
@@ -72,16 +76,28 @@ def layer_groups(names: Sequence[str]) -> list[list[str]]:
 Convert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 
-def meta_like(t: torch.Tensor) -> torch.Tensor:
-    return torch.empty(t.shape, dtype=t.dtype, device="meta")
+@dataclass(frozen=True)
+class Planned:
+    """One tensor as a safetensors header announces it."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return int(torch.Size(self.shape).numel()) * self.dtype.itemsize
 
 
 def stream_hf_tensors(
-    names: Sequence[str], get: Callable[[str], torch.Tensor], convert: Convert
-) -> Iterator[tuple[str, torch.Tensor]]:
+    names: Sequence[str], get: Callable[[str], torch.Tensor], convert: Convert,
+    metas: dict[str, torch.Tensor] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """``(hf_name, tensor)`` for every output of ``convert`` (canonical dict -> HF dict), computed one
-    layer group at a time; ``get(name)`` is called twice per canonical tensor (shape, then data)."""
-    metas = {n: meta_like(get(n)) for n in names}
+    layer group at a time; ``metas``: each canonical tensor's dtype and shape on the ``meta`` device
+    (default: ``meta_like(get(name))``, reading every tensor once more)."""
+    if metas is None:
+        metas = {n: meta_like(get(n)) for n in names}
     expected = set(convert(dict(metas)))
     seen: set[str] = set()
     for group in layer_groups(names):
@@ -100,18 +116,79 @@ def stream_hf_tensors(
         raise RuntimeError(f"HF tensors not produced by any single layer: {sorted(expected - seen)[:5]}")
 
 
+def plan_hf_tensors(
+    names: Sequence[str], metas: dict[str, torch.Tensor], convert: Convert
+) -> list[Planned] | None:
+    """What :func:`stream_hf_tensors` will yield, in order, from a dry run on fake tensors (shapes
+    only: no data read, no memory); ``None`` when the mapping cannot run on them."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    try:
+        with FakeTensorMode(allow_non_fake_inputs=True):
+
+            def fake(name: str) -> torch.Tensor:
+                return torch.empty(metas[name].shape, dtype=metas[name].dtype)
+
+            return [
+                Planned(n, t.dtype, tuple(t.shape)) for n, t in stream_hf_tensors(names, fake, convert, metas)
+            ]
+    except Exception:  # noqa: BLE001  # e.g. a data-dependent step: write without a plan
+        return None
+
+
+def split_shards(tensors: Sequence[Planned], max_bytes: int) -> list[list[Planned]]:
+    """The shards :class:`ShardWriter` fills from ``tensors`` in order: a new one when the next
+    tensor would take a non-empty shard over ``max_bytes`` (``save_pretrained``'s rule)."""
+    shards: list[list[Planned]] = []
+    size = 0
+    for t in tensors:
+        if not shards or (size and size + t.nbytes > max_bytes):
+            shards.append([])
+            size = 0
+        shards[-1].append(t)
+        size += t.nbytes
+    return shards
+
+
+def _header(entries: dict[str, dict[str, object]], metadata: dict[str, str]) -> bytes:
+    """A safetensors header: 8-byte length, then JSON padded with spaces to 8-byte aligned data."""
+    header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # 8-byte aligned data, as the safetensors writer pads
+    return struct.pack("<Q", len(header)) + header
+
+
+def _entries(tensors: Sequence[Planned]) -> dict[str, dict[str, object]]:
+    out: dict[str, dict[str, object]] = {}
+    offset = 0
+    for t in tensors:
+        out[t.name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
+                       "data_offsets": [offset, offset + t.nbytes]}  # fmt: skip
+        offset += t.nbytes
+    return out
+
+
 class ShardWriter:
-    """Sharded safetensors in ``directory`` (see the module docstring); ``add`` then ``close``."""
+    """Sharded safetensors in ``directory`` (see the module docstring); ``add`` then ``close``.
+
+    With ``plan`` (every tensor ``add`` will get, in order: :func:`plan_hf_tensors`) each shard's
+    header is written first and each tensor's bytes go straight after it: every byte is written
+    once. Without a plan, or from the first ``add`` that departs from it, a shard's data is
+    written first and the file is finished by writing the header and copying the data after it
+    (in the kernel). The files are the same bytes either way."""
 
     def __init__(
-        self, directory: Path, *, max_shard_size: int, metadata: dict[str, str] | None = None
-    ) -> None:
+        self, directory: Path, *, max_shard_size: int, metadata: dict[str, str] | None = None,
+        plan: Sequence[Planned] | None = None,
+    ) -> None:  # fmt: skip
         self.directory = Path(directory)
         self.max_bytes = max_shard_size
         self.metadata = {"format": "pt", **(metadata or {})}
         self.shards: list[tuple[Path, list[str]]] = []  # finished shard files (temporary names)
         self.total = 0
-        self._data: BinaryIO | None = None
+        self._planned = split_shards(plan, max_shard_size) if plan is not None else None
+        self._expect: list[Planned] | None = None  # the open shard's plan, while adds follow it
+        self._file: BinaryIO | None = None
+        self._data_start = 0  # where the open file's tensor data begins
         self._header: dict[str, dict[str, object]] = {}
         self._offset = 0
 
@@ -120,37 +197,57 @@ class ShardWriter:
         if t.dtype not in SAFETENSORS_DTYPES:
             raise UserError(f"to-hf: tensor {name} has dtype {t.dtype}, which safetensors cannot store")
         nbytes = t.numel() * t.element_size()
-        if self._data is not None and self._offset and self._offset + nbytes > self.max_bytes:
+        if self._file is not None and self._offset and self._offset + nbytes > self.max_bytes:
             self._finish_shard()
-        if self._data is None:
-            self._data = open(self.directory / f".shard{len(self.shards)}.data", "wb")  # noqa: SIM115
+        if self._file is None:
+            self._open_shard()
+        if self._expect is not None:
+            i = len(self._header)
+            if i >= len(self._expect) or self._expect[i] != Planned(name, t.dtype, tuple(t.shape)):
+                self._expect = self._planned = None  # departed from the plan: rewrite this shard's header
+        assert self._file is not None
         if nbytes:
-            self._data.write(t.reshape(-1).view(torch.uint8).numpy().data)
+            self._file.write(t.reshape(-1).view(torch.uint8).numpy().data)
         self._header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                               "data_offsets": [self._offset, self._offset + nbytes]}  # fmt: skip
         self._offset += nbytes
         self.total += nbytes
 
+    def _open_shard(self) -> None:
+        i = len(self.shards)
+        if self._planned is not None and i < len(self._planned):
+            self._expect = self._planned[i]
+            self._file = open(self.directory / f".shard{i}.safetensors", "wb")  # noqa: SIM115
+            head = _header(_entries(self._expect), self.metadata)
+            self._file.write(head)
+            self._data_start = len(head)
+        else:
+            self._expect = self._planned = None
+            self._file = open(self.directory / f".shard{i}.data", "wb")  # noqa: SIM115
+            self._data_start = 0
+
     def _finish_shard(self) -> None:
-        assert self._data is not None
-        data_path = Path(self._data.name)
-        self._data.close()
-        self._data = None
-        header = json.dumps({"__metadata__": self.metadata, **self._header}, separators=(",", ":")).encode()
-        header += b" " * (-len(header) % 8)  # 8-byte aligned data, as the safetensors writer pads
+        assert self._file is not None
+        written = Path(self._file.name)
+        self._file.close()
+        self._file = None
         path = self.directory / f".shard{len(self.shards)}.safetensors"
-        with open(path, "wb") as out, open(data_path, "rb") as src:
-            out.write(struct.pack("<Q", len(header)) + header)
-            _copy(src, out, self._offset)
-        data_path.unlink()
+        if self._expect is None or len(self._header) != len(self._expect):  # header still to write
+            final = path.with_suffix(".header")
+            with open(final, "wb") as out, open(written, "rb") as src:
+                out.write(_header(self._header, self.metadata))
+                src.seek(self._data_start)
+                _copy(src, out, self._offset)
+            written.unlink()
+            final.rename(path)
         self.shards.append((path, list(self._header)))
-        self._header, self._offset = {}, 0
+        self._header, self._offset, self._expect = {}, 0, None
 
     def close(self) -> list[Path]:
         """Finish the last shard, give the files their final names, write the index if sharded."""
-        if self._data is not None or not self.shards:
-            if self._data is None:
-                self._data = open(self.directory / f".shard{len(self.shards)}.data", "wb")  # noqa: SIM115
+        if self._file is not None or not self.shards:
+            if self._file is None:
+                self._open_shard()
             self._finish_shard()
         n = len(self.shards)
         names = (
@@ -169,8 +266,9 @@ class ShardWriter:
 
 
 def _copy(src: BinaryIO, dst: BinaryIO, count: int) -> None:
-    """Append ``count`` bytes of ``src`` to ``dst``: in the kernel where possible."""
+    """Append ``count`` bytes of ``src`` from its position to ``dst``: in the kernel where possible."""
     dst.flush()
+    start = src.tell()
     if hasattr(os, "copy_file_range"):
         try:
             done = 0
@@ -181,7 +279,7 @@ def _copy(src: BinaryIO, dst: BinaryIO, count: int) -> None:
                 done += n
             if done == count:
                 return
-            src.seek(done)
+            src.seek(start + done)
         except OSError:
-            src.seek(0)
+            src.seek(start)
     shutil.copyfileobj(src, dst, 1 << 20)

@@ -17,6 +17,7 @@ inside the encoder), ``model["word_embeddings_for_head"]["weight"]``; virtual ch
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -141,7 +142,7 @@ def _nest_depth(parts: list[str]) -> int:
     return 1
 
 
-def nest_megatron(flat: dict[str, torch.Tensor]) -> dict:  # type: ignore[type-arg]
+def nest_megatron(flat: Mapping[str, object]) -> dict:  # type: ignore[type-arg]
     """Our flat names -> Megatron's nested model state.
 
     ``language_model.embedding.word_embeddings.weight`` -> ``[lm][embedding][word_embeddings][weight]``;

@@ -16,6 +16,7 @@ Layer indices stay local to the chunk in both (as each writes them). Both are re
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -43,7 +44,7 @@ def mcore_name(local: str) -> str:
         ) from None
 
 
-def _mcore_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
+def _mcore_state(flat: Mapping[str, object]) -> dict[str, Any]:
     out: dict[str, Any] = {mcore_name(k): v for k, v in flat.items()}
     # every linear layer keeps an _extra_state entry: the dense ones, each expert's, the shared expert's
     for key in list(out):
@@ -54,8 +55,8 @@ def _mcore_state(flat: dict[str, torch.Tensor]) -> dict[str, Any]:
     return out
 
 
-def chunk_to_file(flat: dict[str, torch.Tensor], *, names: str, kind: str) -> dict[str, Any]:
-    """A chunk's local tensors as its ``model``/``model{i}`` entry under ``names``."""
+def chunk_to_file(flat: Mapping[str, object], *, names: str, kind: str) -> dict[str, Any]:
+    """A chunk's local tensors (or placeholders of them) as its ``model``/``model{i}`` entry under ``names``."""
     if names not in MODULE_NAMES:
         raise UserError(f"--module-names {names!r}: expected one of {', '.join(MODULE_NAMES)}")
     if names == "legacy" or not kind_of(kind).mcore_names:  # e.g. megatron-core BERT: none for our heads

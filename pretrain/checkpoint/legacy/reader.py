@@ -144,6 +144,21 @@ class LegacyReader:
                 )
         return full
 
+    def tensor_meta(self, name: str) -> torch.Tensor:
+        """``tensor(name)``'s dtype and shape as a ``meta`` tensor, from the mapped parts' (no data read)."""
+        if name not in self.entries:
+            raise UserError(f"{self.info.path}: no tensor {name!r}")
+        slot = self.entries[name].slot
+        parts = [
+            torch.empty(p.shape, dtype=p.dtype, device="meta")
+            for p in map(self._part, self.entries[name].parts)
+        ]
+        if slot.dim is None or len(parts) == 1:
+            full = parts[0]
+        else:
+            full = unshard_tensors(parts, dim=slot.dim, layout=row_layout(slot.local, self.spec.cfg))
+        return full[: self.spec.cfg.vocab_size] if slot.vocab else full
+
     def tensor(self, name: str) -> torch.Tensor:
         """The canonical full tensor ``name`` (vocab rows trimmed), checked across shards."""
         full = self.stored_rows(name)

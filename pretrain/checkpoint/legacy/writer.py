@@ -1,9 +1,10 @@
 """Write canonical full tensors as a checkpoint of any TP/PP/VP layout, one rank file at a time.
 
 The source is anything with ``spec``, ``names()`` and ``tensor(name)`` (a checkpoint reader, a
-Hugging Face model converted to canonical names): each target rank file is assembled from the
-source's (mmap'd) tensors, written atomically, and dropped before the next one, so memory stays
-near one target shard plus one full tensor. The whole output directory is built under a
+Hugging Face model converted to canonical names): each target rank file is streamed
+(:mod:`~pretrain.checkpoint.legacy.stream_save`): its pickle is written from the shards' dtypes and
+shapes, then each shard is cut from the source's (mmap'd) full tensor when its record is written
+and dropped at once, so memory stays near one full tensor plus one shard, whatever the file's size. The whole output directory is built under a
 temporary sibling and renamed at the end: a failure never leaves a half-written ``--save``.
 Vocabulary padding is recomputed for the target TP; the last stage gets its
 ``word_embeddings_for_head`` copy of the tied embeddings.
@@ -11,6 +12,7 @@ Vocabulary padding is recomputed for the target TP; the last stage gets its
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,8 +30,10 @@ from pretrain.checkpoint.legacy.layout import (
     write_tracker,
 )
 from pretrain.checkpoint.legacy.module_names import chunk_to_file
+from pretrain.checkpoint.legacy.stream_save import LazyTensor, stream_save_all
 from pretrain.checkpoint.metadata import to_args
 from pretrain.checkpoint.plan import LayoutPlan, Slot
+from pretrain.checkpoint.tensor_meta import tensor_meta
 from pretrain.checkpoint.types import (
     CheckpointMetadata,
     DictSource,
@@ -97,14 +101,41 @@ def vocab_rows(source: TensorSource, name: str, padded: int) -> torch.Tensor:
     return source.stored_rows(name)[:padded]
 
 
+class _LastTensor:
+    """The source's full tensors for the target's shards, the last one kept: a stage's TP ranks,
+    written in lockstep, cut their shards of one tensor from one read."""
+
+    def __init__(self, source: TensorSource, padded: int) -> None:
+        self.source, self.padded = source, padded
+        self.key: tuple[str, bool] | None = None
+        self.full: torch.Tensor | None = None
+
+    def get(self, slot: Slot) -> torch.Tensor:
+        key = (slot.canonical, slot.vocab)
+        if key != self.key or self.full is None:
+            self.full = None  # the previous one goes before the next is read
+            name = slot.canonical
+            self.full = vocab_rows(self.source, name, self.padded) if slot.vocab else self.source.tensor(name)
+            self.key = key
+        return self.full
+
+    def clear(self) -> None:
+        self.key, self.full = None, None
+
+
 def _chunk_state(
-    source: TensorSource, slots: list[Slot], *, tp_rank: int, tp: int, padded: int
-) -> dict[str, torch.Tensor]:
-    flat = {}
-    for slot in slots:
-        full = vocab_rows(source, slot.canonical, padded) if slot.vocab else source.tensor(slot.canonical)
-        flat[slot.local] = _shard(full, slot, tp_rank=tp_rank, tp=tp, padded=padded)
-    return flat
+    last: _LastTensor, slots: list[Slot], *, tp_rank: int, tp: int, padded: int
+) -> dict[str, LazyTensor]:
+    """The chunk's tensors as placeholders: each shard is cut from its full tensor only when the
+    file writer reaches it (:mod:`~pretrain.checkpoint.legacy.stream_save`)."""
+
+    def maker(slot: Slot) -> Callable[[], torch.Tensor]:
+        return lambda: _shard(last.get(slot), slot, tp_rank=tp_rank, tp=tp, padded=padded)
+
+    return {
+        slot.local: LazyTensor(tensor_meta(last.source, slot.canonical).dtype, tuple(slot.shape), maker(slot))
+        for slot in slots
+    }
 
 
 def _target_metadata(
@@ -154,33 +185,45 @@ def write_layout(
     save = Path(save)
     with atomic_directory(save) as tmp:
         it_dir = iteration_dir(tmp, options.iteration)
+        last = _LastTensor(source, padded)
         for pp_rank in range(target.pp):
             stage = [plan.slots(pp_rank, c) for c in range(target.vp)]
-            for tp_rank in range(target.tp):
-                for ep_rank in range(target.ep):  # the expert-free layout's file when EP == 1
-                    slots = [slots_of_ep_rank(x, ep_rank=ep_rank, per_rank=per_rank) for x in stage]
-                    name = rank_dir_name(tp_rank, pp_rank, target.pp, ep_rank if target.ep > 1 else None)
-                    state: dict[str, Any] = {
+            for ep_rank in range(target.ep):  # the expert-free layout's files when EP == 1
+                slots = [slots_of_ep_rank(x, ep_rank=ep_rank, per_rank=per_rank) for x in stage]
+
+                def state(
+                    tp_rank: int, pp_rank: int = pp_rank, slots: list[list[Slot]] = slots
+                ) -> dict[str, Any]:
+                    out: dict[str, Any] = {
                         "iteration": options.iteration,
                         "checkpoint_version": CHECKPOINT_VERSION,
                         "args": args,
                     }
                     for key, chunk_slots in zip(plan.chunk_keys(), slots, strict=True):
-                        # one expression: no local keeps this file's tensors alive while the next is built
-                        state[key] = chunk_to_file(
-                            _chunk_state(source, chunk_slots, tp_rank=tp_rank, tp=target.tp, padded=padded),
+                        out[key] = chunk_to_file(
+                            _chunk_state(last, chunk_slots, tp_rank=tp_rank, tp=target.tp, padded=padded),
                             names=meta.module_names, kind=meta.kind,
                         )  # fmt: skip
-                    state["optimizer"] = optimizer(tp_rank, pp_rank, slots) if optimizer else None
-                    state["opt_param_scheduler"] = options.opt_param_scheduler
+                    out["optimizer"] = optimizer(tp_rank, pp_rank, slots) if optimizer else None
+                    out["opt_param_scheduler"] = options.opt_param_scheduler
                     rng = options.rng_state(tp_rank, pp_rank) if options.rng_state else None
                     if rng is not None:
-                        state["rng_state"] = rng
-                    with atomic_open(it_dir / name / MODEL_FILE, "wb") as fh:
-                        torch.save(state, fh)
-                    del state
-                    if progress is not None:
-                        progress(name)
+                        out["rng_state"] = rng
+                    return out
+
+                # the TP ranks of a (stage, EP rank) in lockstep (each full tensor read once for all of
+                # them); with an optimizer, one rank at a time (its states are real tensors)
+                groups = [[t] for t in range(target.tp)] if optimizer else [list(range(target.tp))]
+                for ranks in groups:
+                    ep = ep_rank if target.ep > 1 else None
+                    names = [rank_dir_name(t, pp_rank, target.pp, ep) for t in ranks]
+                    with contextlib.ExitStack() as stack:
+                        fhs = [stack.enter_context(atomic_open(it_dir / n / MODEL_FILE, "wb")) for n in names]
+                        stream_save_all([(state(t), fh) for t, fh in zip(ranks, fhs, strict=True)])
+                    last.clear()
+                    for name in names:
+                        if progress is not None:
+                            progress(name)
         write_tracker(tmp, options.iteration)
         if extra_files is not None:
             extra_files(tmp)

@@ -183,6 +183,16 @@ class TorchDistReader:
             full = full + 1
         return full
 
+    def tensor_meta(self, name: str) -> torch.Tensor:
+        """``tensor(name)``'s dtype and shape as a ``meta`` tensor, from ``.metadata`` (no data read)."""
+        if name not in self.refs:
+            raise UserError(f"{self.path}: no tensor {name!r}")
+        ref = self.refs[name]
+        md = self.meta[ref.key]
+        size = tuple(md.size) if ref.layer is None else tuple(md.size[1:])
+        full = torch.empty(size, dtype=md.properties.dtype, device="meta")
+        return full[: self.spec.cfg.vocab_size] if is_vocab_tensor(name) else full
+
     def tensor(self, name: str) -> torch.Tensor:
         full = self.stored_rows(name)
         return full[: self.spec.cfg.vocab_size] if is_vocab_tensor(name) else full
