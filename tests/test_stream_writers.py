@@ -145,11 +145,12 @@ def test_a_writer_departing_from_its_plan_still_writes_correct_files(tmp_path: P
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
 
 
-@pytest.mark.parametrize("fmt", ["torch", "torch_dist"])
-def test_readers_tell_dtype_and_shape_without_reading(tmp_path: Path, fmt: str) -> None:
+@pytest.mark.parametrize(("fmt", "tp"), [("torch", 2), ("torch", 4), ("torch_dist", 2)])
+def test_readers_tell_dtype_and_shape_without_reading(tmp_path: Path, fmt: str, tp: int) -> None:
+    """tp 4 over 2 query groups: key/value heads replicated on two ranks each."""
     cfg = tiny_config(num_layers=2, **LLAMA)  # type: ignore[arg-type]
     full = {k: v.bfloat16() if "layers.1" in k else v for k, v in full_weights(cfg).items()}
-    ck = write_ours(tmp_path / "ck", cfg, full, tp=2, pp=2)
+    ck = write_ours(tmp_path / "ck", cfg, full, tp=tp, pp=2)
     if fmt == "torch_dist":
         argv = ["reshard", "--load", str(ck), "--save", str(tmp_path / "td"), "--target-tp", "1",
                 "--target-pp", "1", "--ckpt-format", "torch_dist"]  # fmt: skip

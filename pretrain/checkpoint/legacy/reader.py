@@ -156,7 +156,9 @@ class LegacyReader:
         if slot.dim is None or len(parts) == 1:
             full = parts[0]
         else:
-            full = unshard_tensors(parts, dim=slot.dim, layout=row_layout(slot.local, self.spec.cfg))
+            full = unshard_tensors(
+                parts, dim=slot.dim, layout=row_layout(slot.local, self.spec.cfg), replicas="first"
+            )
         return full[: self.spec.cfg.vocab_size] if slot.vocab else full
 
     def tensor(self, name: str) -> torch.Tensor:

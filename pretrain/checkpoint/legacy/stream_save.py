@@ -128,20 +128,32 @@ def stream_save_all(files: Sequence[tuple[object, IO[bytes]]]) -> None:
     The files are written in lockstep, record ``k`` of every file before record ``k + 1`` of any:
     files of the same layout (a pipeline stage's TP ranks) then ask for the same source tensor one
     after another, which a one-tensor cache in the caller turns into one read."""
-    started = [_begin(obj, fh) for obj, fh in files]
-    for key in range(max((len(records) for _, records in started), default=0)):
-        for zf, records in started:
-            if key >= len(records):
-                continue
-            record, name = records[key], f"data/{key}"
-            if isinstance(record, LazyTensor):
-                _write_tensor(zf, name, record)
-            else:
-                zf.write_record(name, record.cpu(), record.nbytes())  # type: ignore[arg-type]
-            records[key] = None  # type: ignore[call-overload]  # dropped: one made tensor at a time
-    for (zf, _), (_, fh) in zip(started, files, strict=True):
-        zf.write_end_of_file()
+    started: list[tuple[torch._C.PyTorchFileWriter, list[torch.UntypedStorage | LazyTensor]]] = []
+    try:
+        for obj, fh in files:
+            started.append(_begin(obj, fh))
+        for key in range(max((len(records) for _, records in started), default=0)):
+            for zf, records in started:
+                if key < len(records):
+                    _write_record(zf, f"data/{key}", records[key])
+                    records[key] = None  # type: ignore[call-overload]  # dropped: one made tensor at a time
+    finally:
+        # finish every archive while its file is open (also on an error or Ctrl-C: a writer left to
+        # the garbage collector would finish it into a closed file and abort the process)
+        for zf, _ in started:
+            zf.write_end_of_file()
+        started.clear()
+    for _, fh in files:
         fh.flush()
+
+
+def _write_record(
+    zf: torch._C.PyTorchFileWriter, name: str, record: torch.UntypedStorage | LazyTensor
+) -> None:
+    if isinstance(record, LazyTensor):
+        _write_tensor(zf, name, record)
+    else:
+        zf.write_record(name, record.cpu(), record.nbytes())  # type: ignore[arg-type]
 
 
 def stream_save(obj: object, fh: IO[bytes]) -> None:
