@@ -134,8 +134,9 @@ def _convert(name: str, argv: list[str], source: Path, cp_s: float) -> dict[str,
     }
 
 
-def measure_size(size: str, work: Path) -> dict[str, object]:
-    """Generate one size, run every conversion, delete the outputs; the size's figures."""
+def measure_size(size: str, work: Path, only: frozenset[str] = frozenset(CONVERSIONS)) -> dict[str, object]:
+    """Generate one size, run the conversions in ``only`` (from_hf needs to_hf), delete the outputs;
+    the size's figures."""
     work.mkdir(parents=True)
     shapes = canonical_shapes(size)
     params = sum(torch.Size(s).numel() for s in shapes.values())
@@ -150,20 +151,20 @@ def measure_size(size: str, work: Path) -> dict[str, object]:
     runs["to_hf"] = _convert("to_hf", ["to-hf", "--load", str(legacy), "--save", str(hf), "--weights-only",
                                        "--no-verify", "--max-shard-size", "2GB"], legacy, cp_legacy)  # fmt: skip
     cp_hf = _cp_seconds(hf, work / "cp_hf")
-    argv = ["reshard", "--load", str(legacy), "--save", str(out), "--target-tp", "4", "--target-pp", "1"]
-    runs["reshard"] = _convert("reshard", argv, legacy, cp_legacy)
-    shutil.rmtree(out)
-    argv = ["from-hf", "--load", str(hf), "--save", str(out), "--tp", "2", "--pp", "2", "--weights-only"]
-    runs["from_hf"] = _convert("from_hf", argv, hf, cp_hf)
-    shutil.rmtree(out)
-    shutil.rmtree(hf)
-    argv = ["reshard", "--load", str(legacy), "--save", str(out), "--target-tp", "2", "--target-pp", "2",
-            "--ckpt-format", "torch_dist"]  # fmt: skip
-    runs["to_torch_dist"] = _convert("to_torch_dist", argv, legacy, cp_legacy)
-    shutil.rmtree(out)
-    argv = ["to-hf", "--load", str(dist), "--save", str(out), "--weights-only", "--no-verify",
-            "--max-shard-size", "2GB"]  # fmt: skip
-    runs["torch_dist_to_hf"] = _convert("torch_dist_to_hf", argv, dist, cp_dist)
+    commands = {
+        "reshard": (["reshard", "--load", str(legacy), "--save", str(out), "--target-tp", "4", "--target-pp", "1"],
+                    legacy, cp_legacy),
+        "from_hf": (["from-hf", "--load", str(hf), "--save", str(out), "--tp", "2", "--pp", "2", "--weights-only"],
+                    hf, cp_hf),
+        "to_torch_dist": (["reshard", "--load", str(legacy), "--save", str(out), "--target-tp", "2",
+                           "--target-pp", "2", "--ckpt-format", "torch_dist"], legacy, cp_legacy),
+        "torch_dist_to_hf": (["to-hf", "--load", str(dist), "--save", str(out), "--weights-only", "--no-verify",
+                              "--max-shard-size", "2GB"], dist, cp_dist),
+    }  # fmt: skip
+    for name, (argv, source, cp_s) in commands.items():
+        if name in only:
+            runs[name] = _convert(name, argv, source, cp_s)
+            shutil.rmtree(out)
     shutil.rmtree(work)
     return {
         "size": size, "params": params, "model_gb": round(params * 2 / GB, 3),
@@ -186,7 +187,7 @@ def summarise(points: list[dict[str, object]]) -> dict[str, object]:
     """Slopes and goal checks over the measured sizes."""
     bparams = [float(p["params"]) / 1e9 for p in points]  # type: ignore[arg-type]
     slopes, met_memory, worst_speed, worst_over_cp = {}, True, float("inf"), 0.0
-    for c in CONVERSIONS:
+    for c in [c for c in CONVERSIONS if all(c in p for p in points)]:
         runs = [p[c] for p in points]
         slopes[c] = round(_slope(bparams, [r["peak_anon_gb"] for r in runs]), 4)  # type: ignore[index]
         for p, r in zip(points, runs, strict=True):
@@ -207,6 +208,7 @@ def main() -> None:
     g.add_argument("--large", action="store_true", help="add 7B")
     g.add_argument("--sizes", help="comma-separated sizes: " + ",".join(SIZES))
     p.add_argument("--workdir", type=Path, default=None, help="where checkpoints are generated (a temp dir)")
+    p.add_argument("--conversions", default=",".join(CONVERSIONS), help="which to run (to_hf always runs)")
     p.add_argument("--plot", type=Path, default=None, help="write the curve here (.svg)")
     p.add_argument("--repo", type=Path, default=None,
                    help="run the conversions from this checkout (e.g. main, for a before/after)")  # fmt: skip
@@ -219,7 +221,7 @@ def main() -> None:
     points = []
     try:
         for size in sizes:
-            point = measure_size(size, work / size)
+            point = measure_size(size, work / size, frozenset(a.conversions.split(",")))
             print(json.dumps(point), flush=True)
             points.append(point)
     finally:

@@ -243,3 +243,27 @@ def test_bench_convert_scale_quick_smoke(tmp_path: Path) -> None:
     assert set(rec["anon_slope_gb_per_b_params"]) >= {"to_hf", "reshard"}
     assert (tmp_path / "curve.svg").read_text().startswith("<svg")
     assert [p.name for p in tmp_path.iterdir()] == ["curve.svg"]  # generated checkpoints removed
+
+
+@pytest.mark.parametrize("overrides", [{}, LLAMA], ids=["gpt2", "llama"])
+def test_to_hf_converts_one_canonical_tensor_at_a_time(tmp_path: Path, overrides: dict[str, object]) -> None:
+    """Every HF tensor comes from one canonical tensor, so a layer is never whole in memory: the
+    plan names each output's source, and the stream reads each canonical tensor once."""
+    from tools.hf_io import export_family_of
+    from tools.hf_shards import _one_source_each, plan_hf_tensors, stream_hf_tensors
+
+    cfg = tiny_config(num_layers=2, **overrides)  # type: ignore[arg-type]
+    reader = open_checkpoint(write_ours(tmp_path / "ck", cfg, full_weights(cfg), tp=2, pp=1), vocab_size=1003)
+    fam = export_family_of(reader.spec).module()
+
+    def convert(chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return fam.export_tensors(chunk, reader.spec.cfg, fresh_heads=reader.spec.fresh_heads)
+
+    names = reader.names()
+    metas = {n: tensor_meta(reader, n) for n in names}
+    plan = plan_hf_tensors(names, metas, convert)
+    assert plan is not None and all(_one_source_each(g) for g in plan.groups)
+    reads: list[str] = []
+    got = list(stream_hf_tensors(names, lambda n: reads.append(n) or reader.tensor(n), convert, metas, plan))
+    assert [n for n, _ in got] == [t.name for t in plan.tensors]
+    assert sorted(reads) == sorted(set(reads)) and set(reads) <= set(names)

@@ -196,8 +196,8 @@ def export_hf(
     # each shard's header from the tensors' dtypes and shapes, so every byte is written once
     plan = plan_hf_tensors(names, metas, convert)
     with atomic_directory(save) as tmp:
-        writer = ShardWriter(tmp, max_shard_size=max_bytes, plan=plan)
-        for name, t in stream_hf_tensors(names, get, convert, metas):
+        writer = ShardWriter(tmp, max_shard_size=max_bytes, plan=None if plan is None else plan.tensors)
+        for name, t in stream_hf_tensors(names, get, convert, metas, plan):
             writer.add(name, t)
             if written is not None:
                 written(name)

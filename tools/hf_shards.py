@@ -32,7 +32,7 @@ import torch
 from pretrain.checkpoint.tensor_meta import meta_like
 from pretrain.utils.errors import UserError
 
-__all__ = ["ShardWriter", "meta_like", "plan_hf_tensors", "stream_hf_tensors"]
+__all__ = ["HFPlan", "ShardWriter", "meta_like", "plan_hf_tensors", "stream_hf_tensors"]
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 INDEX_FILE = "model.safetensors.index.json"
@@ -89,36 +89,83 @@ class Planned:
         return int(torch.Size(self.shape).numel()) * self.dtype.itemsize
 
 
+@dataclass(frozen=True)
+class HFPlan:
+    """What :func:`stream_hf_tensors` yields, in order (``tensors``), and per layer group each
+    output with the one canonical tensor it is made from (``None``: it needs several)."""
+
+    tensors: list[Planned]
+    groups: list[list[tuple[str, str | None]]]
+
+
+def _real_outputs(
+    convert: Convert, metas: dict[str, torch.Tensor], real: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    mapping = dict(metas)
+    mapping.update(real)
+    return {k: t for k, t in convert(mapping).items() if t.device.type != "meta"}
+
+
+def _one_source_each(group: list[tuple[str, str | None]]) -> bool:
+    """Every output has one source tensor, and each source's outputs come one after another."""
+    sources = [src for _, src in group]
+    runs = [s for i, s in enumerate(sources) if i == 0 or s != sources[i - 1]]
+    return None not in sources and len(runs) == len(set(runs))
+
+
 def stream_hf_tensors(
     names: Sequence[str], get: Callable[[str], torch.Tensor], convert: Convert,
-    metas: dict[str, torch.Tensor] | None = None,
+    metas: dict[str, torch.Tensor] | None = None, plan: HFPlan | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """``(hf_name, tensor)`` for every output of ``convert`` (canonical dict -> HF dict), computed one
     layer group at a time; ``metas``: each canonical tensor's dtype and shape on the ``meta`` device
-    (default: ``meta_like(get(name))``, reading every tensor once more)."""
+    (default: ``meta_like(get(name))``, reading every tensor once more). With ``plan``, a group whose
+    outputs each come from one canonical tensor is converted one tensor at a time, in the same order
+    (memory: one canonical tensor and its outputs, not the layer's)."""
     if metas is None:
         metas = {n: meta_like(get(n)) for n in names}
     expected = set(convert(dict(metas)))
     seen: set[str] = set()
-    for group in layer_groups(names):
-        mapping = dict(metas)
-        mapping.update((n, get(n)) for n in group)
+    for i, group in enumerate(layer_groups(names)):
+        if plan is not None and _one_source_each(plan.groups[i]):
+            source: str | None = None
+            made: dict[str, torch.Tensor] = {}
+            for hf_name, src in plan.groups[i]:
+                assert src is not None
+                if src != source:
+                    made = {}  # the previous tensor's outputs go before the next is read
+                    made, source = _real_outputs(convert, metas, {src: get(src)}), src
+                seen.add(hf_name)
+                yield hf_name, made.pop(hf_name)
+            continue
         try:
-            out = convert(mapping)
+            out = _real_outputs(convert, metas, {n: get(n) for n in group})
         except (RuntimeError, NotImplementedError) as exc:  # an output mixing layers: cannot stream
             raise RuntimeError(f"the HF mapping combines tensors of several layers ({exc})") from exc
         for hf_name, t in out.items():
-            if t.device.type != "meta" and hf_name not in seen:
+            if hf_name not in seen:
                 seen.add(hf_name)
                 yield hf_name, t
-        del mapping, out
+        del out
     if seen != expected:
         raise RuntimeError(f"HF tensors not produced by any single layer: {sorted(expected - seen)[:5]}")
 
 
-def plan_hf_tensors(
-    names: Sequence[str], metas: dict[str, torch.Tensor], convert: Convert
-) -> list[Planned] | None:
+def _sources(convert: Convert, metas: dict[str, torch.Tensor], group: list[str],
+             outputs: list[str], fake: Callable[[str], torch.Tensor]) -> list[tuple[str, str | None]]:  # fmt: skip
+    """Each of a group's ``outputs`` with the one tensor of ``group`` that alone makes it real."""
+    source: dict[str, str] = {}
+    for n in group:
+        try:
+            made = _real_outputs(convert, metas, {n: fake(n)})
+        except Exception:  # noqa: BLE001  # e.g. meta mixed with a real tensor: not alone
+            continue
+        for hf_name in made:
+            source.setdefault(hf_name, n)
+    return [(hf_name, source.get(hf_name)) for hf_name in outputs]
+
+
+def plan_hf_tensors(names: Sequence[str], metas: dict[str, torch.Tensor], convert: Convert) -> HFPlan | None:
     """What :func:`stream_hf_tensors` will yield, in order, from a dry run on fake tensors (shapes
     only: no data read, no memory); ``None`` when the mapping cannot run on them."""
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -129,11 +176,19 @@ def plan_hf_tensors(
             def fake(name: str) -> torch.Tensor:
                 return torch.empty(metas[name].shape, dtype=metas[name].dtype)
 
-            return [
+            tensors = [
                 Planned(n, t.dtype, tuple(t.shape)) for n, t in stream_hf_tensors(names, fake, convert, metas)
             ]
+            groups, seen = [], set()
+            for group in layer_groups(names):
+                outs = [
+                    n for n in _real_outputs(convert, metas, {n: fake(n) for n in group}) if n not in seen
+                ]
+                seen.update(outs)
+                groups.append(_sources(convert, metas, group, outs, fake))
     except Exception:  # noqa: BLE001  # e.g. a data-dependent step: write without a plan
         return None
+    return HFPlan(tensors, groups)
 
 
 def split_shards(tensors: Sequence[Planned], max_bytes: int) -> list[list[Planned]]:
