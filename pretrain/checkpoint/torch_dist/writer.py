@@ -233,7 +233,8 @@ def _fetcher(source: TensorSource, opt: OptimizerSource | None) -> Callable[[_En
                 raise UserError(
                     f"tensor {name}: {full.shape[0]} rows exceed the padded vocabulary {pad_rows}"
                 )
-            full = torch.cat([full, full.new_zeros((pad_rows - full.shape[0], *full.shape[1:]))])
+            if full.shape[0] < pad_rows:  # (a copy of the largest tensor: only when rows are missing)
+                full = torch.cat([full, full.new_zeros((pad_rows - full.shape[0], *full.shape[1:]))])
         return full
 
     return fetch
