@@ -97,7 +97,7 @@ def _dir_bytes(path: Path) -> int:
 def _generate(size: str, work: Path) -> tuple[Path, Path]:
     from pretrain.checkpoint.legacy.writer import WriteOptions, write_layout
     from pretrain.checkpoint.torch_dist.writer import write_torch_dist
-    from pretrain.config import ParallelConfig
+    from pretrain.parallel.config import ParallelConfig
 
     src = random_source(size)
     legacy, dist = work / "legacy", work / "torch_dist"
