@@ -26,8 +26,8 @@ def _train(gpt_data: dict[str, str], tmp_path: Path, name: str, iters: int, **kw
     return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "loss" in r]
 
 
-def _reshard(src: Path, dst: Path, ep: int, *extra: str) -> None:
-    argv = ["reshard", "--load", str(src), "--save", str(dst), "--target-tp", "1", "--target-pp", "1",
+def _reshard(src: Path, dst: Path, ep: int, *extra: str, tp: int = 1) -> None:
+    argv = ["reshard", "--load", str(src), "--save", str(dst), "--target-tp", str(tp), "--target-pp", "1",
             "--target-ep", str(ep), "--with-optimizer", *extra]  # fmt: skip
     assert convert_main(argv) == 0
 
@@ -74,3 +74,8 @@ def test_zero1_expert_state_resharded_across_ep_resumes(gpt_data: dict[str, str]
                 idx, rest = tail.split(".", 1)
                 name = f"{head}.local_experts.{int(idx) + e * per}.{rest}"
             torch.testing.assert_close(merged[name], v, rtol=1e-4, atol=1e-6, msg=name)
+    # EP 2 -> TP 2 EP 1 (the experts' state split over TP like their weights)
+    _reshard(tmp_path / "full", tmp_path / "tp2", 1, "--iteration", "2", tp=2)
+    tp2 = _train(gpt_data, tmp_path, "tp2run", 4, load=tmp_path / "tp2",
+                 **{"expert-model-parallel-size": 1, "tensor-model-parallel-size": 2})  # fmt: skip
+    torch.testing.assert_close(torch.tensor(tp2), torch.tensor(full[2:]), rtol=1e-5, atol=0)
