@@ -5,6 +5,7 @@ resumed by ``mlm-pretrain`` (torchrun, CPU/gloo)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -79,3 +80,38 @@ def test_zero1_expert_state_resharded_across_ep_resumes(gpt_data: dict[str, str]
     tp2 = _train(gpt_data, tmp_path, "tp2run", 4, load=tmp_path / "tp2",
                  **{"expert-model-parallel-size": 1, "tensor-model-parallel-size": 2})  # fmt: skip
     torch.testing.assert_close(torch.tensor(tp2), torch.tensor(full[2:]), rtol=1e-5, atol=0)
+    # EP 2 -> EP 4 (one expert per EP rank file) -> EP 2: bitwise again
+    _reshard(tmp_path / "full", tmp_path / "ep4", 4, "--iteration", "2")
+    assert len(list((tmp_path / "ep4" / "iter_0000002").iterdir())) == 4
+    _reshard(tmp_path / "ep4", tmp_path / "ep4to2", 2)
+    assert _train(gpt_data, tmp_path, "ep4to2run", 4, load=tmp_path / "ep4to2") == full[2:]
+    # the same ZeRO-1 shards resumed by the non-distributed optimizer (each rank its EP rank's experts)
+    shutil.copytree(tmp_path / "full" / "iter_0000002", tmp_path / "at2" / "iter_0000002")
+    (tmp_path / "at2" / "latest_checkpointed_iteration.txt").write_text("2")
+    plain = {"use-distributed-optimizer": False, "load": tmp_path / "at2"}
+    dense = _train(gpt_data, tmp_path, "plain", 4, **plain)
+    torch.testing.assert_close(torch.tensor(dense), torch.tensor(full[2:]), rtol=1e-5, atol=0)
+
+
+def _shard(dp_rank: int, ep_rank: int | None) -> dict[str, object]:
+    """DP rank ``dp_rank`` of 2 (EP 2, expert DP 1): a dense buffer of 4 elements (2 each) and
+    its EP rank's expert buffer of 2 elements (whole); values say rank and element."""
+    dense = {"numel": 4, "buckets": [(0, 4)], "index": [("model0.w", (4,), 0, 4)]}
+    expert = {"numel": 2, "buckets": [(0, 2)], "index": [("model0.mlp.experts.0.w", (2,), 0, 2)],
+              "shard_rank": 0, "shard_size": 1, **({} if ep_rank is None else {"ep_rank": ep_rank})}  # fmt: skip
+    flat = {k: torch.tensor([10.0 * dp_rank, 10.0 * dp_rank + 1]) for k in ("param", "exp_avg", "exp_avg_sq")}
+    flat_e = {k: torch.tensor([100.0 * (1 + dp_rank), 100.0 * (1 + dp_rank) + 1]) for k in flat}
+    return {"dp_rank": dp_rank, "dp_size": 2, "step": 3, "param_groups": [{}], "grad_scaler": None,
+            "buffers": [{**dense, **flat}, {**expert, **flat_e}]}  # fmt: skip
+
+
+def test_reassembly_picks_each_ep_ranks_expert_shards_and_refuses_unmarked_ones() -> None:
+    from pretrain.optim.distrib_optimizer import reassemble_full_state
+
+    shards = [_shard(1, 1), _shard(0, 0)]
+    for e in (0, 1):
+        params = reassemble_full_state(shards, ep_rank=e)["params"]
+        assert params["model0.w"]["exp_avg"].tolist() == [0.0, 1.0, 10.0, 11.0]  # both DP ranks
+        assert params["model0.mlp.experts.0.w"]["param"].tolist() == [100.0 * (1 + e), 100.0 * (1 + e) + 1]
+    with pytest.raises(ValueError, match="do not record their EP rank"):
+        reassemble_full_state([_shard(0, None), _shard(1, None)], ep_rank=0)
