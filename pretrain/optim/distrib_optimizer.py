@@ -33,6 +33,7 @@ from pretrain.distributed.grad_buffer import GradBuffer, Range
 from pretrain.optim.clip_grads import counts_for_norm
 from pretrain.optim.optimizer import MainParam, MixedPrecisionOptimizer, make_main_param
 from pretrain.optim.param_groups import uses_weight_decay
+from pretrain.tensor_parallel.layers import is_expert
 
 FLAT_STATES = ("param", "exp_avg", "exp_avg_sq")
 
@@ -117,8 +118,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         without the model. Scalars (step, lr, scaler) are identical on every DP rank."""
         keys = {id(p): key for key, _, p in self._named_params()}
         buffers = []
-        for buf, entries, (rank, size) in zip(
-            self._buffers(), self._local, self._buffer_shards(), strict=True
+        experts = [any(is_expert(p) for p in buf.params) for buf in self._buffers()]
+        for buf, entries, (rank, size), expert in zip(
+            self._buffers(), self._local, self._buffer_shards(), experts, strict=True
         ):
             shard_numel = buf.numel // size
             flat = {k: torch.zeros(shard_numel, dtype=torch.float32) for k in FLAT_STATES}
@@ -136,8 +138,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                     "buckets": [(b.start, b.end) for b in buf.buckets],
                     "index": index,
                     **flat,
-                    # an expert buffer sharded over expert DP (not the dense DP group)
-                    **({"shard_rank": rank, "shard_size": size} if size != self.ps.dp_size else {}),
+                    # an expert buffer sharded over expert DP (not the dense DP group), holding
+                    # this EP rank's experts (local indices)
+                    **(
+                        {"shard_rank": rank, "shard_size": size, "ep_rank": self.ps.ep_rank}
+                        if size != self.ps.dp_size or (expert and self.ps.ep_size > 1)
+                        else {}
+                    ),
                 }
             )
         common = self.state_dict_common()
@@ -214,30 +221,58 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return out
 
 
-def reassemble_full_state(shards: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _assemble(meta: dict[str, Any], parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One buffer's flat state (``meta["numel"]``) from its shards ``parts`` in rank order: each
+    bucket is split into ``len(parts)`` equal contiguous pieces, rank k's piece is in its shard."""
+    full = torch.zeros(meta["numel"], dtype=torch.float32)
+    offset, d = 0, len(parts)
+    for start, end in meta["buckets"]:
+        per = (end - start) // d
+        for rank, part in enumerate(parts):
+            full[start + rank * per : start + (rank + 1) * per] = part[offset : offset + per]
+        offset += per
+    return full
+
+
+def _expert_parts(shards: Sequence[dict[str, Any]], b: int, ep_rank: int) -> list[dict[str, Any]]:
+    """Expert buffer ``b`` of EP rank ``ep_rank`` from every expert-DP rank, in shard-rank order."""
+    if any("ep_rank" not in s["buffers"][b] for s in shards):
+        raise ValueError(
+            "expert parameters are sharded over the expert data-parallel group and the shards do not "
+            "record their EP rank (saved by an older version): resume with the same layout"
+        )
+    mine = sorted((s["buffers"][b] for s in shards if s["buffers"][b]["ep_rank"] == ep_rank),
+                  key=lambda buf: buf["shard_rank"])  # fmt: skip
+    size = mine[0]["shard_size"] if mine else 0
+    if not mine or [buf["shard_rank"] for buf in mine] != list(range(size)):
+        got = [buf["shard_rank"] for buf in mine]
+        raise ValueError(f"need all {size} expert-DP shards of EP rank {ep_rank}, got {got}")
+    return mine
+
+
+def reassemble_full_state(shards: Sequence[dict[str, Any]], *, ep_rank: int | None = None) -> dict[str, Any]:
     """Combine every DP rank's :meth:`DistributedOptimizer.sharded_state_dict` (any order) into
     the non-distributed form: ``{"params": {key: {"param", "exp_avg", "exp_avg_sq"}}, "step",
-    "param_groups", "grad_scaler"}`` with tensors shaped like the parameters. Pure function."""
+    "param_groups", "grad_scaler"}`` with tensors shaped like the parameters. Pure function.
+
+    With expert parallelism the expert buffers are sharded over the expert-DP group of each EP
+    rank (the DP ranks that share its experts): ``ep_rank`` picks whose experts (local indices)
+    are reassembled; the dense buffers come from all DP ranks."""
     shards = sorted(shards, key=lambda s: s["dp_rank"])
     d = shards[0]["dp_size"]
     if [s["dp_rank"] for s in shards] != list(range(d)):
         raise ValueError(f"need the shards of all {d} DP ranks, got ranks {[s['dp_rank'] for s in shards]}")
-    if any("shard_size" in b for b in shards[0]["buffers"]):
-        raise ValueError(
-            "expert parameters are sharded over the expert data-parallel group: resume with the same layout"
-        )
     params: dict[str, dict[str, torch.Tensor]] = {}
     for b, meta in enumerate(shards[0]["buffers"]):
+        if "shard_size" in meta:
+            if ep_rank is None:
+                raise ValueError("expert parameters are sharded over expert DP: say which EP rank's")
+            parts = _expert_parts(shards, b, ep_rank)
+            meta = parts[0]
+        else:
+            parts = [s["buffers"][b] for s in shards]
         for k in FLAT_STATES:
-            full = torch.zeros(meta["numel"], dtype=torch.float32)
-            offset = 0
-            for start, end in meta["buckets"]:
-                per = (end - start) // d
-                for rank, s in enumerate(shards):
-                    full[start + rank * per : start + (rank + 1) * per] = s["buffers"][b][k][
-                        offset : offset + per
-                    ]
-                offset += per
+            full = _assemble(meta, [part[k] for part in parts])
             for key, shape, start, end in meta["index"]:
                 params.setdefault(key, {})[k] = full[start:end].view(shape).clone()
     common = {k: shards[0][k] for k in ("step", "grad_scaler")}

@@ -188,7 +188,7 @@ def _load_optimizer(it_dir: Path, ps: ParallelState, optimizer: MixedPrecisionOp
         return
     if shards is not None:
         try:
-            state = reassemble_full_state(shards)
+            state = reassemble_full_state(shards, ep_rank=ps.ep_rank)  # this rank's experts
         except (ValueError, KeyError, IndexError) as exc:
             raise UserError(f"{path}: cannot reassemble the optimizer shards ({exc})") from None
     if not isinstance(state, dict) or "params" not in state:

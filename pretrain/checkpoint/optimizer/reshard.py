@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from pretrain.checkpoint.expert_layout import expert_index, renumber_expert
 from pretrain.checkpoint.legacy.layout import DISTRIB_OPTIM_FILE
 from pretrain.checkpoint.legacy.reader import LegacyReader
 from pretrain.checkpoint.legacy.writer import _shard
@@ -88,7 +89,7 @@ class _FullStates:
                     "the saving layout are not read; save with --ckpt-format torch_dist and "
                     "--dist-ckpt-optim-fully-reshardable"
                 )
-            return self._reassemble(self.files[i].parent / DISTRIB_OPTIM_FILE)
+            return self._reassemble(self.files[i].parent / DISTRIB_OPTIM_FILE, self.reader.info.ep)
         state = self.states[i].get("optimizer")
         if not state:
             raise UserError(f"--with-optimizer: {self.files[i]} holds no optimizer state")
@@ -110,13 +111,24 @@ class _FullStates:
         self.cache.move_to_end(i)
         return self.cache[i]
 
-    @staticmethod
-    def _reassemble(path: Path) -> dict[str, Any]:
+    def _reassemble(self, path: Path, ep: int) -> dict[str, Any]:
+        """The full form of one (TP, PP) rank's ``distrib_optim.pt``: the dense state from every DP
+        rank, and with expert parallelism every EP rank's experts (each sharded over its own
+        expert-DP group) under global expert indices, as the merged model files name them."""
         shards = load_untrusted(path).get("shards")
         if not isinstance(shards, list) or not shards:
             raise UserError(f"{path}: no distributed-optimizer shards ('shards' entry)")
         try:
-            return reassemble_full_state(shards)
+            if ep == 1:
+                return reassemble_full_state(shards, ep_rank=0)
+            per = int(self.reader.spec.cfg.num_experts or 0) // ep
+            full = reassemble_full_state(shards, ep_rank=0)
+            for e in range(1, ep):
+                theirs = reassemble_full_state(shards, ep_rank=e)["params"]
+                full["params"].update(
+                    (renumber_expert(k, e * per), v) for k, v in theirs.items() if expert_index(k) is not None
+                )
+            return full
         except (ValueError, KeyError, IndexError, TypeError, RuntimeError) as exc:
             raise UserError(f"{path}: cannot reassemble the optimizer shards ({exc})") from None
 
