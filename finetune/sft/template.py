@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pretrain.tokenizer.chat import read_template_file
 from pretrain.utils.errors import UserError
 
 if TYPE_CHECKING:
@@ -43,16 +44,7 @@ def chat_template(
 ) -> ChatTemplate:
     """``--chat-template FILE``'s text, else the tokenizer's; :class:`UserError` when there is none."""
     if template_file is not None:
-        path = Path(template_file)
-        if not path.is_file():
-            raise UserError(f"--chat-template: file not found: {path}")
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            raise UserError(f"--chat-template {path}: cannot read ({exc})") from None
-        if not text.strip():
-            raise UserError(f"--chat-template {path}: the file is empty")
-        return ChatTemplate(text=text, source=str(path), from_file=True)
+        return ChatTemplate(text=read_template_file(template_file), source=str(template_file), from_file=True)
     found: Any = getattr(hf_tokenizer, "chat_template", None)
     if isinstance(found, dict):  # several named templates: the default one
         found = found.get("default")
