@@ -26,6 +26,11 @@ from pathlib import Path
 
 import torch
 
+try:  # run as ``python benchmarks/<script>.py`` (benchmarks/ on sys.path) or as a module
+    from common import save_synthetic_torch_dist
+except ImportError:
+    from benchmarks.common import save_synthetic_torch_dist
+
 SIZES = {  # layers, hidden, heads, groups, ffn, vocab
     "1b": (20, 2048, 16, 4, 5632, 32000),
     "300m": (12, 1024, 16, 4, 2816, 32000),
@@ -45,37 +50,8 @@ def _config(size: str):  # noqa: ANN202
     )  # fmt: skip
 
 
-class _RandomSource:
-    """Canonical tensors made on demand (seeded by name), so writing needs no model in memory."""
-
-    def __init__(self, size: str) -> None:
-        from pretrain.checkpoint.plan import ModelSpec, chunk_slots
-
-        self.spec = ModelSpec(kind="gpt", cfg=_config(size))
-        cfg = self.spec.cfg
-        slots = chunk_slots(
-            self.spec, tp=1, pre_process=True, post_process=True, layer_numbers=range(cfg.num_layers)
-        )
-        self.shapes = {s.canonical: ((cfg.vocab_size, *s.shape[1:]) if s.vocab else s.shape) for s in slots}
-
-    def names(self) -> list[str]:
-        return list(self.shapes)
-
-    def tensor(self, name: str) -> torch.Tensor:
-        gen = torch.Generator().manual_seed(sum(map(ord, name)))
-        return (0.02 * torch.randn(self.shapes[name], generator=gen)).to(torch.bfloat16)
-
-    def stored_rows(self, name: str) -> torch.Tensor:  # no padding rows stored
-        return self.tensor(name)
-
-
 def _save(size: str, out: Path) -> int:
-    from pretrain.checkpoint.torch_dist.writer import write_torch_dist
-    from pretrain.parallel.config import ParallelConfig
-
-    src = _RandomSource(size)
-    write_torch_dist(src, out, ParallelConfig(tp=2, pp=2))
-    return sum(torch.Size(s).numel() for s in src.shapes.values()) * 2
+    return save_synthetic_torch_dist(_config(size), out)
 
 
 def _load_all(ckpt: Path, save: Path) -> None:
