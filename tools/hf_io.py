@@ -141,6 +141,20 @@ def _hf_config(fam: Family, spec: ModelSpec, tokenizer: Tokenizer | None) -> Pre
     return AutoConfig.for_model(fam.model_type, **kw)
 
 
+def _tensor_access(
+    tensors: Iterable[tuple[str, torch.Tensor]] | TensorSource,
+) -> tuple[list[str], Callable[[str], torch.Tensor], dict[str, torch.Tensor]]:
+    """(names, getter, dtype-and-shape placeholders) of a streamed source (no tensor read for its
+    shape) or of in-memory pairs."""
+    from pretrain.checkpoint.tensor_meta import meta_like, tensor_meta
+
+    if isinstance(tensors, TensorSource):
+        names = list(tensors.names())
+        return names, tensors.tensor, {n: tensor_meta(tensors, n) for n in names}
+    full = dict(tensors)
+    return list(full), full.__getitem__, {n: meta_like(t) for n, t in full.items()}
+
+
 def export_hf(
     tensors: Iterable[tuple[str, torch.Tensor]] | TensorSource,
     spec: ModelSpec,
@@ -166,7 +180,6 @@ def export_hf(
     renamed to ``save``: when it raises, nothing is left at ``save``."""
     from transformers import GenerationConfig
 
-    from pretrain.checkpoint.tensor_meta import meta_like, tensor_meta
     from tools.hf_shards import ShardWriter, parse_shard_size, plan_hf_tensors, stream_hf_tensors
 
     check_exportable(spec)
@@ -176,15 +189,7 @@ def export_hf(
         )
     max_bytes = parse_shard_size(max_shard_size)
     hf_tok = hf_tokenizer_of(tokenizer) if tokenizer is not None else None
-    get: Callable[[str], torch.Tensor]
-    if isinstance(tensors, TensorSource):
-        source = tensors
-        names, get = source.names(), source.tensor
-        metas = {n: tensor_meta(source, n) for n in names}  # no tensor read for its shape
-    else:
-        full = dict(tensors)
-        names, get = list(full), full.__getitem__
-        metas = {n: meta_like(t) for n, t in full.items()}
+    names, get, metas = _tensor_access(tensors)
     fam = export_family_of(spec, family)  # resolved once: the per-layer conversion maps tensors only
     config = _hf_config(fam, spec, tokenizer)
 
