@@ -156,6 +156,43 @@ def _target_metadata(
     return meta
 
 
+def _rank_file(
+    chunks: dict[str, Any], *, args: Any, options: WriteOptions, optimizer: dict[str, Any] | None,
+    ranks: tuple[int, int],
+) -> dict[str, Any]:  # fmt: skip
+    """One rank file's state: the model chunks, args, optimizer, scheduler and (TP, PP) rank's RNG."""
+    out: dict[str, Any] = {
+        "iteration": options.iteration,
+        "checkpoint_version": CHECKPOINT_VERSION,
+        "args": args,
+    }
+    out.update(chunks)
+    out["optimizer"] = optimizer
+    out["opt_param_scheduler"] = options.opt_param_scheduler
+    rng = options.rng_state(*ranks) if options.rng_state else None
+    if rng is not None:
+        out["rng_state"] = rng
+    return out
+
+
+def _write_rank_files(
+    it_dir: Path, target: ParallelConfig, pp_rank: int, ep: int | None, state: Callable[[int], dict[str, Any]],
+    *, lockstep: bool, progress: Callable[[str], None] | None, done: Callable[[], None],
+) -> None:  # fmt: skip
+    """The TP rank files of one (stage, EP rank): in lockstep (each full tensor read once for all
+    of them), or with an optimizer one rank at a time (its states are real tensors)."""
+    groups = [list(range(target.tp))] if lockstep else [[t] for t in range(target.tp)]
+    for ranks in groups:
+        names = [rank_dir_name(t, pp_rank, target.pp, ep) for t in ranks]
+        with contextlib.ExitStack() as stack:
+            fhs = [stack.enter_context(atomic_open(it_dir / n / MODEL_FILE, "wb")) for n in names]
+            stream_save_all([(state(t), fh) for t, fh in zip(ranks, fhs, strict=True)])
+        done()  # drop the last full tensor kept for these ranks
+        for name in names:
+            if progress is not None:
+                progress(name)
+
+
 def write_layout(
     source: TensorSource,
     save: str | Path,
@@ -194,36 +231,21 @@ def write_layout(
                 def state(
                     tp_rank: int, pp_rank: int = pp_rank, slots: list[list[Slot]] = slots
                 ) -> dict[str, Any]:
-                    out: dict[str, Any] = {
-                        "iteration": options.iteration,
-                        "checkpoint_version": CHECKPOINT_VERSION,
-                        "args": args,
-                    }
-                    for key, chunk_slots in zip(plan.chunk_keys(), slots, strict=True):
-                        out[key] = chunk_to_file(
+                    chunks = {
+                        key: chunk_to_file(
                             _chunk_state(last, chunk_slots, tp_rank=tp_rank, tp=target.tp, padded=padded),
                             names=meta.module_names, kind=meta.kind,
-                        )  # fmt: skip
-                    out["optimizer"] = optimizer(tp_rank, pp_rank, slots) if optimizer else None
-                    out["opt_param_scheduler"] = options.opt_param_scheduler
-                    rng = options.rng_state(tp_rank, pp_rank) if options.rng_state else None
-                    if rng is not None:
-                        out["rng_state"] = rng
-                    return out
+                        )
+                        for key, chunk_slots in zip(plan.chunk_keys(), slots, strict=True)
+                    }  # fmt: skip
+                    opt = optimizer(tp_rank, pp_rank, slots) if optimizer else None
+                    return _rank_file(
+                        chunks, args=args, options=options, optimizer=opt, ranks=(tp_rank, pp_rank)
+                    )
 
-                # the TP ranks of a (stage, EP rank) in lockstep (each full tensor read once for all of
-                # them); with an optimizer, one rank at a time (its states are real tensors)
-                groups = [[t] for t in range(target.tp)] if optimizer else [list(range(target.tp))]
-                for ranks in groups:
-                    ep = ep_rank if target.ep > 1 else None
-                    names = [rank_dir_name(t, pp_rank, target.pp, ep) for t in ranks]
-                    with contextlib.ExitStack() as stack:
-                        fhs = [stack.enter_context(atomic_open(it_dir / n / MODEL_FILE, "wb")) for n in names]
-                        stream_save_all([(state(t), fh) for t, fh in zip(ranks, fhs, strict=True)])
-                    last.clear()
-                    for name in names:
-                        if progress is not None:
-                            progress(name)
+                ep = ep_rank if target.ep > 1 else None
+                _write_rank_files(it_dir, target, pp_rank, ep, state, lockstep=optimizer is None, progress=progress,
+                                  done=last.clear)  # fmt: skip
         write_tracker(tmp, options.iteration)
         if extra_files is not None:
             extra_files(tmp)
