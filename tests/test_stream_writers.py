@@ -198,8 +198,13 @@ _MEMORY_SCRIPT = textwrap.dedent(
 def _peak_anon(tmp_path: Path, argv: list[str]) -> int:
     script = tmp_path / "mem.py"
     script.write_text(_MEMORY_SCRIPT)
+    root = Path(__file__).parents[1]  # benchmarks/ is not installed: the script imports it from here
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")])),
+    }
     out = subprocess.run([sys.executable, str(script), *argv], capture_output=True, text=True, check=True,
-                         cwd=Path(__file__).parents[1])  # fmt: skip
+                         cwd=root, env=env)  # fmt: skip
     return int(out.stdout.strip().splitlines()[-1])
 
 
