@@ -57,7 +57,9 @@ def _eval(args: list[str], out: Path) -> dict[str, Any]:
 
 def _launch(args: list[str], out: Path) -> subprocess.Popen[str]:
     cmd = torchrun_command(2, "mlm_eval.cli", [*args, "--ep", "2", "--out", str(out), "--no-progress"])
-    return subprocess.Popen(cmd, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(
+        cmd, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
 
 
 @pytest.mark.slow
@@ -86,7 +88,6 @@ def test_harness_ep2_equals_one_process(moe: dict[str, Path]) -> None:
     from lm_eval.tasks import TaskManager
 
     import mlm_eval.harness.backend  # noqa: F401  registers --model mlm
-
     from tests.harness_fixtures import write_tasks
     from tests.test_harness_parity import assert_same
 
@@ -108,7 +109,9 @@ def test_harness_ep2_equals_one_process(moe: dict[str, Path]) -> None:
     resps = {}
     for task in LOGLIKELIHOOD_TASKS:
         (samples,) = out.rglob(f"samples_{task}_*.jsonl")
-        rows = sorted((json.loads(line) for line in samples.read_text().splitlines()), key=lambda r: r["doc_id"])
+        rows = sorted(
+            (json.loads(line) for line in samples.read_text().splitlines()), key=lambda r: r["doc_id"]
+        )
         resps[task] = [r["resps"] for r in rows]
     assert_same({"results": results, "resps": resps}, mine, rel=1e-6, tasks=LOGLIKELIHOOD_TASKS)
 
@@ -122,7 +125,9 @@ def _refused(argv: list[str]) -> None:
 def test_ep_needs_processes(moe: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     _refused([*WIKI, "--ckpt", str(moe["ck"]), "--ep", "2", "--no-progress"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == ["error: --expert-model-parallel-size 2 needs 2 processes: launch with torchrun --nproc-per-node 2"]
+    assert err == [
+        "error: --expert-model-parallel-size 2 needs 2 processes: launch with torchrun --nproc-per-node 2"
+    ]
 
 
 def test_world_not_divisible_by_ep(
@@ -149,4 +154,6 @@ def test_ep_refused_on_dense_and_indivisible_experts(
 ) -> None:
     _, odd = _convert(tmp_path, num_experts=3)
     assert "--num-experts 3 is not divisible by --expert-model-parallel-size 2" in _refusal(odd)
-    assert "--expert-model-parallel-size 2 needs a mixture-of-experts model" in _refusal(Path(trained_gpt["ckpt"]))
+    assert "--expert-model-parallel-size 2 needs a mixture-of-experts model" in _refusal(
+        Path(trained_gpt["ckpt"])
+    )

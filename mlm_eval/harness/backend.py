@@ -84,7 +84,9 @@ class MLMHarnessLM(TemplateLM):
             engine = HarnessEngine.load(
                 EngineConfig(
                     ckpt=str(ckpt),
-                    parallel=_layout(tp=int(tp), pp=int(pp), ep=int(ep), etp=None if etp is None else int(etp)),
+                    parallel=_layout(
+                        tp=int(tp), pp=int(pp), ep=int(ep), etp=None if etp is None else int(etp)
+                    ),
                     device=device or "cpu",
                     dtype=str(dtype),
                     batch_size=size,

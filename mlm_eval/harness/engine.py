@@ -193,7 +193,9 @@ class HarnessEngine:
         from mlm_eval.scoring.parallel import lockstep_padding
 
         mine = deal(length_order([len(inp) for inp, _ in rows]), self.ps.dp_size, self.ps.dp_rank)
-        padding: list[Row] = [([0], [0])] * lockstep_padding(self.ps, len(rows), len(mine))  # EP: paired forwards
+        padding: list[Row] = [([0], [0])] * lockstep_padding(
+            self.ps, len(rows), len(mine)
+        )  # EP: paired forwards
         local = score_rows(self.scorer, [*(rows[i] for i in mine), *padding], batch_size=self.rows_per_call,
                            desc=desc, progress=self.progress and self.is_main)  # fmt: skip
         return self._gather(len(rows), mine, local[: len(mine)])
@@ -212,7 +214,9 @@ class HarnessEngine:
         offset ``i`` so its tokens do not depend on its batch.
         """
         if self.ps.ep_size > 1:  # replicas stop at different steps; the expert all-to-all needs them paired
-            raise UserError(f"generation with expert parallelism (ep={self.ps.ep_size}) is not supported; use ep=1")
+            raise UserError(
+                f"generation with expert parallelism (ep={self.ps.ep_size}) is not supported; use ep=1"
+            )
         mine = deal(length_order([len(p) for p in prompts]), self.ps.dp_size, self.ps.dp_rank)
         local: list[list[int]] = []
         step = self.batch_size

@@ -91,7 +91,11 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
     add_flag_group(parser, DTypeFlags, title="dtype", group=group, include=("dtype",))
     add_flag_group(
-        parser, ParallelConfig, title="parallel", group=group, include=("tp", "pp", *ParallelConfig.EXPERT),
+        parser,
+        ParallelConfig,
+        title="parallel",
+        group=group,
+        include=("tp", "pp", *ParallelConfig.EXPERT),
         dests=PARALLEL_DESTS,
     )
     group.add_argument(

@@ -50,8 +50,8 @@ from mlm_eval.scoring.vocab import (
 )
 from pretrain.models.base import ShardedModule
 from pretrain.models.gpt import GPTModel
-from pretrain.models.sharding import load_full_state_dict
 from pretrain.models.moe.dispatch import check_expert_parallel
+from pretrain.models.sharding import load_full_state_dict
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.layout import check_expert_sizes
 from pretrain.parallel.state import ParallelState
