@@ -3,7 +3,7 @@
 A tiny random Qwen2-MoE (6 experts, a dense layer, a gated shared expert) converted with
 ``from-hf``: ``mlm-eval`` WikiText (adjusted perplexity) and LAMBADA under ``torchrun --ep 2``
 equal ``--hf-model`` on the original; ``--model mlm`` with ``ep=2`` equals one process on the
-harness's loglikelihood tasks. WikiText's 243 windows split 122/121 over the two replicas, so
+harness's loglikelihood tasks; TP 2 x EP 2 with ETP 1 and PP 2 x EP 2 too. WikiText's 243 windows split 122/121 over the two replicas, so
 the replica with fewer rows must still pair every expert all-to-all. Refusals: ``--ep`` in one
 process, on a dense checkpoint, experts not divisible by EP, a world not divisible by EP.
 """
@@ -55,31 +55,40 @@ def _eval(args: list[str], out: Path) -> dict[str, Any]:
     return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
-def _launch(args: list[str], out: Path) -> subprocess.Popen[str]:
-    cmd = torchrun_command(2, "mlm_eval.cli", [*args, "--ep", "2", "--out", str(out), "--no-progress"])
+def _launch(args: list[str], out: Path, nproc: int, flags: list[str]) -> subprocess.Popen[str]:
+    cmd = torchrun_command(nproc, "mlm_eval.cli", [*args, *flags, "--out", str(out), "--no-progress"])
     return subprocess.Popen(
         cmd, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
 
+RUNS = {  # name -> (task, processes, flags, the layout the result records)
+    "wiki-ep2": ("wiki", 2, ["--ep", "2"], "tp1-pp1-dp2-ep2"),
+    "lambada-ep2": ("lambada", 2, ["--ep", "2"], "tp1-pp1-dp2-ep2"),
+    "wiki-tp2-ep2-etp1": ("wiki", 4, ["--tp", "2", "--ep", "2", "--etp", "1"], "tp2-pp1-dp2-ep2-etp1"),
+    "lambada-pp2-ep2": ("lambada", 4, ["--pp", "2", "--ep", "2"], "tp1-pp2-dp2-ep2"),
+}
+
+
 @pytest.mark.slow
-def test_ep2_eval_equals_hf_model(moe: dict[str, Path]) -> None:
-    root, ckpt = moe["root"], ["--ckpt", str(moe["ck"])]
-    procs = {name: _launch([*task, *ckpt], root / f"ep2-{name}.json") for name, task in
-             (("wiki", WIKI), ("lambada", LAMBADA))}  # fmt: skip
-    want = {name: _eval([*task, "--hf-model", str(moe["hf"])], root / f"hf-{name}.json")
-            for name, task in (("wiki", WIKI), ("lambada", LAMBADA))}  # fmt: skip
+def test_ep_eval_equals_hf_model(moe: dict[str, Path]) -> None:
+    root, ckpt, tasks = moe["root"], ["--ckpt", str(moe["ck"])], {"wiki": WIKI, "lambada": LAMBADA}
+    procs = {name: _launch([*tasks[task], *ckpt], root / f"{name}.json", nproc, flags)
+             for name, (task, nproc, flags, _) in RUNS.items()}  # fmt: skip
+    want = {
+        task: _eval([*args, "--hf-model", str(moe["hf"])], root / f"hf-{task}.json")
+        for task, args in tasks.items()
+    }
     for name, proc in procs.items():
         output, _ = proc.communicate(timeout=600)
         assert proc.returncode == 0, output[-3000:]
-        got = json.loads((root / f"ep2-{name}.json").read_text())
-        assert got["details"]["layout"] == "tp1-pp1-dp2-ep2"
-        keys = ("adjusted_ppl", "token_ppl") if name == "wiki" else ("accuracy", "ppl")
-        for key in keys:
-            assert key in got["metrics"], (name, key, sorted(got["metrics"]))
-            assert got["metrics"][key] == pytest.approx(want[name]["metrics"][key], rel=1e-6), (name, key)
-        if name == "wiki":
-            assert got["metrics"]["windows"] % 2 == 1  # uneven split: the padding rows were needed
+        task, _, _, layout = RUNS[name]
+        got = json.loads((root / f"{name}.json").read_text())
+        assert got["details"]["layout"] == layout
+        for key in ("adjusted_ppl", "token_ppl") if task == "wiki" else ("accuracy", "ppl"):
+            assert got["metrics"][key] == pytest.approx(want[task]["metrics"][key], rel=1e-6), (name, key)
+        if task == "wiki":
+            assert got["metrics"]["windows"] % 2 == 1  # uneven split over 2 replicas: padding rows needed
 
 
 @pytest.mark.slow
