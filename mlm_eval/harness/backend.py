@@ -1,6 +1,6 @@
 """The lm-evaluation-harness model ``mlm``: our checkpoints, any layout, TP x PP x DP.
 
-``lm_eval --model mlm --model_args ckpt=DIR[,dtype=bf16,batch_size=16,tp=2,pp=2] --tasks ...``
+``lm_eval --model mlm --model_args ckpt=DIR[,dtype=bf16,batch_size=16,tp=2,pp=2,ep=2,etp=1] --tasks ...``
 (see :mod:`mlm_eval.harness.cli` for how the name is found). Under ``torchrun`` every process
 reports ``rank 0 / world 1`` to the harness, so each sees all requests (the harness neither
 splits nor pads them); the :class:`~mlm_eval.harness.engine.HarnessEngine` deals them to the
@@ -49,6 +49,8 @@ class MLMHarnessLM(TemplateLM):
         batch_size: int | str | None = 16,
         tp: int = 1,
         pp: int = 1,
+        ep: int = 1,
+        etp: int | None = None,
         device: str | None = None,
         max_length: int | None = None,
         max_gen_toks: int = 256,
@@ -82,7 +84,9 @@ class MLMHarnessLM(TemplateLM):
             engine = HarnessEngine.load(
                 EngineConfig(
                     ckpt=str(ckpt),
-                    parallel=_layout(tp=int(tp), pp=int(pp)),
+                    parallel=_layout(
+                        tp=int(tp), pp=int(pp), ep=int(ep), etp=None if etp is None else int(etp)
+                    ),
                     device=device or "cpu",
                     dtype=str(dtype),
                     batch_size=size,
@@ -263,12 +267,12 @@ def model_arg_names() -> set[str]:
     }
 
 
-def _layout(*, tp: int, pp: int) -> ParallelConfig:
-    """``model_args`` ``tp``/``pp`` as the layout (the harness's wording for a size below 1)."""
-    for name, value in (("tp", tp), ("pp", pp)):
+def _layout(*, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> ParallelConfig:
+    """``model_args`` ``tp``/``pp``/``ep``/``etp`` as the layout (the harness's wording for a size below 1)."""
+    for name, value in (("tp", tp), ("pp", pp), ("ep", ep), ("etp", 1 if etp is None else etp)):
         if value < 1:
             raise UserError(f"model_args {name}={value}: must be >= 1")
-    return ParallelConfig(tp=tp, pp=pp)
+    return ParallelConfig(tp=tp, pp=pp, ep=ep, etp=etp)
 
 
 def _batch_size(value: int | str | None) -> int:

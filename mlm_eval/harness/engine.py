@@ -158,7 +158,7 @@ class HarnessEngine:
         from mlm_eval.scoring.parallel import launched_distributed, load_parallel_gpt
 
         dtype = DTYPE_FLAGS.get(cfg.dtype, cfg.dtype)
-        if cfg.parallel.model_parallel_size > 1 or launched_distributed():
+        if cfg.parallel.model_parallel_size > 1 or cfg.parallel.ep > 1 or launched_distributed():
             scorer, encoder, info, _ = load_parallel_gpt(
                 cfg.ckpt,
                 parallel=cfg.parallel,
@@ -180,7 +180,9 @@ class HarnessEngine:
 
     @property
     def layout(self) -> str:
-        return f"tp{self.ps.tp_size}-pp{self.ps.pp_size}-dp{self.ps.dp_size}"
+        from mlm_eval.scoring.parallel import layout_name
+
+        return layout_name(self.ps)
 
     @property
     def max_length(self) -> int:
@@ -188,10 +190,15 @@ class HarnessEngine:
 
     def score(self, rows: Sequence[Row], *, desc: str = "scoring") -> list[ScoredRow]:
         """Every row's scored NLLs/argmax hits, in order, on every rank (each row scored once)."""
+        from mlm_eval.scoring.parallel import lockstep_padding
+
         mine = deal(length_order([len(inp) for inp, _ in rows]), self.ps.dp_size, self.ps.dp_rank)
-        local = score_rows(self.scorer, [rows[i] for i in mine], batch_size=self.rows_per_call, desc=desc,
-                           progress=self.progress and self.is_main)  # fmt: skip
-        return self._gather(len(rows), mine, local)
+        padding: list[Row] = [([0], [0])] * lockstep_padding(
+            self.ps, len(rows), len(mine)
+        )  # EP: paired forwards
+        local = score_rows(self.scorer, [*(rows[i] for i in mine), *padding], batch_size=self.rows_per_call,
+                           desc=desc, progress=self.progress and self.is_main)  # fmt: skip
+        return self._gather(len(rows), mine, local[: len(mine)])
 
     def generate(
         self,
@@ -206,6 +213,10 @@ class HarnessEngine:
         Prompts are batched ``batch_size`` at a time, longest first; row ``i`` samples with seed
         offset ``i`` so its tokens do not depend on its batch.
         """
+        if self.ps.ep_size > 1:  # replicas stop at different steps; the expert all-to-all needs them paired
+            raise UserError(
+                f"generation with expert parallelism (ep={self.ps.ep_size}) is not supported; use ep=1"
+            )
         mine = deal(length_order([len(p) for p in prompts]), self.ps.dp_size, self.ps.dp_rank)
         local: list[list[int]] = []
         step = self.batch_size

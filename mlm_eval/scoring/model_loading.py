@@ -3,7 +3,7 @@
 ``--hf-model DIR`` (a local Hugging Face model + tokenizer directory) or ``--ckpt DIR`` (our or
 upstream Megatron-layout checkpoints, any TP/PP/VP layout): in one process (resharded in memory),
 or under ``torchrun`` with ``--tensor-model-parallel-size``/``--pipeline-model-parallel-size``
-(data parallel over the remaining ranks, :mod:`mlm_eval.scoring.parallel`). ``--dtype`` casts
+and, for mixture-of-experts checkpoints, ``--ep``/``--etp`` (data parallel over the remaining ranks, :mod:`mlm_eval.scoring.parallel`). ``--dtype`` casts
 the model's weights; log-probabilities are always accumulated in float64.
 """
 
@@ -91,7 +91,12 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--device", default="cpu", help="torch device to run on (default: cpu)")
     add_flag_group(parser, DTypeFlags, title="dtype", group=group, include=("dtype",))
     add_flag_group(
-        parser, ParallelConfig, title="parallel", group=group, include=("tp", "pp"), dests=PARALLEL_DESTS
+        parser,
+        ParallelConfig,
+        title="parallel",
+        group=group,
+        include=("tp", "pp", *ParallelConfig.EXPERT),
+        dests=PARALLEL_DESTS,
     )
     group.add_argument(
         "--name", default=None, help="model name in the result record (default: directory name)"
@@ -111,8 +116,8 @@ def load_scorer(args: argparse.Namespace) -> LoadedModel:
         raise UserError("one of --hf-model DIR or --ckpt DIR is required")
     from mlm_eval.scoring.parallel import launched_distributed
 
-    if spec.parallel.model_parallel_size > 1 or launched_distributed():
-        raise UserError("--hf-model runs in one process; TP/PP/DP evaluation (torchrun) needs --ckpt DIR")
+    if spec.parallel.model_parallel_size > 1 or spec.parallel.ep > 1 or launched_distributed():
+        raise UserError("--hf-model runs in one process; TP/PP/DP/EP evaluation (torchrun) needs --ckpt DIR")
     megatron_flags = {"--tokenizer-type": spec.tokenizer_type, "--vocab-file": spec.vocab_file}
     megatron_flags["--merge-file"] = spec.merge_file
     megatron_flags["--tokenizer-model"] = spec.tokenizer_model
@@ -142,7 +147,7 @@ def _load_ckpt(spec: ModelSpec, args: argparse.Namespace) -> LoadedModel:
         )
     tok_cfg = TokenizerChoice(megatron=megatron, directory=None if megatron else spec.tokenizer_dir,
                               force=spec.force_tokenizer)  # fmt: skip
-    if spec.parallel.model_parallel_size > 1 or launched_distributed():
+    if spec.parallel.model_parallel_size > 1 or spec.parallel.ep > 1 or launched_distributed():
         return _load_ckpt_parallel(spec, args, tok_cfg)
     scorer, encoder, info = load_megatron_gpt(str(spec.ckpt), tokenizer_cfg=tok_cfg, batch_size=args.batch_size,
                                               device=spec.device, dtype=spec.dtype)  # fmt: skip
@@ -155,15 +160,14 @@ def _load_ckpt_parallel(spec: ModelSpec, args: argparse.Namespace, tok_cfg: Any)
     """This rank's stage/shard of ``--ckpt`` under torchrun (TP x PP x DP)."""
     import torch.distributed as dist
 
-    from mlm_eval.scoring.parallel import load_parallel_gpt
+    from mlm_eval.scoring.parallel import layout_name, load_parallel_gpt
 
     scorer, encoder, info, ps = load_parallel_gpt(str(spec.ckpt), parallel=spec.parallel, device=spec.device,
                                                   tokenizer_cfg=tok_cfg,
                                                   batch_size=args.batch_size, dtype=spec.dtype)  # fmt: skip
     if getattr(args, "name", None):
         info["name"] = args.name
-    layout = f"tp{ps.tp_size}-pp{ps.pp_size}-dp{ps.dp_size}"
-    return LoadedModel(scorer=scorer, tokenizer=encoder, info=info, is_main=ps.rank == 0, layout=layout,
+    return LoadedModel(scorer=scorer, tokenizer=encoder, info=info, is_main=ps.rank == 0, layout=layout_name(ps),
                        dtype=spec.dtype, close=dist.destroy_process_group)  # fmt: skip
 
 

@@ -14,6 +14,13 @@ scores only the target positions, with vocab-parallel float64 NLL/argmax
 group) and to every replica (all-gather over the data-parallel group), so each row is counted
 exactly once. Rank 0 prints and writes the result.
 
+Mixture-of-experts checkpoints may split their experts over ``--ep`` ranks (carved out of the
+data-parallel replicas, megatron-core's layout; ``--etp`` 1 or TP): each rank keeps only its
+experts of the canonical tensors and tokens reach them by the training all-to-all
+(:mod:`pretrain.models.moe.dispatch`). The all-to-alls pair every forward of the replicas of an
+expert-parallel group, so each replica scores the same number of rows (:func:`lockstep_padding`
+dummy rows, whose results are dropped).
+
 ``batch_invariant=True`` (the lm-evaluation-harness backend, :mod:`mlm_eval.harness.engine`):
 microbatches padded to a width that is a multiple of ``ROW_MULTIPLE``, the last layer at every
 position and the output layer on zero-padded rows, so a row's scores do not depend on its batch.
@@ -43,8 +50,10 @@ from mlm_eval.scoring.vocab import (
 )
 from pretrain.models.base import ShardedModule
 from pretrain.models.gpt import GPTModel
+from pretrain.models.moe.dispatch import check_expert_parallel
 from pretrain.models.sharding import load_full_state_dict
 from pretrain.parallel.config import ParallelConfig
+from pretrain.parallel.layout import check_expert_sizes
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.partition import build_model_chunks
 from pretrain.pipeline.schedules import Microbatch, forward_backward
@@ -65,10 +74,15 @@ def setup_eval_parallel(cfg: ParallelConfig, *, device: str = "cpu") -> Parallel
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if not dist.is_initialized() and world == 1:
+        if cfg.ep > 1 and cfg.model_parallel_size == 1:
+            raise UserError(f"--expert-model-parallel-size {cfg.ep} needs {cfg.ep} processes: launch with torchrun "
+                            f"--nproc-per-node {cfg.ep}")  # fmt: skip
         raise UserError(
             f"--tensor-model-parallel-size {cfg.tp} x --pipeline-model-parallel-size {cfg.pp} needs "
             f"{cfg.model_parallel_size} processes: launch with torchrun --nproc-per-node {cfg.model_parallel_size}"
         )
+    cfg.check_expert_engine()
+    check_expert_sizes(world, cfg.tp, cfg.pp, cfg.ep, cfg.expert_tp)  # before any process group
     cuda = device.startswith("cuda")
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
@@ -104,6 +118,10 @@ class ParallelGPTScorer:
         """Replica ``d`` of ``D`` gets rows ``[d*n/D, (d+1)*n/D)`` (sizes differ by at most one)."""
         d, size = self.ps.dp_rank, self.ps.dp_size
         return range(d * num_rows // size, (d + 1) * num_rows // size)
+
+    def padding_rows(self, num_rows: int) -> int:
+        """Dummy rows this replica scores after its :meth:`local_rows` (see :func:`lockstep_padding`)."""
+        return lockstep_padding(self.ps, num_rows, len(self.local_rows(num_rows)))
 
     def gather_rows(self, local: list[ScoredRow]) -> list[ScoredRow]:
         """Concatenate every replica's rows in data-parallel rank order (all-gather over dp_group)."""
@@ -209,6 +227,25 @@ def _invariant_forward_step(
     return scored.nll, scored.is_argmax
 
 
+def lockstep_padding(ps: ParallelState, num_rows: int, mine: int) -> int:
+    """Rows to add to this replica's ``mine`` of ``num_rows`` so that all replicas score
+    ``ceil(num_rows / D)``: with expert parallelism every forward is a collective over replicas
+    (the token all-to-all), so they must make the same calls. 0 without expert parallelism."""
+    if ps.ep_size == 1:
+        return 0
+    return -(-num_rows // ps.dp_size) - mine
+
+
+def layout_name(ps: ParallelState) -> str:
+    """``tp{T}-pp{P}-dp{D}`` for a result record, with ``-ep{E}`` (and ``-etp{ETP}`` when not TP)."""
+    name = f"tp{ps.tp_size}-pp{ps.pp_size}-dp{ps.dp_size}"
+    if ps.ep_size > 1:
+        name += f"-ep{ps.ep_size}"
+    if ps.etp_size != ps.tp_size:
+        name += f"-etp{ps.etp_size}"
+    return name
+
+
 def load_parallel_gpt(
     ckpt: str,
     *,
@@ -233,8 +270,13 @@ def load_parallel_gpt(
             f"--pipeline-model-parallel-size {ps.pp_size}: {cfg.num_layers} layers do not split evenly"
         )
     cfg.check_tensor_parallel(ps.tp_size)
+    try:
+        check_expert_parallel(cfg, ps.ep_size, etp=ps.etp_size, tp=ps.tp_size)
+    except UserError as exc:  # the checkpoint's expert count against the flags
+        raise UserError(f"--ckpt {ckpt}: {exc}") from None
     (chunk,) = build_model_chunks(cfg, ps)
     assert isinstance(chunk, GPTModel)
     load_full_state_dict(chunk, read.full)
+    read.full.clear()  # other EP ranks' experts and other stages' layers are not kept
     scorer = ParallelGPTScorer(chunk, ps, batch_size=batch_size, batch_invariant=batch_invariant)
     return scorer, PretrainTextEncoder(read.tokenizer), read.info, ps

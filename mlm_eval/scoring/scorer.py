@@ -64,6 +64,10 @@ class DataParallelScorer(LMScorer, Protocol):
         """This replica's contiguous slice of ``range(num_rows)``."""
         ...
 
+    def padding_rows(self, num_rows: int) -> int:
+        """Dummy rows to score after the slice, so that every replica makes the same forward calls."""
+        ...
+
     def gather_rows(self, local: list[ScoredRow]) -> list[ScoredRow]:
         """All replicas' results in row order (a collective over the data-parallel group)."""
         ...
@@ -249,14 +253,16 @@ def score_rows(
     if not isinstance(scorer, DataParallelScorer):
         return _score_local(scorer, rows, batch_size=batch_size, desc=desc, progress=progress)
     part = scorer.local_rows(len(rows))
+    # dummy rows (one scored token, dropped) keep expert-parallel replicas' forwards paired
+    padding = [([0], [0])] * scorer.padding_rows(len(rows))
     local = _score_local(
         scorer,
-        rows[part.start : part.stop],
+        [*rows[part.start : part.stop], *padding],
         batch_size=batch_size * scorer.microbatches_per_call,
         desc=desc,
         progress=progress and scorer.is_main,
     )
-    return scorer.gather_rows(local)
+    return scorer.gather_rows(local[: len(part)])
 
 
 def _score_local(

@@ -59,10 +59,11 @@ def scored_hidden(
     """Final hidden states ``[m, h]`` at the ``m`` True positions of ``mask [b, s]`` (row-major) on
     the last stage. Rows scoring at most half their columns run the last layer only at their
     scored positions (:func:`scored_query_index`); rows scoring more (a WikiText stream's first
-    window) run separately in full. Collectives: those of
-    :meth:`GPTModel.trunk`, once per group."""
+    window) run separately in full (not under expert parallelism, where the replicas' calls pair).
+    Collectives: those of :meth:`GPTModel.trunk`, once per group."""
     dense = 2 * mask.sum(dim=1) > mask.shape[1]
-    if bool(dense.all()) or not bool(dense.any()):
+    # with expert parallelism every trunk call is an all-to-all with the other replicas: one call
+    if model.ps.ep_size > 1 or bool(dense.all()) or not bool(dense.any()):
         return _hidden_at(model, mask, input_ids, hidden)
     parts = [
         _hidden_at(model, mask[rows], None if input_ids is None else input_ids[rows],
