@@ -1,5 +1,5 @@
 """``make demo``'s SFT + LoRA step: LoRA SFT at tp2 on the built-in chat data, exported as a PEFT
-adapter that ``peft`` loads equal to the merged export (``tools.peft_check``); its refusals."""
+adapter that ``peft`` loads equal to the merged export (``finetune.sft.peft_check``); its refusals."""
 
 from __future__ import annotations
 
@@ -15,10 +15,9 @@ pytest.importorskip("peft")
 
 @pytest.mark.slow
 def test_demo_sft_lora_step(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    from tools import demo
-    from tools.demo_sft import sft_lora
+    from tools.demo import sft_lora_step
 
-    sft_lora(tmp_path, demo.run, demo.tool)  # exits non-zero (SystemExit) if any command fails
+    sft_lora_step(tmp_path)  # exits non-zero (SystemExit) if any command fails
     check = json.loads(
         [x for x in capfd.readouterr().out.splitlines() if x.startswith('{"max_abs_diff"')][-1]
     )
@@ -30,7 +29,7 @@ def test_demo_sft_lora_step(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -
 
 
 def test_peft_check_refusals_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tools.peft_check import main
+    from finetune.sft.peft_check import main
 
     err = one_line_error(main, ["--base", str(tmp_path), "--adapter", str(tmp_path), "--merged", str(tmp_path)],
                          capsys)  # fmt: skip
@@ -49,8 +48,8 @@ def test_peft_check_fails_when_the_adapter_differs(
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
+    from finetune.sft.peft_check import main
     from finetune.sft.tiny_model import write_tiny_chat_llama
-    from tools.peft_check import main
 
     base = write_tiny_chat_llama(tmp_path / "base", hidden=32, layers=1)
     peft = get_peft_model(

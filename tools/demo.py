@@ -12,7 +12,7 @@
    (``mlm-finetune sst2``);
 7. supervised fine-tuning with LoRA on the built-in chat data at tp=2 (``mlm-finetune sft``), the
    adapter exported for PEFT (``mlm-convert to-hf --lora-as adapter``) and checked in ``peft``
-   against the merged export (``python -m tools.peft_check``);
+   against the merged export (``python -m finetune.sft.peft_check``);
 8. write the leaderboard report (``mlm-eval report``) and print where it is.
 
 Every step is the real command a user runs; outputs go to ``--out`` (default ``demo_out/``).
@@ -21,6 +21,7 @@ Every step is the real command a user runs; outputs go to ``--out`` (default ``d
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -30,7 +31,6 @@ from pathlib import Path
 
 from pretrain.data.builtin import builtin_corpus_path
 from pretrain.tokenizer.train_tiny import train_tiny_gpt2_bpe, train_tiny_wordpiece
-from tools.demo_sft import sft_lora
 
 BIN = Path(sys.executable).parent
 
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
         ])  # fmt: skip
     _finetune(out, results, args.train_iters // 2)
     if not args.no_sft:
-        sft_lora(out, run, tool)
+        sft_lora_step(out)
     run("leaderboard report", report_command(out))
     print(f"\nDemo complete. Report: {out / 'report' / 'leaderboard.html'} (also .md, .csv, .json)")
     return 0
@@ -153,6 +153,32 @@ def _finetune(out: Path, results: Path, iters: int) -> None:
         "--vocab-file", str(wp / "vocab.txt"), "--epochs", "10", "--seq-length", "32", "--micro-batch-size", "16",
         "--global-batch-size", "16", "--lr", "1e-3", "--results-dir", str(results / "finetune_sst2"), "--no-progress",
     ])  # fmt: skip
+
+
+def sft_lora_step(out: Path) -> None:
+    """Step 7 (see the module docstring): train, export and check, each a command of its own (the
+    demo runs ``finetune`` and ``peft`` through their command lines, importing neither)."""
+    if importlib.util.find_spec("peft") is None:
+        print("\n=== SFT + LoRA: peft not installed (pip install -e '.[dev]'), step skipped")
+        return
+    base = out / "chat_llama"
+    run("a tiny random Llama with the built-in chat tokenizer", [
+        sys.executable, "-m", "finetune.sft.tiny_model", str(base)])  # fmt: skip
+    lora = out / "sft_lora"
+    run("LoRA SFT on the built-in chat data with tp=2 (torchrun, gloo)", [
+        sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "-m", "finetune.cli", "sft",
+        "--hf-model", str(base), "--data", "builtin:sft_chat", "--tp", "2", "--lora-rank", "8",
+        "--lora-alpha", "16", "--seq-length", "128", "--pack", "--epochs", "4", "--lr", "1e-2",
+        "--global-batch-size", "8", "--micro-batch-size", "4", "--save", str(lora),
+        "--results-dir", str(out / "sft_lora_results"), "--no-progress",
+    ])  # fmt: skip
+    convert = tool("mlm-convert")
+    run("export the LoRA adapter for PEFT", [convert, "to-hf", "--load", str(lora), "--save",
+        str(out / "sft_adapter"), "--lora-as", "adapter"])  # fmt: skip
+    run("export the adapter merged into its base", [convert, "to-hf", "--load", str(lora), "--save",
+        str(out / "sft_merged"), "--lora-as", "merged"])  # fmt: skip
+    run("load the adapter with peft: equals the merged model", [sys.executable, "-m", "finetune.sft.peft_check",
+        "--base", str(base), "--adapter", str(out / "sft_adapter"), "--merged", str(out / "sft_merged")])  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -27,3 +27,9 @@ def write_tiny_chat_llama(directory: str | Path, *, hidden: int = 64, layers: in
     torch.manual_seed(seed)
     LlamaForCausalLM(cfg).save_pretrained(out)
     return out
+
+
+if __name__ == "__main__":  # python -m finetune.sft.tiny_model DIR (the demo's step writes its base so)
+    import sys
+
+    print(write_tiny_chat_llama(sys.argv[1]))

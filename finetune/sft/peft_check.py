@@ -1,4 +1,4 @@
-"""``python -m tools.peft_check``: a PEFT adapter, loaded with ``peft``, equals its merged export.
+"""``python -m finetune.sft.peft_check``: a PEFT adapter, loaded with ``peft``, equals its merged export.
 
 Loads ``--base`` with transformers, applies ``--adapter`` with ``PeftModel.from_pretrained`` and
 compares its logits with ``--merged``'s (``mlm-convert to-hf --lora-as adapter`` and ``--lora-as
@@ -24,7 +24,7 @@ from pretrain.utils.errors import UserError, cli_entry
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = OneLineParser(prog="python -m tools.peft_check", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="python -m finetune.sft.peft_check", description=__doc__.splitlines()[0])
     p.add_argument("--base", required=True, metavar="DIR", help="the Hugging Face base model")
     p.add_argument("--adapter", required=True, metavar="DIR", help="a PEFT LoRA adapter directory")
     p.add_argument("--merged", required=True, metavar="DIR", help="the same adapter merged into the base")
