@@ -72,7 +72,8 @@ def setup_eval_parallel(cfg: ParallelConfig, *, device: str = "cpu") -> Parallel
 
     Collective: ``init_process_group`` and every group's ``new_group`` on all ranks.
     """
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    # an initialised group (a caller's, or tests' forked ranks without torchrun's WORLD_SIZE) counts
+    world = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     if not dist.is_initialized() and world == 1:
         if cfg.ep > 1 and cfg.model_parallel_size == 1:
             raise UserError(f"--expert-model-parallel-size {cfg.ep} needs {cfg.ep} processes: launch with torchrun "
