@@ -1,7 +1,7 @@
 """Forward+backward time of our mixture-of-experts decoder against transformers' ``MixtralForCausalLM``.
 
-Both get the same Mixtral shape and the same weights (HF's copied into ours: fused QKV in
-Megatron's group order, each expert's ``[gate; up]`` and ``down``, the router), the same batch,
+Both get the same Mixtral shape and the same weights (HF's read into ours by the Mixtral converter,
+as ``mlm-convert from-hf`` does), the same batch,
 dropout off, SDPA attention and the same dtype. Steps alternate between the two so that machine
 noise hits both alike; the median step times are compared. Also checks that the two losses agree.
 
@@ -14,6 +14,7 @@ Last line: ``{"ratio": HF step time / ours (>1: we are faster), "loss_diff": ...
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import statistics
@@ -28,8 +29,8 @@ def build(args: argparse.Namespace):
     """``(ours, hf)`` with identical weights."""
     from transformers import MixtralConfig, MixtralForCausalLM
 
-    from pretrain.config import ModelConfig
-    from pretrain.models.families.llama import fuse_qkv
+    from pretrain.models.families import moe
+    from pretrain.models.families.registry import family_of_model_type
     from pretrain.models.gpt import GPTModel
     from pretrain.models.sharding import load_full_state_dict
     from pretrain.parallel.state import ParallelState
@@ -42,30 +43,16 @@ def build(args: argparse.Namespace):
     )  # fmt: skip
     torch.manual_seed(0)
     hf = MixtralForCausalLM(hf_cfg).to(getattr(torch, args.dtype))
-    cfg = ModelConfig(
-        num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=args.heads, num_query_groups=args.kv_heads,
-        vocab_size=args.vocab, max_position_embeddings=args.seq, ffn_hidden_size=args.ffn, hidden_dropout=0.0,
-        attention_dropout=0.0, normalization="RMSNorm", swiglu=True, position_embedding_type="rope",
-        rotary_base=hf_cfg.rope_parameters["rope_theta"] if hasattr(hf_cfg, "rope_parameters") else 1e6,
-        untie_embeddings_and_output_weights=True, add_bias_linear=False, num_experts=args.experts,
-        moe_router_topk=args.topk, params_dtype=args.dtype,
-    )  # fmt: skip
-    sd, full, lm = hf.state_dict(), {}, "language_model."
-    full[lm + "embedding.word_embeddings.weight"] = sd["model.embed_tokens.weight"]
-    full[lm + "encoder.final_layernorm.weight"] = sd["model.norm.weight"]
-    full[lm + "output_layer.weight"] = sd["lm_head.weight"]
-    for i in range(args.layers):
-        o, h = f"{lm}encoder.layers.{i}.", f"model.layers.{i}."
-        q, k, v = (sd[f"{h}self_attn.{n}_proj.weight"] for n in "qkv")
-        full[o + "self_attention.query_key_value.weight"] = fuse_qkv(q, k, v, groups=args.kv_heads,
-                                                                     head_dim=args.hidden // args.heads)  # fmt: skip
-        full[o + "self_attention.dense.weight"] = sd[h + "self_attn.o_proj.weight"]
-        full[o + "input_layernorm.weight"] = sd[h + "input_layernorm.weight"]
-        full[o + "post_attention_layernorm.weight"] = sd[h + "post_attention_layernorm.weight"]
-        full[o + "mlp.router.weight"] = sd[h + "mlp.gate.weight"]
-        for e in range(args.experts):
-            full[f"{o}mlp.experts.{e}.dense_h_to_4h.weight"] = sd[h + "mlp.experts.gate_up_proj"][e]
-            full[f"{o}mlp.experts.{e}.dense_4h_to_h.weight"] = sd[h + "mlp.experts.down_proj"][e]
+    # the Mixtral converter (pretrain.models.families.moe): config and tensors exactly as from-hf reads them
+    family = family_of_model_type("mixtral")
+    assert family is not None
+    cfg = dataclasses.replace(
+        moe.config_from_hf(hf.config, family),
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        params_dtype=args.dtype,
+    )
+    full = {n: make() for n, make in moe.lazy_hf_to_canonical(hf.state_dict(), cfg, "mixtral").items()}
     ours = GPTModel(cfg, ParallelState.single())
     load_full_state_dict(ours, full)
     return ours.train(), hf.train()
