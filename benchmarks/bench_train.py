@@ -48,6 +48,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from pretrain.training.run_configs import PretrainConfigs
+from pretrain.training.task import TrainTask
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 try:  # run as ``python benchmarks/<script>.py`` (benchmarks/ on sys.path) or as a module
@@ -95,7 +98,7 @@ def pretrain_argv(args: argparse.Namespace, data: dict[str, str]) -> list[str]:
     return [*out, "--no-progress"]
 
 
-def build_plain(cfgs: dict[str, Any], task: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
+def build_plain(cfgs: PretrainConfigs, task: TrainTask) -> tuple[torch.nn.Module, torch.optim.Optimizer, int]:
     """HF ``GPT2LMHeadModel`` with our initial weights, and a plain AdamW with Megatron's groups."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -105,7 +108,7 @@ def build_plain(cfgs: dict[str, Any], task: Any) -> tuple[torch.nn.Module, torch
     from pretrain.optim.param_groups import uses_weight_decay
     from pretrain.parallel.state import ParallelState
 
-    model_cfg, train_cfg, optim = cfgs["model"], cfgs["train"], cfgs["optim"]
+    model_cfg, train_cfg, optim = cfgs.model, cfgs.train, cfgs.optim
     (chunk,) = task.build_chunks(ParallelState.single(seed=train_cfg.seed))
     init_model_parameters(chunk, seed=train_cfg.seed)  # the same seeded init the Trainer applies
     padded = int(chunk.padded_vocab)
@@ -173,8 +176,8 @@ def main() -> None:
         data = make_data(Path(tmp), args.vocab)
         cli_args = build_parser().parse_args(pretrain_argv(args, data))
         cfgs = configs_from_args(cli_args, world_size=1)
-        task = build_task(cli_args, cfgs)
-        ps = setup_parallel(cfgs["parallel"], seed=cfgs["train"].seed)
+        task = build_task(cfgs)
+        ps = setup_parallel(cfgs.parallel, seed=cfgs.train.seed)
         hf, opt, padded = build_plain(cfgs, task)
 
         times: dict[str, list[float]] = {"ours": [], "plain": []}
@@ -198,8 +201,7 @@ def main() -> None:
                 cpu["plain"].append(plain_cpu)
             mark[:] = [time.perf_counter(), time.process_time()]
 
-        ckpt = {"argv": pretrain_argv(args, data)}
-        train(task, ps=ps, optim_cfg=cfgs["optim"], lr_cfg=cfgs["lr"], cfg=cfgs["train"], ckpt_args=ckpt,
+        train(task, ps=ps, optim_cfg=cfgs.optim, lr_cfg=cfgs.lr, cfg=cfgs.train, ckpt_args=None,
               on_iteration=on_iteration)  # fmt: skip
 
     tok = args.batch * args.seq

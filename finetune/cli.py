@@ -20,10 +20,12 @@ prediction files beside it. ``--eval-only --ckpt DIR`` evaluates a checkpoint wr
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import os
 import statistics
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,15 +33,16 @@ from finetune.builtin import resolve_data_dir
 from finetune.init_from import Pretrained, load_pretrained, tokenizer_from_dir
 from finetune.presets import SIZES, TASK_NAMES, get_preset
 from finetune.task_data import check_task_files, load_task_data
-from finetune.tasks import FinetuneTask, predict_all, train_iterations
+from finetune.tasks import FinetuneTask, TaskData, predict_all, train_iterations
 from finetune.tokenization import PairEncoder
 from pretrain.checkpoint.args import training_metadata
 from pretrain.checkpoint.metadata import require_metadata
-from pretrain.checkpoint.types import FinetuneRecord
+from pretrain.checkpoint.types import CheckpointMetadata, FinetuneRecord
 from pretrain.config import DTypeFlags, DTypeName, ModelConfig
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.layout import check_sizes
+from pretrain.parallel.state import ParallelState
 from pretrain.tokenizer.flags import TokenizerFlags
 from pretrain.training.cli import add_parallel_args, parallel_from_args
 from pretrain.training.config import TrainingConfig
@@ -102,28 +105,61 @@ def build_parser() -> OneLineParser:
     return p
 
 
-def _hyper(args: Any) -> dict[str, Any]:
-    """Preset values with the flags that were given on top."""
+@dataclass(frozen=True, kw_only=True)
+class Hyperparameters:
+    """A finetuning run's hyperparameters: the ``--preset``'s values with the flags given on top."""
+
+    epochs: float
+    global_batch_size: int
+    lr: float
+    seq_length: int
+    warmup: float  # fraction of the iterations
+    weight_decay: float
+
+    def check(self, seeds: int) -> None:
+        """Each value in its range, named by its flag (one line, exit 2)."""
+        for flag, value, ok, rule in (
+            ("--epochs", self.epochs, self.epochs > 0, "> 0"),
+            ("--seeds", seeds, seeds >= 1, ">= 1"),
+            ("--lr-warmup-fraction", self.warmup, 0.0 <= self.warmup < 1.0, "in [0, 1)"),
+            ("--global-batch-size", self.global_batch_size, self.global_batch_size >= 1, ">= 1"),
+            ("--seq-length", self.seq_length, self.seq_length >= 1, ">= 1"),
+            ("--lr", self.lr, self.lr >= 0, ">= 0"),
+        ):
+            if not ok:
+                raise UserError(f"{flag} must be {rule}, got {value}")
+
+
+def _hyper(args: argparse.Namespace) -> Hyperparameters:
+    """Preset values with the flags that were given on top, checked."""
     preset = get_preset(args.task, args.preset)
 
     def given(value: Any, default: Any) -> Any:
         return default if value is None else value
 
-    h = {"epochs": given(args.epochs, preset.epochs),
-         "global_batch_size": given(args.global_batch_size, preset.global_batch_size),
-         "lr": given(args.lr, preset.lr),
-         "seq_length": given(args.seq_length, preset.seq_length),
-         "warmup": given(args.lr_warmup_fraction, preset.warmup_fraction),
-         "weight_decay": given(args.weight_decay, preset.weight_decay)}  # fmt: skip
-    for flag, ok, rule in (("--epochs", h["epochs"] > 0, "> 0"), ("--seeds", args.seeds >= 1, ">= 1"),
-                           ("--lr-warmup-fraction", 0.0 <= h["warmup"] < 1.0, "in [0, 1)"),
-                           ("--global-batch-size", h["global_batch_size"] >= 1, ">= 1"),
-                           ("--seq-length", h["seq_length"] >= 1, ">= 1"), ("--lr", h["lr"] >= 0, ">= 0")):  # fmt: skip
-        if not ok:
-            key = {"--epochs": "epochs", "--lr-warmup-fraction": "warmup", "--global-batch-size": "global_batch_size",
-                   "--seq-length": "seq_length", "--lr": "lr"}.get(flag)  # fmt: skip
-            raise UserError(f"{flag} must be {rule}, got {args.seeds if key is None else h[key]}")
+    h = Hyperparameters(
+        epochs=given(args.epochs, preset.epochs),
+        global_batch_size=given(args.global_batch_size, preset.global_batch_size),
+        lr=given(args.lr, preset.lr),
+        seq_length=given(args.seq_length, preset.seq_length),
+        warmup=given(args.lr_warmup_fraction, preset.warmup_fraction),
+        weight_decay=given(args.weight_decay, preset.weight_decay),
+    )
+    h.check(args.seeds)
     return h
+
+
+@dataclass(frozen=True, kw_only=True)
+class SeedRunContext:
+    """What every seed's run shares: hyperparameters, task data, layout, model and its source."""
+
+    hyper: Hyperparameters
+    data: TaskData
+    ps: ParallelState
+    micro_batch_size: int
+    model_cfg: ModelConfig
+    pretrained: Pretrained
+    ckpt_args: CheckpointMetadata
 
 
 HYPER_FLAGS = ("epochs", "global_batch_size", "lr", "seq_length", "lr_warmup_fraction", "weight_decay", "preset",
@@ -221,38 +257,36 @@ def _save_tokenizer(tokenizer: Any, path: Path) -> None:
     save_tokenizer(tokenizer, path)
 
 
-def _run_seed(args: Any, k: int, ctx: dict[str, Any]) -> dict[str, Any]:
+def _run_seed(args: argparse.Namespace, k: int, ctx: SeedRunContext) -> dict[str, Any]:
     """Finetune (unless ``--eval-only``) and evaluate with seed ``--seed + k``."""
     from pretrain.training.loop import count_parameters, train
 
-    h, data, ps, rank0 = ctx["hyper"], ctx["data"], ctx["ps"], ctx["ps"].rank == 0
+    h, data, ps, rank0 = ctx.hyper, ctx.data, ctx.ps, ctx.ps.rank == 0
     seed = args.seed + k
     ps.seed(seed)
     many = args.seeds > 1
     save = None if args.save is None else str(Path(args.save) / f"seed_{k}" if many else Path(args.save))
     iters = (
-        0
-        if args.eval_only
-        else train_iterations(len(data.train["tokens"]), h["epochs"], h["global_batch_size"])
+        0 if args.eval_only else train_iterations(len(data.train["tokens"]), h.epochs, h.global_batch_size)
     )
     train_cfg = TrainingConfig(
-        micro_batch_size=ctx["micro"], global_batch_size=h["global_batch_size"], train_iters=iters,
-        seq_length=h["seq_length"], seed=seed, log_interval=args.log_interval, eval_interval=args.eval_interval,
+        micro_batch_size=ctx.micro_batch_size, global_batch_size=h.global_batch_size, train_iters=iters,
+        seq_length=h.seq_length, seed=seed, log_interval=args.log_interval, eval_interval=args.eval_interval,
         eval_iters=args.eval_iters, save=save, load=args.ckpt if args.eval_only else None, finetune=True,
         log_json=args.log_json, schedule=args.pipeline_schedule, overlap_grad_reduce=args.overlap_grad_reduce,
         progress=not args.no_progress and iters > 0,
     )  # fmt: skip
-    optim = OptimizerConfig(lr=h["lr"], min_lr=0.0, weight_decay=h["weight_decay"], clip_grad=args.clip_grad,
+    optim = OptimizerConfig(lr=h.lr, min_lr=0.0, weight_decay=h.weight_decay, clip_grad=args.clip_grad,
                             use_distributed_optimizer=args.use_distributed_optimizer, fp16=args.fp16, bf16=args.bf16)  # fmt: skip
-    lr = (LRScheduleConfig(lr=h["lr"], min_lr=0.0, decay_style="constant") if iters == 0 else
-          LRScheduleConfig(lr=h["lr"], min_lr=0.0, decay_style="linear", warmup_iters=int(h["warmup"] * iters),
+    lr = (LRScheduleConfig(lr=h.lr, min_lr=0.0, decay_style="constant") if iters == 0 else
+          LRScheduleConfig(lr=h.lr, min_lr=0.0, decay_style="linear", warmup_iters=int(h.warmup * iters),
                            decay_iters=iters))  # fmt: skip
-    task = FinetuneTask(data=data, model_cfg=ctx["cfg"], train_cfg=train_cfg,
-                        pretrained=None if args.eval_only else ctx["pre"].tensors)  # fmt: skip
-    result = train(task, ps=ps, optim_cfg=optim, lr_cfg=lr, cfg=train_cfg, ckpt_args=ctx["ckpt_args"])
+    task = FinetuneTask(data=data, model_cfg=ctx.model_cfg, train_cfg=train_cfg,
+                        pretrained=None if args.eval_only else ctx.pretrained.tensors)  # fmt: skip
+    result = train(task, ps=ps, optim_cfg=optim, lr_cfg=lr, cfg=train_cfg, ckpt_args=ctx.ckpt_args)
     if save is not None and rank0:
-        _save_tokenizer(ctx["pre"].tokenizer, Path(save) / "tokenizer")
-    outputs = predict_all(result["trainer"].chunks, ps, data, ctx["micro"])
+        _save_tokenizer(ctx.pretrained.tokenizer, Path(save) / "tokenizer")
+    outputs = predict_all(result["trainer"].chunks, ps, data, ctx.micro_batch_size)
     out_dir = None
     if args.results_dir is not None and rank0:
         out_dir = str(Path(args.results_dir) / f"seed_{k}" if many else Path(args.results_dir))
@@ -263,7 +297,7 @@ def _run_seed(args: Any, k: int, ctx: dict[str, Any]) -> dict[str, Any]:
         iterations=iters,
         final_loss=history[-1]["loss"] if history else None,
         fresh=task.fresh,
-        parameters=count_parameters(result["trainer"], vocab_size=ctx["cfg"].vocab_size),  # a collective
+        parameters=count_parameters(result["trainer"], vocab_size=ctx.model_cfg.vocab_size),  # a collective
     )
     return scored
 
@@ -311,12 +345,12 @@ def main(argv: list[str] | None = None) -> int:
         pre = load_pretrained(
             ckpt=args.ckpt, hf_model=args.hf_model, tokenizer_dir=args.tokenizer_dir, vocab_file=args.vocab_file,
             lower_case=not args.cased, force_tokenizer=getattr(args, "force_tokenizer", False))  # fmt: skip
-    cfg = _model_cfg(args, pre, h["seq_length"])
+    cfg = _model_cfg(args, pre, h.seq_length)
     parallel, dp = _parallel(args, cfg)
-    micro = args.micro_batch_size or max(1, min(8, h["global_batch_size"] // dp))
-    TrainingConfig(micro_batch_size=micro, global_batch_size=h["global_batch_size"], train_iters=0,
-                   seq_length=h["seq_length"]).num_microbatches(dp)  # fmt: skip
-    encoder = PairEncoder(pre.tokenizer, h["seq_length"])
+    micro = args.micro_batch_size or max(1, min(8, h.global_batch_size // dp))
+    TrainingConfig(micro_batch_size=micro, global_batch_size=h.global_batch_size, train_iters=0,
+                   seq_length=h.seq_length).num_microbatches(dp)  # fmt: skip
+    encoder = PairEncoder(pre.tokenizer, h.seq_length)
     data = load_task_data(args.task, args.data_dir, encoder, **({"doc_stride": args.doc_stride,
                           "max_query_length": args.max_query_length, "null_threshold": args.null_score_diff_threshold}
                           if args.task in ("squad", "squad2") else {}))  # fmt: skip
@@ -326,10 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     from pretrain.training.loop import setup_parallel
 
     ps = setup_parallel(parallel, seed=args.seed)
-    ctx = {"hyper": h, "data": data, "ps": ps, "micro": micro, "cfg": cfg, "pre": pre,
-           "ckpt_args": training_metadata(cfg, parallel, kind="bert", tokenizer=pre.tokenizer, save=None,
-                                          write_tokenizer=False, finetune=record,
-                                          argv=list(argv if argv is not None else sys.argv[1:]))}  # fmt: skip
+    meta = training_metadata(cfg, parallel, kind="bert", tokenizer=pre.tokenizer, save=None, write_tokenizer=False,
+                             finetune=record, argv=list(argv if argv is not None else sys.argv[1:]))  # fmt: skip
+    ctx = SeedRunContext(hyper=h, data=data, ps=ps, micro_batch_size=micro, model_cfg=cfg, pretrained=pre,
+                         ckpt_args=meta)  # fmt: skip
     runs = [_run_seed(args, k, ctx) for k in range(args.seeds)]
     metrics = _median(runs)
     if ps.rank == 0:
@@ -341,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _report(args: Any, pre: Pretrained, parallel: ParallelConfig, h: dict[str, Any], metrics: dict[str, float],
+def _report(args: argparse.Namespace, pre: Pretrained, parallel: ParallelConfig, h: Hyperparameters, metrics: dict[str, float],
             runs: list[dict[str, Any]], *, fingerprint: str | None) -> None:  # fmt: skip
     task = RESULT_TASK.get(args.task, args.task)
     headline = {k: v for k, v in metrics.items() if k in TASK_METRICS.get(task, metrics)}
@@ -356,7 +390,7 @@ def _report(args: Any, pre: Pretrained, parallel: ParallelConfig, h: dict[str, A
         metrics=headline, seed=args.seed, units={k: "percent" for k in headline},  # finetune metrics: x 100
         dtype="bfloat16" if args.bf16 else "float16" if args.fp16 else "float32",
         sample_data=_is_builtin_task(args.data_dir),
-        details={"all_metrics": metrics, "hyperparameters": {**h, "preset": args.preset}, "eval_only": args.eval_only,
+        details={"all_metrics": metrics, "hyperparameters": {**dataclasses.asdict(h), "preset": args.preset}, "eval_only": args.eval_only,
                  "data": str(Path(args.data_dir).resolve()),  # the report marks the built-in task data
                  "runs": [{k: r[k] for k in ("seed", "metrics", "details", "iterations", "final_loss", "files")}
                           for r in runs]},

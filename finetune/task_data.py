@@ -46,6 +46,7 @@ from finetune.squad_postprocess import (
     write_null_odds,
     write_squad_predictions,
 )
+from finetune.tasks import TaskData
 from finetune.tokenization import PairEncoder, PairEncoding
 from pretrain.training.task import Microbatch
 from pretrain.utils.atomic import atomic_open
@@ -281,7 +282,7 @@ def check_task_files(name: str, data_dir: str) -> None:
         resolve_task_dir(name, data_dir)
 
 
-def load_task_data(name: str, data_dir: str, encoder: PairEncoder, **squad_options: Any) -> Any:
+def load_task_data(name: str, data_dir: str, encoder: PairEncoder, **squad_options: Any) -> TaskData:
     """The :class:`~finetune.tasks.TaskData` of CLI task ``name``."""
     check_task_files(name, data_dir)
     if name in ("squad", "squad2"):

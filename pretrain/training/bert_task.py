@@ -24,6 +24,7 @@ from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.training.config import TrainingConfig
 from pretrain.training.flops import gpt_flops_per_iteration
+from pretrain.training.run_configs import PretrainConfigs
 from pretrain.training.task import Microbatch, dp_microbatches
 from pretrain.utils.errors import UserError
 
@@ -43,14 +44,14 @@ class BertTask:
     datasets: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
-    def from_configs(cls, cfgs: dict[str, Any]) -> BertTask:
-        if len(cfgs["data"].data_prefix) != 1:
+    def from_configs(cls, cfgs: PretrainConfigs) -> BertTask:
+        if len(cfgs.data.data_prefix) != 1:
             raise UserError("mlm-pretrain bert takes one --data-path prefix (a sentence-split dataset)")
         return cls(
-            model_cfg=cfgs["model"],
-            data_cfg=cfgs["data"],
-            train_cfg=cfgs["train"],
-            tokenizer=cfgs["tokenizer"],
+            model_cfg=cfgs.model,
+            data_cfg=cfgs.data,
+            train_cfg=cfgs.train,
+            tokenizer=cfgs.tokenizer,
         )
 
     def build_chunks(self, ps: ParallelState) -> list[ShardedModule]:

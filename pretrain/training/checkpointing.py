@@ -34,6 +34,8 @@ from pretrain.checkpoint.legacy.layout import (
 )
 from pretrain.checkpoint.lora_adapter import ADAPTER_FILE, LoraBase, adapter_file_entry
 from pretrain.checkpoint.metadata import read_metadata
+from pretrain.checkpoint.types import CheckpointMetadata
+from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
 from pretrain.models.lora import lora_config_of
 from pretrain.optim.distrib_optimizer import DistributedOptimizer, reassemble_full_state
@@ -55,7 +57,7 @@ def _gather_to_dp0(obj: Any, ps: ParallelState) -> list[Any] | None:
 
 def save_training_checkpoint(
     root: str | Path, iteration: int, chunks: Sequence[ShardedModule], ps: ParallelState,
-    optimizer: MixedPrecisionOptimizer, scheduler: LRScheduler, args: Any, *, lora_base: LoraBase | None = None,
+    optimizer: MixedPrecisionOptimizer, scheduler: LRScheduler, args: CheckpointMetadata | None, *, lora_base: LoraBase | None = None,
 ) -> Path:  # fmt: skip
     """Save everything needed to resume; collective over all ranks.
 
@@ -85,7 +87,7 @@ ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_
                        "max_position_embeddings")  # fmt: skip
 
 
-def check_architecture(root: str | Path, saved: Any, here: Any) -> None:
+def check_architecture(root: str | Path, saved: ModelConfig, here: ModelConfig) -> None:
     """A checkpoint of another model size is an architecture mismatch (not a layout one): show both."""
     diff = [(f, getattr(saved, f, None), getattr(here, f, None)) for f in ARCHITECTURE_FIELDS]
     diff = [(f, a, b) for f, a, b in diff if a is not None and b is not None and a != b]
@@ -95,7 +97,12 @@ def check_architecture(root: str | Path, saved: Any, here: Any) -> None:
 
 
 def check_layout(
-    root: str | Path, ps: ParallelState, it_dir: Path, *, model_type: str, model_cfg: Any = None
+    root: str | Path,
+    ps: ParallelState,
+    it_dir: Path,
+    *,
+    model_type: str,
+    model_cfg: ModelConfig | None = None,
 ) -> None:
     """Fail with both architectures, or both layouts and the resharding command, when they differ."""
     first = next(iter(list_rank_dirs(it_dir).values()))

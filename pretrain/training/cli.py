@@ -17,12 +17,12 @@ Every flag is validated before any process group starts; bad input gives one lin
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
-from typing import Any
 
 from pretrain.checkpoint.args import training_metadata
 from pretrain.config import DTypeFlags, DTypeName, ModelConfig
@@ -37,6 +37,8 @@ from pretrain.pipeline.partition import stage_layer_numbers
 from pretrain.tokenizer.factory import TokenizerConfig, build_tokenizer
 from pretrain.tokenizer.flags import add_tokenizer_arguments
 from pretrain.training.config import TrainingConfig
+from pretrain.training.run_configs import PretrainConfigs
+from pretrain.training.task import TrainTask
 from pretrain.utils.cli import OneLineParser
 from pretrain.utils.errors import UserError, cli_entry
 from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace
@@ -137,7 +139,7 @@ def build_parser() -> OneLineParser:
     return parser
 
 
-def parallel_from_args(args: Any, *, num_layers: int) -> ParallelConfig:
+def parallel_from_args(args: argparse.Namespace, *, num_layers: int) -> ParallelConfig:
     """The layout of :func:`add_parallel_args`' flags; ``vp`` from Megatron's
     ``--num-layers-per-virtual-pipeline-stage`` (checked against ``num_layers`` first)."""
     from pretrain.utils.config_flags import virtual_pipeline_size
@@ -172,7 +174,7 @@ def _check_layout(model: ModelConfig, parallel: ParallelConfig, *, seq_length: i
     return dp
 
 
-def configs_from_args(args: Any, *, world_size: int) -> dict[str, Any]:
+def configs_from_args(args: argparse.Namespace, *, world_size: int) -> PretrainConfigs:
     """Every config of a run, validated (no process group needed)."""
     tok_cfg = TokenizerConfig.from_args(args)
     tokenizer = build_tokenizer(tok_cfg)
@@ -214,11 +216,11 @@ def configs_from_args(args: Any, *, world_size: int) -> dict[str, Any]:
     data = GPTDatasetConfig(seq_length=args.seq_length, data_prefix=tuple(args.data_path), seed=args.seed,
                             split=args.split, cache_dir=args.data_cache_path, eod_mask_loss=args.eod_mask_loss,
                             eod_id=tokenizer.eod)  # fmt: skip
-    return {"tokenizer_cfg": tok_cfg, "tokenizer": tokenizer, "parallel": parallel, "model": model,
-            "train": train, "optim": optim, "lr": lr, "data": data}  # fmt: skip
+    return PretrainConfigs(kind=kind.name, tokenizer_cfg=tok_cfg, tokenizer=tokenizer, parallel=parallel, model=model,
+                           train=train, optim=optim, lr=lr, data=data)  # fmt: skip
 
 
-def lr_schedule_from_args(args: Any) -> LRScheduleConfig:
+def lr_schedule_from_args(args: argparse.Namespace) -> LRScheduleConfig:
     """The LR schedule, with every inconsistency named by its flags."""
     if args.train_iters < 1:
         raise UserError(f"--train-iters must be >= 1, got {args.train_iters}")
@@ -246,7 +248,7 @@ def lr_schedule_from_args(args: Any) -> LRScheduleConfig:
                             decay_iters=decay if args.lr_decay_style != "constant" else None)  # fmt: skip
 
 
-def check_data_fits(args: Any, vocab_size: int) -> None:
+def check_data_fits(args: argparse.Namespace, vocab_size: int) -> None:
     """Before any work: every dataset holds a sample of --seq-length and only ids the tokenizer knows."""
     from pretrain.data.indexed_dataset import IndexedDataset
 
@@ -267,7 +269,7 @@ def check_data_fits(args: Any, vocab_size: int) -> None:
             )
 
 
-def check_outputs(args: Any) -> None:
+def check_outputs(args: argparse.Namespace) -> None:
     """Before any work: --save is writable and not a finished run unless resumed or --overwrite."""
     from pretrain.checkpoint.legacy.layout import TRACKER
 
@@ -293,11 +295,12 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def build_task(args: Any, cfgs: dict[str, Any]) -> Any:
-    if kind_of(args.model, where="mlm-pretrain").causal_lm:  # next-token prediction; else MLM + SOP
+def build_task(cfgs: PretrainConfigs) -> TrainTask:
+    """The task of the run's model kind: next-token prediction (causal), else MLM + SOP."""
+    if kind_of(cfgs.kind, where="mlm-pretrain").causal_lm:
         from pretrain.training.gpt_task import GPTTask
 
-        return GPTTask(model_cfg=cfgs["model"], data_cfg=cfgs["data"], train_cfg=cfgs["train"])
+        return GPTTask(model_cfg=cfgs.model, data_cfg=cfgs.data, train_cfg=cfgs.train)
     from pretrain.training.bert_task import BertTask
 
     return BertTask.from_configs(cfgs)
@@ -307,19 +310,19 @@ def build_task(args: Any, cfgs: dict[str, Any]) -> Any:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     cfgs = configs_from_args(args, world_size=int(os.environ.get("WORLD_SIZE", "1")))
-    task = build_task(args, cfgs)
+    task = build_task(cfgs)
     from pretrain.training.loop import setup_parallel, train
 
-    ps = setup_parallel(cfgs["parallel"], seed=cfgs["train"].seed)
-    ckpt = training_metadata(cfgs["model"], cfgs["parallel"], kind=args.model, tokenizer=cfgs["tokenizer"],
-                             save=cfgs["train"].save, write_tokenizer=ps.rank == 0, argv=list(argv or sys.argv[1:]),
-                             global_batch_size=cfgs["train"].global_batch_size,
-                             data_hash=data_hash(cfgs["data"].blend))  # fmt: skip
-    result = train(task, ps=ps, optim_cfg=cfgs["optim"], lr_cfg=cfgs["lr"], cfg=cfgs["train"], ckpt_args=ckpt)
+    ps = setup_parallel(cfgs.parallel, seed=cfgs.train.seed)
+    ckpt = training_metadata(cfgs.model, cfgs.parallel, kind=cfgs.kind, tokenizer=cfgs.tokenizer,
+                             save=cfgs.train.save, write_tokenizer=ps.rank == 0, argv=list(argv or sys.argv[1:]),
+                             global_batch_size=cfgs.train.global_batch_size,
+                             data_hash=data_hash(cfgs.data.blend))  # fmt: skip
+    result = train(task, ps=ps, optim_cfg=cfgs.optim, lr_cfg=cfgs.lr, cfg=cfgs.train, ckpt_args=ckpt)
     if ps.rank == 0 and result["history"]:
         first, last = result["history"][0], result["history"][-1]
         print(json.dumps({"first_loss": first["loss"], "final_loss": last["loss"],
-                          "iterations": last["iteration"], "save": cfgs["train"].save}))  # fmt: skip
+                          "iterations": last["iteration"], "save": cfgs.train.save}))  # fmt: skip
     import torch.distributed as dist
 
     if dist.is_initialized():

@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from pretrain.checkpoint.legacy.layout import iteration_dir
+from pretrain.checkpoint.types import CheckpointMetadata
 from pretrain.distributed.ddp import DDPConfig, DistributedDataParallel, finalize_model_grads
 from pretrain.models.base import ShardedModule
 from pretrain.models.init import init_model_parameters
@@ -74,7 +75,7 @@ class Trainer:
     optim_cfg: OptimizerConfig
     lr_cfg: LRScheduleConfig
     cfg: TrainingConfig
-    ckpt_args: Any  # pretrain.checkpoint.types.CheckpointMetadata
+    ckpt_args: CheckpointMetadata | None  # the record each checkpoint carries (None: a run that never saves)
     chunks: list[ShardedModule] = field(init=False)
     ddps: list[DistributedDataParallel] = field(init=False)
     optimizer: MixedPrecisionOptimizer = field(init=False)
@@ -202,7 +203,7 @@ class Trainer:
 
 def train(
     task: TrainTask, *, ps: ParallelState, optim_cfg: OptimizerConfig, lr_cfg: LRScheduleConfig,
-    cfg: TrainingConfig, ckpt_args: Any, on_iteration: Callable[[dict[str, Any]], None] | None = None,
+    cfg: TrainingConfig, ckpt_args: CheckpointMetadata | None, on_iteration: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Run training; returns ``{"history": [...], "valid": [...], "start_iteration", "final_iteration"}``.
 
