@@ -5,12 +5,14 @@ Examples::
     mlm-generate --ckpt ckpt --prompt "The quick brown fox" --max-new-tokens 40
     mlm-generate --ckpt ckpt --prompts prompts.jsonl --temperature 0.8 --top-p 0.95 --seed 7 --json
     torchrun --nproc-per-node 4 -m mlm_eval.generation.cli --ckpt ckpt --tp 2 --pp 2 --prompt "Hello"
+    torchrun --nproc-per-node 2 -m mlm_eval.generation.cli --ckpt moe_ckpt --ep 2 --prompts p.jsonl --json
     mlm-generate --hf-model hf_dir --prompt "Hello" --stop "."
 
 Greedy unless ``--temperature`` > 0. Without ``--json`` each prompt's text streams to the
 terminal as it is generated; with ``--json`` every prompt gives one JSON line ``{"index",
 "prompt", "text", "tokens", "stopped"}`` in input order (prompts batched ``--batch-size`` at a time,
-split over data-parallel replicas under torchrun). ``--prompts`` reads JSON lines with a
+split over data-parallel replicas under torchrun; a mixture-of-experts checkpoint may split its
+experts over ``--ep`` ranks, ``--etp`` 1 or TP, as ``mlm-eval``). ``--prompts`` reads JSON lines with a
 ``"prompt"`` (or ``"text"``) field. The output is cut before the first ``--stop`` string.
 ``--apply-chat-template`` sends each prompt as one user message rendered with the tokenizer's chat
 template and the assistant's turn opened (transformers' ``apply_chat_template(...,
@@ -67,7 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template to render prompts with (implies --apply-chat-template)")  # fmt: skip
     add_flag_group(p, DTypeFlags, title="dtype", include=("dtype",))
-    add_flag_group(p, ParallelConfig, title="parallel layout (torchrun)", include=("tp", "pp"))
+    add_flag_group(
+        p, ParallelConfig, title="parallel layout (torchrun)", include=("tp", "pp", *ParallelConfig.EXPERT)
+    )
     tok = p.add_argument_group("tokenizer (default: the checkpoint's own)")
     add_flag_group(p, TokenizerFlags, title="tokenizer", group=tok)
     return p
@@ -120,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise UserError("--max-new-tokens and --batch-size must be >= 1")
-    if min(args.tp, args.pp) < 1:  # mlm-generate's wording, before the layout's own checks
-        raise UserError("--tensor-model-parallel-size and --pipeline-model-parallel-size must be >= 1")
+    for dest, flag in (("tp", "tensor"), ("pp", "pipeline"), ("ep", "expert")):  # before the layout's checks
+        if getattr(args, dest) < 1:
+            raise UserError(f"--{flag}-model-parallel-size must be >= 1, got {getattr(args, dest)}")
     parallel = flags_from_namespace(ParallelConfig, args)
     dtype = flags_from_namespace(DTypeFlags, args)
     tok_flags = flags_from_namespace(TokenizerFlags, args)

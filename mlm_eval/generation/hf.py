@@ -27,8 +27,8 @@ def run_hf(
     """Generate for each prompt in one process; stream to stdout or print JSON lines."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if parallel.model_parallel_size > 1:
-        raise UserError("--hf-model runs in one process; TP/PP generation needs --ckpt DIR")
+    if parallel.model_parallel_size > 1 or parallel.ep > 1:
+        raise UserError("--hf-model runs in one process; TP/PP/EP generation needs --ckpt DIR")
     path = Path(args.hf_model)
     if not path.is_dir():
         raise UserError(f"--hf-model {path}: not a directory")

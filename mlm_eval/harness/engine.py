@@ -125,6 +125,23 @@ class BatchInvariantScorer:
         return ScoreOutput(nll=nll, is_argmax=hit)
 
 
+def _batch_stop(ids: list[int], stop: StopFn | None) -> StopFn:
+    """``stop`` of a batch whose rows ``0..len(ids)-1`` are prompts ``ids`` and whose later rows
+    are lockstep padding (stopped after their first token)."""
+
+    def row_stop(row: int, toks: list[int]) -> bool:
+        if row >= len(ids):
+            return True
+        return stop is not None and stop(ids[row], toks)
+
+    return row_stop
+
+
+def _seeds(ids: list[int], rows: int) -> list[int]:
+    """Sampling seed offsets of a batch: each prompt's index; padding rows any (unused)."""
+    return [*ids, *range(rows - len(ids))][:rows]
+
+
 class HarnessEngine:
     """This rank's model stage with the scorer and tokenizer (see module docstring)."""
 
@@ -211,24 +228,25 @@ class HarnessEngine:
         """Generated ids per prompt, in order, on every rank. ``stop(i, ids)``: prompt ``i`` is done.
 
         Prompts are batched ``batch_size`` at a time, longest first; row ``i`` samples with seed
-        offset ``i`` so its tokens do not depend on its batch.
+        offset ``i`` so its tokens do not depend on its batch. With expert parallelism every
+        replica makes the same :func:`generate` calls (the expert all-to-alls pair them): a replica
+        with fewer prompts adds one-token rows (:func:`lockstep_padding`), marked done at once and
+        dropped, and :func:`generate` steps the replicas together.
         """
-        if self.ps.ep_size > 1:  # replicas stop at different steps; the expert all-to-all needs them paired
-            raise UserError(
-                f"generation with expert parallelism (ep={self.ps.ep_size}) is not supported; use ep=1"
-            )
+        from mlm_eval.scoring.parallel import lockstep_padding
+
         mine = deal(length_order([len(p) for p in prompts]), self.ps.dp_size, self.ps.dp_rank)
+        rows: list[Sequence[int]] = [prompts[i] for i in mine]
+        rows += [[gen.pad_id]] * lockstep_padding(self.ps, len(prompts), len(mine))
         local: list[list[int]] = []
         step = self.batch_size
-        for lo in range(0, len(mine), step):
-            ids = mine[lo : lo + step]
-            row_stop = None
-            if stop is not None:
-                row_stop = lambda row, toks, ids=ids: stop(ids[row], toks)  # noqa: E731
-            local += generate(self.model, [prompts[i] for i in ids], gen, stop=row_stop, seeds=ids)
+        for lo in range(0, len(rows), step):
+            batch, ids = rows[lo : lo + step], mine[lo : lo + step]  # rows past ids: padding
+            row_stop = _batch_stop(ids, stop) if stop is not None or len(ids) < len(batch) else None
+            local += generate(self.model, batch, gen, stop=row_stop, seeds=_seeds(ids, len(batch)))
             if progress is not None:
                 progress(len(ids) * self.ps.dp_size)
-        return self._gather(len(prompts), mine, local)
+        return self._gather(len(prompts), mine, local[: len(mine)])
 
     def _gather(self, n: int, mine: list[int], local: list[T]) -> list[T]:
         """All replicas' results placed at their original indices (all-gather over dp_group)."""

@@ -11,6 +11,14 @@ final logits over the TP group; pipeline stages pass the hidden states of the fe
 ``[b, s, h]`` forward with point-to-point sends every step, the last stage chooses the next
 tokens, and a broadcast over the pipeline group gives them to every stage. All ranks of a
 model-parallel group must call :func:`generate` with the same prompts and configuration.
+
+Expert parallelism: every forward of a mixture-of-experts layer is an all-to-all over the
+expert-parallel group, which spans data-parallel replicas (or TP ranks), so replicas generating
+different prompts must step together: each step ends with a MAX all-reduce of "still running" over
+the data-parallel group, and a replica whose rows have all finished keeps stepping (its outputs
+are dropped) until every replica has. Callers give every replica the same number of
+:func:`generate` calls (:meth:`mlm_eval.harness.engine.HarnessEngine.generate` pads with rows
+marked done).
 """
 
 from __future__ import annotations
@@ -125,11 +133,26 @@ def generate(
         _record(nxt.tolist(), out, done, cfg, stop, on_token)
         tokens = torch.cat([tokens, nxt[:, None]], dim=1)
         valid = torch.cat([valid, torch.ones_like(valid[:, :1])], dim=1)
-        if all(done):
+        if not _any_running(model, done):
             break
     if comm is not None:
         comm.wait_all()
     return out
+
+
+def _any_running(model: GPTModel, done: list[bool]) -> bool:
+    """Whether a row of this replica (or, with expert parallelism, of any replica) still runs.
+
+    Collective with EP > 1: a MAX all-reduce over the data-parallel group, so every rank of every
+    replica takes the same decision (a rank that stopped alone would leave its EP peers waiting in
+    the next expert all-to-all). Every rank of a replica holds the same ``done``."""
+    ps = model.ps
+    running = not all(done)
+    if ps.ep_size == 1 or ps.dp_group is None or ps.dp_size == 1:
+        return running
+    flag = torch.tensor([int(running)], dtype=torch.int64, device=ps.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=ps.dp_group)
+    return bool(flag.item())
 
 
 def _step(model: GPTModel, tokens: torch.Tensor, valid: torch.Tensor, cache: KVCache | None,
