@@ -18,7 +18,8 @@ import torch
 
 from mlm_eval.scoring.scorer import DTYPE_FLAGS, ScoreOutput
 from mlm_eval.scoring.vocab import score_hidden, scored_hidden
-from pretrain.checkpoint.fingerprint import fingerprint_tensors
+from pretrain.checkpoint.expert_layout import ExpertShare
+from pretrain.checkpoint.fingerprint import combine_digests, tensor_digests
 from pretrain.checkpoint.opener import open_checkpoint
 from pretrain.checkpoint.types import CheckpointReader
 from pretrain.config import DTypeName, ModelConfig
@@ -132,10 +133,12 @@ class TokenizerChoice:
     force: bool = False
 
 
-def _open_with_tokenizer(ckpt: str, choice: TokenizerChoice) -> tuple[CheckpointReader, ResolvedTokenizer]:
+def _open_with_tokenizer(
+    ckpt: str, choice: TokenizerChoice, experts: ExpertShare | None = None
+) -> tuple[CheckpointReader, ResolvedTokenizer]:
     """The opened checkpoint and its checked tokenizer (see ``pretrain.tokenizer.loader``); where
     the checkpoint does not record its vocabulary, the tokenizer's size tells it (a view, not a reopen)."""
-    reader = open_checkpoint(ckpt)
+    reader = open_checkpoint(ckpt, experts=experts)
     if choice.megatron is not None:
         tok = build_tokenizer(choice.megatron)
         what = f"--tokenizer-type {choice.megatron.tokenizer_type}"
@@ -166,6 +169,7 @@ class CanonicalGPT:
     cfg: ModelConfig  # the checkpoint's model config (training dropout etc. as saved)
     tokenizer: Tokenizer
     info: dict[str, Any]  # the result record's "model": name, parameters, iteration, layout, checkpoint
+    digests: dict[str, bytes]  # each read tensor's fingerprint digest (an expert share's: combine over ranks)
 
 
 def read_gpt_checkpoint(
@@ -173,11 +177,14 @@ def read_gpt_checkpoint(
     *,
     tokenizer_cfg: TokenizerChoice | TokenizerConfig | None = None,
     purpose: str = "zero-shot LM evaluation",
+    experts: ExpertShare | None = None,
 ) -> CanonicalGPT:
     """Read ``ckpt`` (any layout the checkpoint tools read) and its tokenizer; no model is built.
 
     The tokenizer is the checkpoint's own unless flags name one, which is then checked against it
     (vocabulary, special ids, probe encoding; ``force`` overrides and ``info["tokenizer"]`` says so).
+    ``experts``: read only that expert-parallel share's routed experts; ``info["fingerprint"]`` is
+    then ``None`` (the ranks' :attr:`CanonicalGPT.digests` together give it).
     """
     if not Path(ckpt).exists():
         raise UserError(f"--ckpt {ckpt}: no such directory")
@@ -186,13 +193,15 @@ def read_gpt_checkpoint(
         if isinstance(tokenizer_cfg, TokenizerChoice)
         else TokenizerChoice(megatron=tokenizer_cfg)
     )
-    reader, resolved = _open_with_tokenizer(ckpt, choice)
+    reader, resolved = _open_with_tokenizer(ckpt, choice, experts)
     spec, info = reader.spec, reader.info
     if not spec.model_kind.causal_lm:
         raise UserError(f"--ckpt {ckpt}: holds a {spec.kind} model; {purpose} needs a GPT")
     if not info.vocab_known:
         raise UserError(f"--ckpt {ckpt}: the true vocabulary size is unknown ({info.vocab_source})")
-    full = {name: reader.tensor(name).clone() for name in reader.names()}
+    names = [n for n in reader.names() if experts is None or experts.keeps(n, spec.cfg.num_experts)]
+    full = {name: reader.tensor(name).clone() for name in names}
+    digests = tensor_digests(full.items(), vocab_size=spec.cfg.vocab_size)
     tokenizer = resolved.tokenizer
     meta = {
         "name": Path(ckpt).resolve().name,
@@ -201,14 +210,14 @@ def read_gpt_checkpoint(
         "layout": f"tp{info.tp}-pp{info.pp}-vp{info.vp}",
         "checkpoint": os.fspath(Path(ckpt).resolve()),
         # The weights' identity across layouts and formats (the leaderboard's row key).
-        "fingerprint": fingerprint_tensors(full.items(), vocab_size=spec.cfg.vocab_size),
+        "fingerprint": combine_digests(digests) if experts is None else None,
         "tokenizer": {
             "source": resolved.source,
             "type": tokenizer.tokenizer_type,
             "forced": list(resolved.forced),
         },
     }
-    return CanonicalGPT(full=full, cfg=spec.cfg, tokenizer=tokenizer, info=meta)
+    return CanonicalGPT(full=full, cfg=spec.cfg, tokenizer=tokenizer, info=meta, digests=digests)
 
 
 def load_megatron_gpt(

@@ -15,8 +15,10 @@ group) and to every replica (all-gather over the data-parallel group), so each r
 exactly once. Rank 0 prints and writes the result.
 
 Mixture-of-experts checkpoints may split their experts over ``--ep`` ranks (carved out of the
-data-parallel replicas, megatron-core's layout; ``--etp`` 1 or TP): each rank keeps only its
-experts of the canonical tensors and tokens reach them by the training all-to-all
+data-parallel replicas, megatron-core's layout; ``--etp`` 1 or TP): each rank reads only its
+experts (:class:`~pretrain.checkpoint.expert_layout.ExpertShare`: legacy files of other EP ranks
+are not opened, ``torch_dist`` regions of other experts not read; the weights fingerprint joins
+every rank's tensor digests) and tokens reach them by the training all-to-all
 (:mod:`pretrain.models.moe.dispatch`). The all-to-alls pair every forward of the replicas of an
 expert-parallel group, so each replica scores the same number of rows (:func:`lockstep_padding`
 dummy rows, whose results are dropped).
@@ -48,6 +50,8 @@ from mlm_eval.scoring.vocab import (
     score_hidden_invariant,
     scored_hidden,
 )
+from pretrain.checkpoint.expert_layout import ExpertShare
+from pretrain.checkpoint.fingerprint import combine_digests
 from pretrain.models.base import ShardedModule
 from pretrain.models.gpt import GPTModel
 from pretrain.models.moe.dispatch import check_expert_parallel
@@ -247,6 +251,19 @@ def layout_name(ps: ParallelState) -> str:
     return name
 
 
+def gathered_fingerprint(digests: dict[str, bytes]) -> str:
+    """The weights fingerprint of tensors read in parts: every rank's digests joined (collective:
+    an all-gather of the digests over the world; a tensor read by several ranks has one digest)."""
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, digests)
+    joined: dict[str, bytes] = {}
+    for part in parts:
+        for name, digest in part.items():
+            if joined.setdefault(name, digest) != digest:
+                raise UserError(f"tensor {name}: read differently by two ranks (the checkpoint changed?)")
+    return combine_digests(joined)
+
+
 def load_parallel_gpt(
     ckpt: str,
     *,
@@ -264,7 +281,10 @@ def load_parallel_gpt(
     canonical tensors it read).
     """
     ps = setup_eval_parallel(parallel, device=device)
-    read = read_gpt_checkpoint(ckpt, tokenizer_cfg=tokenizer_cfg)
+    share = ExpertShare(rank=ps.ep_rank, size=ps.ep_size) if ps.ep_size > 1 else None
+    read = read_gpt_checkpoint(ckpt, tokenizer_cfg=tokenizer_cfg, experts=share)
+    if share is not None:
+        read.info["fingerprint"] = gathered_fingerprint(read.digests)
     cfg = eval_model_config(read.cfg, dtype)
     if cfg.num_layers % ps.pp_size:
         raise UserError(

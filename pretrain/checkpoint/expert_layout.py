@@ -105,3 +105,37 @@ def globalise(
             key = f"{key[: m.start(group)]}{i + lo}{key[m.end(group) :]}"
         out[key] = t
     return out
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ExpertShare:
+    """The routed experts one expert-parallel rank of a run keeps: EP rank ``rank`` of ``size``
+    holds global experts ``[rank E/size, (rank+1) E/size)`` (megatron-core's layout). Readers given
+    a share read only those experts' tensors (and, for legacy files, only the files holding them);
+    every other tensor is read as without one."""
+
+    rank: int
+    size: int
+
+    def experts(self, num_experts: int | None) -> range | None:
+        """The global indices kept, or ``None`` (all: a dense model). One line if ``size`` does not
+        divide ``num_experts`` (the wording of the engine's own check)."""
+        if not num_experts:
+            return None
+        if num_experts % self.size:
+            raise UserError(
+                f"--num-experts {num_experts} is not divisible by --expert-model-parallel-size {self.size}"
+            )
+        per = num_experts // self.size
+        return range(self.rank * per, (self.rank + 1) * per)
+
+    def keeps(self, name: str, num_experts: int | None) -> bool:
+        """Whether tensor ``name`` (our names: ``mlp.experts.{e}.``, global ``e``) is read."""
+        kept, e = self.experts(num_experts), expert_index(name)
+        return kept is None or e is None or e in kept
+
+    def file_ranks(self, num_experts: int, file_ep: int) -> list[int]:
+        """The EP ranks of a checkpoint written with ``file_ep`` whose files hold a kept expert."""
+        kept = self.experts(num_experts)
+        per = num_experts // file_ep
+        return [r for r in range(file_ep) if kept is None or set(range(r * per, (r + 1) * per)) & set(kept)]

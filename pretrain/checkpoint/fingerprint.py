@@ -71,6 +71,17 @@ def fingerprint_tensors(
 
     ``vocab_size``: rows kept of vocabulary tensors (``None``: as given). ``skip_prefixes``: names
     starting with one of these (followed by ``.``) are left out."""
+    return combine_digests(tensor_digests(tensors, vocab_size=vocab_size, skip_prefixes=skip_prefixes))
+
+
+def tensor_digests(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    vocab_size: int | None = None,
+    skip_prefixes: tuple[str, ...] = (),
+) -> dict[str, bytes]:
+    """Each tensor's :func:`tensor_digest` by name (see :func:`fingerprint_tensors`): processes that
+    each read part of a model (expert-parallel ranks) combine theirs with :func:`combine_digests`."""
     digests: dict[str, bytes] = {}
     for name, tensor in tensors:
         if any(name.startswith(p + ".") for p in skip_prefixes):
@@ -82,6 +93,11 @@ def fingerprint_tensors(
                 raise UserError(f"tensor {name}: {tensor.shape[0]} vocabulary rows, fewer than {vocab_size}")
             tensor = tensor[:vocab_size]
         digests[name] = tensor_digest(name, tensor)
+    return digests
+
+
+def combine_digests(digests: Mapping[str, bytes]) -> str:
+    """The fingerprint of every tensor's digest (``sha256`` of the name-sorted pairs)."""
     if not digests:
         raise UserError("the weights fingerprint needs at least one tensor")
     total = hashlib.sha256(SCHEME.encode())

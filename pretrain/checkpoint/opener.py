@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from pretrain.checkpoint.expert_layout import ExpertShare
 from pretrain.checkpoint.legacy.layout import TRACKER, iteration_dir, read_tracker
 from pretrain.checkpoint.lora_adapter import ADAPTER_FILE
 from pretrain.checkpoint.plan import ModelSpec
@@ -48,12 +49,16 @@ def open_checkpoint(
     vocab_size: int | None = None,
     tokenizer_size: int | None = None,
     tokenizer_source: str = "",
+    experts: ExpertShare | None = None,
 ) -> CheckpointReader:
     """Open a checkpoint root or one iteration directory, any format (nothing materialised).
 
     ``vocab_size`` (``--vocab-size``) or ``tokenizer_size`` (the size of a tokenizer the caller
     loaded, described by ``tokenizer_source``) tell the true vocabulary where ``args`` do not;
-    both are checked against what the checkpoint records.
+    both are checked against what the checkpoint records. ``experts``: an expert-parallel rank's
+    share; legacy files of other EP ranks are then not opened and ``names()`` lists only its
+    routed experts (``torch_dist`` and other sources read per tensor: callers skip the others'
+    names with :meth:`ExpertShare.keeps`).
     """
     it_dir, it, root = find_iteration_dir(Path(path), iteration)
     if any(it_dir.glob(f"*/{ADAPTER_FILE}")):  # a LoRA checkpoint: its base with the adapter merged
@@ -70,7 +75,7 @@ def open_checkpoint(
         return open_torch_dist(it_dir, it, vocab=vocab, root=root)
     from pretrain.checkpoint.legacy.reader import open_legacy
 
-    return open_legacy(it_dir, it, vocab=vocab, root=root)
+    return open_legacy(it_dir, it, vocab=vocab, root=root, experts=experts)
 
 
 def load_canonical(

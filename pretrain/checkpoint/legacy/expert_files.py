@@ -52,9 +52,12 @@ def merge_expert_ranks(
     ep: int,
     chunk_keys: list[str],
     chunk_keys_of: Callable[[dict[str, Any], Path], list[str]],
+    ep_ranks: list[int] | None = None,
 ) -> tuple[list[dict[str, dict[str, torch.Tensor]]], list[Path]]:
-    """Per (TP, PP) rank: EP rank 0's tensors plus every EP rank's experts, global indices
-    (:func:`~pretrain.checkpoint.expert_layout.globalise`); and the EP > 0 files read."""
+    """Per (TP, PP) rank: the first EP rank's tensors (``flats``) plus the other EP ranks'
+    experts, global indices (:func:`~pretrain.checkpoint.expert_layout.globalise`); and the other
+    files read. ``ep_ranks``: the EP rank files to read (default all), ``flats`` the first's."""
+    ep_ranks = list(range(ep)) if ep_ranks is None else ep_ranks
     experts, hidden = int(args["num_experts"]), int(args.get("hidden_size") or 0)
     if experts % ep:
         raise UserError(
@@ -71,10 +74,11 @@ def merge_expert_ranks(
     for p in range(pp):
         for t in range(tp):
             merged = {
-                ck: globalise(flat, ep_rank=0, per_rank=per, hidden=hidden, path=dirs[(t, p, 0)] / MODEL_FILE)
+                ck: globalise(flat, ep_rank=ep_ranks[0], per_rank=per, hidden=hidden,
+                              path=dirs[(t, p, ep_ranks[0])] / MODEL_FILE)
                 for ck, flat in flats[p * tp + t].items()
-            }
-            for e in range(1, ep):
+            }  # fmt: skip
+            for e in ep_ranks[1:]:
                 path = dirs[(t, p, e)] / MODEL_FILE
                 state = load_untrusted(path)
                 if chunk_keys_of(state, path) != chunk_keys:
@@ -100,16 +104,18 @@ def check_expert_files(
     *,
     tp: int,
     ep: int,
+    keep: Callable[[str], bool] = lambda _name: True,
 ) -> None:
     """Every routed expert tensor is in its EP rank's file, and no other: one line naming the
-    file and the first missing (or unexpected) tensor."""
+    file and the first missing (or unexpected) tensor. ``keep``: the experts read (the others'
+    files are not opened)."""
     per = experts_per_rank(spec.cfg, ep, what="expert_model_parallel_size")
     layers = layers_from_counts(counts)
     for s, stage in enumerate(layers):
         for c, numbers in enumerate(stage):
             pre, post = s == 0 and c == 0, s == len(layers) - 1 and c == len(stage) - 1
             slots = chunk_slots(spec, tp=tp, pre_process=pre, post_process=post, layer_numbers=numbers)
-            want = {x.local for x in slots if expert_index(x.local) is not None}
+            want = {x.local for x in slots if expert_index(x.local) is not None and keep(x.local)}
             for t in range(tp):
                 have = {n for n in locals_[(t, s, c)] if expert_index(n) is not None}
                 for name in sorted(want - have) + sorted(have - want):

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from pretrain.checkpoint.expert_layout import ExpertShare
 from pretrain.checkpoint.legacy.expert_files import check_expert_files, merge_expert_ranks
 from pretrain.checkpoint.legacy.layout import (
     MODEL_FILE,
@@ -259,15 +260,21 @@ def _index(
     counts: list[list[int]],
     tp: int,
     files: list[Path],
-) -> tuple[dict[str, _Entry], dict[str, _Entry]]:
+    keep: Callable[[str], bool],
+) -> tuple[dict[str, _Entry], dict[str, _Entry], list[Slot]]:
+    """Entries of the tensors read (``keep(local name)``), the head copies, and the slots left
+    unread (experts of other EP ranks: counted in the parameters, never read)."""
     pp, vp = len(counts), len(counts[0])
     layers = layers_from_counts(counts)
     entries: dict[str, _Entry] = {}
     heads: dict[str, _Entry] = {}
+    unread: list[Slot] = []
     for s in range(pp):
         for c in range(vp):
             pre, post = s == 0 and c == 0, s == pp - 1 and c == vp - 1
-            slots = chunk_slots(spec, tp=tp, pre_process=pre, post_process=post, layer_numbers=layers[s][c])
+            every = chunk_slots(spec, tp=tp, pre_process=pre, post_process=post, layer_numbers=layers[s][c])
+            slots = [slot for slot in every if keep(slot.local)]
+            unread += [slot for slot in every if not keep(slot.local)]
             expected = {slot.local for slot in slots}
             for t in range(tp):
                 have, path = locals_[(t, s, c)], files[file_index[(t, s)]]
@@ -287,12 +294,12 @@ def _index(
                 head_key = "word_embeddings_for_head.weight"
                 refs = [(file_index[(t, s)], chunk_keys[c], locals_[(t, s, c)][head_key]) for t in range(tp)]
                 heads[emb.canonical] = _Entry(emb, refs)
-    return entries, heads
+    return entries, heads, unread
 
 
-def _num_params(spec: ModelSpec, entries: dict[str, _Entry], tp: int) -> int:
+def _num_params(spec: ModelSpec, entries: dict[str, _Entry], tp: int, unread: list[Slot]) -> int:
     total = 0
-    for e in entries.values():
+    for e in [*entries.values(), *(_Entry(slot, []) for slot in unread)]:
         shape = list(e.slot.shape)
         if e.slot.dim is not None:
             shape[e.slot.dim] *= tp
@@ -320,13 +327,19 @@ def open_legacy(
     *,
     vocab: VocabOptions | None = None,
     root: Path | None = None,
+    experts: ExpertShare | None = None,
 ) -> LegacyReader:
-    """Open a legacy-format iteration directory (all rank files mmap'd, nothing materialised)."""
+    """Open a legacy-format iteration directory (all rank files mmap'd, nothing materialised).
+
+    ``experts``: read only that share's routed experts, from the files of the EP ranks holding
+    them (their dense tensors from the first of those); the first rank file gives only ``args``."""
     first_dir = first_rank_dir(it_dir)
     first_state = load_untrusted(first_dir / MODEL_FILE)
     args0 = dict(as_mapping(first_state.get("args")))
     tp, pp, ep, dirs = _rank_grid(it_dir, args0)
-    files = [dirs[(t, p, 0)] / MODEL_FILE for p in range(pp) for t in range(tp)]
+    num_experts = int(args0.get("num_experts") or 0)
+    file_eps = experts.file_ranks(num_experts, ep) if experts is not None and num_experts else list(range(ep))
+    files = [dirs[(t, p, file_eps[0])] / MODEL_FILE for p in range(pp) for t in range(tp)]
     file_index = {(t, p): p * tp + t for p in range(pp) for t in range(tp)}
     states = [first_state if f.parent == first_dir else load_untrusted(f) for f in files]
     chunk_keys = _same_chunk_keys(files, states)
@@ -335,10 +348,15 @@ def open_legacy(
     expert_files: list[Path] = []
     if args0.get("num_experts"):  # per-EP-rank files merged, expert indices made global
         flats, expert_files = merge_expert_ranks(
-            flats, states, dirs, args0, tp=tp, pp=pp, ep=ep, chunk_keys=chunk_keys, chunk_keys_of=_chunk_keys
-        )
+            flats, states, dirs, args0, tp=tp, pp=pp, ep=ep, chunk_keys=chunk_keys, chunk_keys_of=_chunk_keys,
+            ep_ranks=file_eps,
+        )  # fmt: skip
+
+    def keep(name: str) -> bool:
+        return experts is None or experts.keeps(name, num_experts)
+
     locals_ = {
-        (t, p, c): _local_names(flats[file_index[(t, p)]][ck])
+        (t, p, c): {n: k for n, k in _local_names(flats[file_index[(t, p)]][ck]).items() if keep(n)}
         for (t, p) in {k[:2] for k in dirs}
         for c, ck in enumerate(chunk_keys)
     }
@@ -350,8 +368,8 @@ def open_legacy(
     if spec.cfg.untie_embeddings_and_output_weights:  # mcore output_layer / legacy head copy
         locals_ = {k: untie_head_names(v) for k, v in locals_.items()}
     if spec.cfg.num_experts is not None:
-        check_expert_files(spec, locals_, dirs, counts, tp=tp, ep=ep)
-    entries, heads = _index(spec, locals_, file_index, chunk_keys, counts, tp, files)
+        check_expert_files(spec, locals_, dirs, counts, tp=tp, ep=ep, keep=keep)
+    entries, heads, unread = _index(spec, locals_, file_index, chunk_keys, counts, tp, files, keep)
     dtypes = sorted(
         {str(t.dtype).removeprefix("torch.") for flat in flats for t in flat[chunk_keys[0]].values()}
     )
@@ -359,7 +377,7 @@ def open_legacy(
         path=source, format="torch", iteration=states[0].get("iteration", iteration),
         checkpoint_version=float(states[0].get("checkpoint_version", 0) or 0), kind=spec.kind, tp=tp, pp=pp,
         vp=vp, ep=ep, vocab_size=spec.cfg.vocab_size, vocab_source=how, padded_vocab_size=padded,
-        num_parameters=_num_params(spec, entries, tp), dtypes=tuple(dtypes), ours=meta is not None,
+        num_parameters=_num_params(spec, entries, tp, unread), dtypes=tuple(dtypes), ours=meta is not None,
         root=str(root or ""), vocab_known=not how.startswith("padded"),
     )  # fmt: skip
     return LegacyReader(
