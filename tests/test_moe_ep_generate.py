@@ -6,7 +6,8 @@ A tiny random Qwen2-MoE (6 experts, a dense layer, a gated shared expert) built 
   token, the other runs on) do not hang: every expert all-to-all stays paired, and each row's
   greedy tokens equal transformers' ``generate`` on the original;
 * :meth:`HarnessEngine.generate` with more prompts than divide evenly over the replicas (one
-  replica pads with rows marked done) equals one process;
+  replica pads with rows marked done), or one prompt (a replica with padding only), equals
+  transformers;
 * TP 2 x EP 2 with ETP 1 on one prompt per replica: the TP rank whose share of a one-token decode
   step is empty still takes part in every all-to-all.
 """
@@ -73,27 +74,28 @@ def test_replicas_finishing_at_different_steps_do_not_hang(moe: dict[str, Any]) 
 
 
 def _engine_worker(
-    rank: int, world: int, par: ParallelConfig, cfg: Any, full: dict[str, torch.Tensor], eos: int, batch: int
-) -> list[list[int]]:
+    rank: int, world: int, par: ParallelConfig, cfg: Any, full: dict[str, torch.Tensor], eos: int, batch: int,
+    n: int,
+) -> list[list[int]]:  # fmt: skip
     from mlm_eval.harness.engine import BatchInvariantScorer, HarnessEngine
 
     model = _model(par, cfg, full)
     engine = HarnessEngine(model, BatchInvariantScorer(model), None, batch_size=batch)  # type: ignore[arg-type]
-    prompts = PROMPTS if par.tp == 1 else PROMPTS[:2]  # TP 2: one prompt per replica
-    return engine.generate(prompts, GenerationConfig(max_new_tokens=NEW, eos_id=eos))
+    return engine.generate(PROMPTS[:n], GenerationConfig(max_new_tokens=NEW, eos_id=eos))
 
 
 @pytest.mark.parametrize(
-    ("world", "par", "batch"),
-    [(2, ParallelConfig(ep=2), 2), (4, ParallelConfig(tp=2, ep=2, etp=1), 1)],
-    ids=["ep2-padded", "tp2-ep2-etp1-empty-share"],
-)
+    ("world", "par", "batch", "n"),
+    [(2, ParallelConfig(ep=2), 2, 5), (2, ParallelConfig(ep=2), 1, 1), (4, ParallelConfig(tp=2, ep=2, etp=1), 1, 2)],
+    ids=["ep2-padded", "ep2-one-prompt", "tp2-ep2-etp1-empty-share"],
+)  # fmt: skip
 def test_engine_generate_with_expert_parallelism_equals_transformers(
-    moe: dict[str, Any], world: int, par: ParallelConfig, batch: int
+    moe: dict[str, Any], world: int, par: ParallelConfig, batch: int, n: int
 ) -> None:
+    """5 prompts over 2 replicas (one pads a row); 1 prompt (one replica generates padding only);
+    TP 2 x EP 2 ETP 1, one prompt per replica (decode steps leave TP rank 1 no tokens)."""
     results = run_distributed(
-        _engine_worker, world, par, moe["cfg"], moe["full"], moe["eos"], batch, timeout=180
+        _engine_worker, world, par, moe["cfg"], moe["full"], moe["eos"], batch, n, timeout=180
     )
-    n = len(PROMPTS) if par.tp == 1 else 2
     for got in results:  # every rank holds every prompt's tokens
         assert got == moe["want"][:n]
