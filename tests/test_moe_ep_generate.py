@@ -9,7 +9,7 @@ A tiny random Qwen2-MoE (6 experts, a dense layer, a gated shared expert) built 
   replica pads with rows marked done), or one prompt (a replica with padding only), equals
   transformers;
 * TP 2 x EP 2 with ETP 1 on one prompt per replica: the TP rank whose share of a one-token decode
-  step is empty still takes part in every all-to-all.
+  step is empty still takes part in every all-to-all; PP 2 x EP 2 too.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import load_full_state_dict
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.state import ParallelState
+from pretrain.pipeline.partition import build_model_chunks
 from tests.distributed import run_distributed
 from tests.moe_hf_fixtures import hf_model, import_state
 
@@ -49,9 +50,10 @@ def moe() -> dict[str, Any]:
 
 
 def _model(par: ParallelConfig, cfg: Any, full: dict[str, torch.Tensor]) -> GPTModel:
-    model = GPTModel(cfg, ParallelState.from_distributed(par, seed=0)).eval()
+    (model,) = build_model_chunks(cfg, ParallelState.from_distributed(par, seed=0))
+    assert isinstance(model, GPTModel)
     load_full_state_dict(model, full)
-    return model
+    return model.eval()
 
 
 def _uneven_worker(
@@ -86,14 +88,16 @@ def _engine_worker(
 
 @pytest.mark.parametrize(
     ("world", "par", "batch", "n"),
-    [(2, ParallelConfig(ep=2), 2, 5), (2, ParallelConfig(ep=2), 1, 1), (4, ParallelConfig(tp=2, ep=2, etp=1), 1, 2)],
-    ids=["ep2-padded", "ep2-one-prompt", "tp2-ep2-etp1-empty-share"],
+    [(2, ParallelConfig(ep=2), 2, 5), (2, ParallelConfig(ep=2), 1, 1), (4, ParallelConfig(tp=2, ep=2, etp=1), 1, 2),
+     (4, ParallelConfig(pp=2, ep=2), 2, 5)],
+    ids=["ep2-padded", "ep2-one-prompt", "tp2-ep2-etp1-empty-share", "pp2-ep2"],
 )  # fmt: skip
 def test_engine_generate_with_expert_parallelism_equals_transformers(
     moe: dict[str, Any], world: int, par: ParallelConfig, batch: int, n: int
 ) -> None:
     """5 prompts over 2 replicas (one pads a row); 1 prompt (one replica generates padding only);
-    TP 2 x EP 2 ETP 1, one prompt per replica (decode steps leave TP rank 1 no tokens)."""
+    TP 2 x EP 2 ETP 1, one prompt per replica (decode steps leave TP rank 1 no tokens); PP 2 x EP 2
+    (each stage's EP group pairs the replicas' stages)."""
     results = run_distributed(
         _engine_worker, world, par, moe["cfg"], moe["full"], moe["eos"], batch, n, timeout=180
     )
