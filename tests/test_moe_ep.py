@@ -376,6 +376,49 @@ def test_mlm_pretrain_with_expert_parallelism_resumes_bitwise(
             assert torch.equal(flat_g[k], v), (rank_dir, k)
 
 
+@pytest.mark.slow
+def test_mlm_pretrain_at_etp_below_tp_resumes_bitwise(gpt_data: dict[str, str], tmp_path) -> None:
+    """TP 2 with whole experts (ETP 1), ZeRO-1: rank files mp_rank_00/01 each hold the whole
+    experts (expert-TP shard t % 1), ETP 1 in args; resuming continues bit for bit. A layout whose
+    expert shards no rank file can hold (ETP 2 > TP 1) is refused before any work."""
+    import json
+
+    from pretrain.checkpoint.opener import load_canonical
+    from tests.distributed import torchrun
+    from tests.train_fixtures import gpt_args
+
+    flags = {**MOE_FLAGS, "expert-model-parallel-size": 1, "tensor-model-parallel-size": 2,
+             "expert-tensor-parallel-size": 1}  # fmt: skip
+
+    def run(iters: int, name: str, **kw: object) -> list[float]:
+        log = tmp_path / f"{name}.jsonl"
+        argv = gpt_args(gpt_data, **flags, **{"train-iters": iters, "log-json": log, **kw})  # type: ignore[arg-type]
+        proc = torchrun(2, "pretrain.training.cli", argv)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "loss" in r]
+
+    full = run(4, "full")
+    first = run(2, "a", save=tmp_path / "ck")
+    it = tmp_path / "ck" / "iter_0000002"
+    assert sorted(p.name for p in it.iterdir()) == ["mp_rank_00", "mp_rank_01"]
+    state = torch.load(it / "mp_rank_01" / "model_optim_rng.pt", weights_only=False)
+    assert state["args"].expert_tensor_parallel_size == 1
+    weights, _, _ = load_canonical(tmp_path / "ck")  # both TP files' whole experts agree
+    assert any(".mlp.experts.3." in k for k in weights)
+    second = run(4, "b", load=tmp_path / "ck", save=tmp_path / "ck")
+    assert first + second == full  # bitwise: the same floats
+    argv = gpt_args(gpt_data, **{**MOE_FLAGS, "expert-model-parallel-size": 1, "expert-tensor-parallel-size": 2,
+                                 "train-iters": 2, "save": tmp_path / "etp2"})  # fmt: skip
+    proc = torchrun(2, "pretrain.training.cli", argv)
+    assert proc.returncode != 0 and "(exitcode: 2)" in proc.stderr  # the launcher reports the ranks' exit 2
+    words = "--expert-tensor-parallel-size 2 does not divide --tensor-model-parallel-size 1: checkpoint rank files"
+    assert {line for line in proc.stderr.splitlines() if line.startswith("error:")} == {
+        f"error: --save {tmp_path / 'etp2'}: {words} (mp_rank_TT[_PPP][_EEE]) cannot hold such expert shards; "
+        "use an ETP dividing TP"
+    }, proc.stderr[-2000:]
+    assert not (tmp_path / "etp2").exists()
+
+
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for k, v in tree.items():
