@@ -291,8 +291,12 @@ def test_pp2_ep2_training_equals_single_process(vp: int, zero1: bool) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "par"),
-    [(2, ParallelConfig(ep=2)), (4, ParallelConfig(tp=2, ep=2, etp=1)), (4, ParallelConfig(ep=2, etp=2)),
-     (4, ParallelConfig(tp=4, etp=2))],
+    [
+        (2, ParallelConfig(ep=2)),
+        (4, ParallelConfig(tp=2, ep=2, etp=1)),
+        (4, ParallelConfig(ep=2, etp=2)),
+        (4, ParallelConfig(tp=4, etp=2)),
+    ],
     ids=["ep2", "tp2_ep2_etp1", "tp1_ep2_etp2", "tp4_etp2"],
 )
 def test_router_losses_and_token_dropping_under_ep_equal_dp(world: int, par: ParallelConfig) -> None:
@@ -315,7 +319,9 @@ def test_bad_expert_layouts_are_refused() -> None:
     with pytest.raises(UserError, match="--num-experts 4 is not divisible by --expert-model-parallel-size 3"):
         GPTModel(cfg, ParallelState(layout=lay, rank=0))
     lay = compute_layout(world_size=6, tp=1, pp=1, ep=1, etp=3)
-    with pytest.raises(UserError, match="--moe-ffn-hidden-size 16 is not divisible by --expert-tensor-parallel-size 3"):
+    with pytest.raises(
+        UserError, match="--moe-ffn-hidden-size 16 is not divisible by --expert-tensor-parallel-size 3"
+    ):
         GPTModel(cfg, ParallelState(layout=lay, rank=0))
     assert list(itertools.chain(*compute_layout(world_size=4, tp=1, pp=1, ep=2).ep_groups)) == [0, 1, 2, 3]
 

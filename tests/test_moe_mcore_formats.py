@@ -145,7 +145,9 @@ def test_reshard_round_trip_across_tp_pp_ep_is_exact(tmp_path: Path, fmt: str) -
 @pytest.mark.parametrize(
     ("first", "etp"), [((2, 1), 1), ((4, 1), 2), ((4, 2), 1)], ids=["tp2_etp1", "tp4_etp2", "tp4_etp1_ep2"]
 )
-def test_legacy_files_at_etp_below_tp_round_trip_exactly(tmp_path: Path, first: tuple[int, int], etp: int) -> None:
+def test_legacy_files_at_etp_below_tp_round_trip_exactly(
+    tmp_path: Path, first: tuple[int, int], etp: int
+) -> None:
     """ETP dividing TP in legacy files: TP rank t's file holds expert-TP shard t % ETP (the
     experts megatron-core's rank at that TP rank owns); reshard to it and back, weights and
     optimizer state bit for bit, ETP recorded in args."""

@@ -82,7 +82,11 @@ class _FullStates:
         """Rank file ``i``'s ``distrib_optim.pt``, if any: in the directory of its DP rank 0, whose
         EP rank is not always 0 (with ETP below TP, TP rank t's DP rank 0 has EP rank t // ETP)."""
         here = self.files[i].parent
-        dirs = [here] if self.reader.info.ep == 1 else sorted(here.parent.glob(f"{here.name[:-3]}[0-9][0-9][0-9]"))
+        dirs = (
+            [here]
+            if self.reader.info.ep == 1
+            else sorted(here.parent.glob(f"{here.name[:-3]}[0-9][0-9][0-9]"))
+        )
         return next((d / DISTRIB_OPTIM_FILE for d in dirs if (d / DISTRIB_OPTIM_FILE).exists()), None)
 
     def distributed(self, i: int) -> bool:
@@ -123,7 +127,11 @@ class _FullStates:
         """The other ``distrib_optim.pt`` files of rank file ``i``'s stage whose experts are the same
         expert-TP shard (TP ranks t' = t mod ETP, ETP below TP): its expert-DP group spans them."""
         tp = self.reader.info.tp
-        etp = int(self.reader.args.get("expert_tensor_parallel_size") or tp) if self.reader.spec.cfg.num_experts else tp
+        etp = (
+            int(self.reader.args.get("expert_tensor_parallel_size") or tp)
+            if self.reader.spec.cfg.num_experts
+            else tp
+        )
         p, t = divmod(i, tp)
         paths = [self.distrib_path(p * tp + u) for u in range(tp) if u != t and u % etp == t % etp]
         return [x for x in paths if x is not None]
