@@ -9,9 +9,10 @@ Megatron-LM args (:func:`moe_args`), save ``torch_dist`` (``OUT/dist``, megatron
 expert), the legacy per-rank files as Megatron-LM names them
 (``OUT/legacy/iter_0000001/mp_rank_TT[_PPP][_EEE]/model_optim_rng.pt``, its ``get_checkpoint_name``:
 the EP rank is appended as ``_EEE`` when EP > 1) and the probe logits (``OUT/logits.pt``).
-``load CKPT_ITER_DIR OUT --case C --tp T --ep E``: load a ``torch_dist`` checkpoint with
+``load CKPT_ITER_DIR OUT --case C --tp T --ep E [--etp X]``: load a ``torch_dist`` checkpoint with
 ``dist_checkpointing.load`` and write the probe logits. ``load-legacy ROOT OUT ...``: load each
-rank's legacy file with a strict ``load_state_dict``.
+rank's legacy file with a strict ``load_state_dict``. ``--etp`` (default TP) runs on
+``lcm(TP, ETP x EP)`` ranks, megatron-core's expert groups.
 """
 
 from __future__ import annotations
@@ -49,13 +50,20 @@ CASES: dict[str, dict[str, Any]] = {
 }
 
 
-def moe_args(case: str, tp: int, ep: int) -> argparse.Namespace:
-    """Megatron-LM's args (core_v0.16.1 defaults) of an MoE case at ``tp`` x ``ep``."""
+def world_of(tp: int, ep: int, etp: int | None) -> int:
+    """The smallest world holding TP ranks and ETP x EP expert ranks."""
+    import math
+
+    return math.lcm(tp, (etp or tp) * ep)
+
+
+def moe_args(case: str, tp: int, ep: int, etp: int | None = None) -> argparse.Namespace:
+    """Megatron-LM's args (core_v0.16.1 defaults) of an MoE case at ``tp`` x ``ep`` (x ``etp``)."""
     ns = peer.megatron_args("llama", tp)
     for key, value in CASES[case].items():
         setattr(ns, key, value)
-    ns.expert_model_parallel_size, ns.expert_tensor_parallel_size = ep, tp
-    ns.world_size = tp * ep
+    ns.expert_model_parallel_size, ns.expert_tensor_parallel_size = ep, etp or tp
+    ns.world_size = world_of(tp, ep, etp)
     return ns
 
 
@@ -116,7 +124,7 @@ def _grouped_gemm_on_cpu() -> None:
     gg.ops = _Ops
 
 
-def _init(rank: int, tp: int, ep: int, port: int) -> None:
+def _init(rank: int, tp: int, ep: int, port: int, etp: int | None = None) -> None:
     from megatron.core import parallel_state as ps
     from megatron.core import tensor_parallel
 
@@ -127,8 +135,10 @@ def _init(rank: int, tp: int, ep: int, port: int) -> None:
     moe_utils.te_general_gemm = None  # its import failed without TransformerEngine; the plain GEMM runs
     _grouped_gemm_on_cpu()
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=tp * ep)
-    ps.initialize_model_parallel(tensor_model_parallel_size=tp, expert_model_parallel_size=ep)
+    dist.init_process_group("gloo", rank=rank, world_size=world_of(tp, ep, etp))
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp
+    )
     tensor_parallel.get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # type: ignore[method-assign]
 
 
@@ -180,7 +190,7 @@ def _save(out: Path, case: str, rank: int, tp: int, ep: int) -> None:
         torch.save(logits, out / "logits.pt")
 
 
-def _load(ckpt: Path, out: Path, rank: int, tp: int, ep: int, legacy: bool) -> None:
+def _load(ckpt: Path, out: Path, rank: int, tp: int, ep: int, legacy: bool, etp: int | None = None) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core import parallel_state as ps
 
@@ -190,12 +200,13 @@ def _load(ckpt: Path, out: Path, rank: int, tp: int, ep: int, legacy: bool) -> N
         state = torch.load(it_dir / name / "model_optim_rng.pt", weights_only=False)
         args = state["args"]
         args.tensor_model_parallel_size, args.expert_model_parallel_size = tp, ep
+        args.expert_tensor_parallel_size = etp or tp
         model = build_moe_model(args)
         missing, unexpected = model.load_state_dict(state["model"], strict=False)
     else:
         args = torch.load(ckpt / "common.pt", weights_only=False)["args"]
         args.tensor_model_parallel_size, args.expert_model_parallel_size = tp, ep
-        args.expert_tensor_parallel_size = tp
+        args.expert_tensor_parallel_size = etp or tp
         model = build_moe_model(args)
         loaded = dist_checkpointing.load({"model": model.sharded_state_dict()}, str(ckpt))
         missing, unexpected = model.load_state_dict(loaded["model"], strict=False)
@@ -207,12 +218,14 @@ def _load(ckpt: Path, out: Path, rank: int, tp: int, ep: int, legacy: bool) -> N
         torch.save(logits, out / "logits.pt")
 
 
-def _worker(rank: int, tp: int, ep: int, port: int, cmd: str, paths: list[str], case: str) -> None:
-    _init(rank, tp, ep, port)
+def _worker(
+    rank: int, tp: int, ep: int, port: int, cmd: str, paths: list[str], case: str, etp: int | None = None
+) -> None:
+    _init(rank, tp, ep, port, etp)
     if cmd == "save":
         _save(Path(paths[0]), case, rank, tp, ep)
     else:
-        _load(Path(paths[0]), Path(paths[1]), rank, tp, ep, legacy=cmd == "load-legacy")
+        _load(Path(paths[0]), Path(paths[1]), rank, tp, ep, legacy=cmd == "load-legacy", etp=etp)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -224,13 +237,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--case", default="moe", choices=sorted(CASES))
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--ep", type=int, default=1)
+    p.add_argument("--etp", type=int, default=None)
     a = p.parse_args(argv)
-    if a.tp * a.ep == 1:
+    if a.etp is not None and a.cmd == "save":
+        p.error("--etp: load only")
+    world = world_of(a.tp, a.ep, a.etp)
+    if world == 1:
         _worker(0, 1, 1, free_port(), a.cmd, a.paths, a.case)
         return
     import torch.multiprocessing as mp
 
-    mp.spawn(_worker, args=(a.tp, a.ep, free_port(), a.cmd, a.paths, a.case), nprocs=a.tp * a.ep)
+    mp.spawn(_worker, args=(a.tp, a.ep, free_port(), a.cmd, a.paths, a.case, a.etp), nprocs=world)
 
 
 if __name__ == "__main__":

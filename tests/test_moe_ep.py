@@ -64,6 +64,9 @@ def megatron_core_groups(
 WORLDS = [  # (world, tp, pp, ep, etp)
     (4, 1, 1, 4, None), (4, 1, 1, 2, None), (4, 2, 1, 2, None), (4, 2, 1, 2, 1), (4, 1, 2, 2, None),
     (8, 2, 2, 2, None), (16, 2, 2, 4, 1), (16, 4, 1, 2, None), (32, 2, 4, 2, 1), (8, 2, 1, 4, 1),
+    # ETP independent of TP (megatron-core allows any): smaller, larger, with and without EP
+    (2, 1, 1, 1, 2), (4, 1, 1, 2, 2), (2, 2, 1, 1, 1), (4, 4, 1, 1, 2), (8, 4, 1, 2, 2), (4, 2, 1, 1, 4),
+    (8, 2, 2, 1, 4), (8, 4, 2, 1, 2), (8, 1, 2, 2, 2), (16, 2, 1, 2, 4),
 ]  # fmt: skip
 
 
@@ -182,6 +185,11 @@ LAYOUTS: dict[str, tuple[int, ParallelConfig, dict[str, Any]]] = {  # name: (wor
     "tp2_ep2": (4, ParallelConfig(tp=2, ep=2), {}),
     "tp2_ep2_etp1": (4, ParallelConfig(tp=2, ep=2, etp=1), {}),
     "tp2_etp1": (2, ParallelConfig(tp=2, etp=1), {}),
+    # ETP independent of TP: experts split over other ranks than the dense layers
+    "tp1_etp2": (2, ParallelConfig(tp=1, etp=2), {}),
+    "tp1_etp2_ep2": (4, ParallelConfig(tp=1, ep=2, etp=2), {}),
+    "tp4_etp2": (4, ParallelConfig(tp=4, etp=2), {"num_query_groups": 4}),
+    "tp2_etp4": (4, ParallelConfig(tp=2, etp=4), {}),
 }
 
 
@@ -283,17 +291,23 @@ def test_pp2_ep2_training_equals_single_process(vp: int, zero1: bool) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("world", "par"),
-    [(2, ParallelConfig(ep=2)), (4, ParallelConfig(tp=2, ep=2, etp=1))],
-    ids=["ep2", "tp2_ep2_etp1"],
+    [
+        (2, ParallelConfig(ep=2)),
+        (4, ParallelConfig(tp=2, ep=2, etp=1)),
+        (4, ParallelConfig(ep=2, etp=2)),
+        (4, ParallelConfig(tp=4, etp=2)),
+    ],
+    ids=["ep2", "tp2_ep2_etp1", "tp1_ep2_etp2", "tp4_etp2"],
 )
 def test_router_losses_and_token_dropping_under_ep_equal_dp(world: int, par: ParallelConfig) -> None:
     """Aux and z losses and capacity-factor token dropping work on each rank's own tokens (as
     Megatron's, before dispatch): with EP they equal the same data-parallel run without EP
     (which equals one process, tests/test_moe_router_losses.py)."""
-    cfg = moe_config(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01, moe_expert_capacity_factor=1.0)
+    cfg = moe_config(moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01, moe_expert_capacity_factor=1.0,
+                     num_query_groups=max(2, par.tp))  # fmt: skip
     weights, batches = moe_weights(cfg), global_batches(cfg, steps=2)
     args = (cfg, weights, batches, DDPConfig(), OPT, 2)
-    want = run_distributed(_pp_worker, world, dataclasses.replace(par, ep=1), *args)
+    want = run_distributed(_pp_worker, world, dataclasses.replace(par, ep=1, etp=None), *args)
     got = run_distributed(_pp_worker, world, par, *args)
     ref = {**want[0], "params": _merged(want, "params"), "grads": _merged(want, "grads")}
     _check(got, ref, grads=True)
@@ -304,9 +318,11 @@ def test_bad_expert_layouts_are_refused() -> None:
     lay = compute_layout(world_size=6, tp=1, pp=1, ep=3)
     with pytest.raises(UserError, match="--num-experts 4 is not divisible by --expert-model-parallel-size 3"):
         GPTModel(cfg, ParallelState(layout=lay, rank=0))
-    lay = compute_layout(world_size=8, tp=4, pp=1, ep=1, etp=2)
-    with pytest.raises(UserError, match="--expert-tensor-parallel-size 2 is not supported with --tp 4"):
-        GPTModel(dataclasses.replace(cfg, num_attention_heads=4), ParallelState(layout=lay, rank=0))
+    lay = compute_layout(world_size=6, tp=1, pp=1, ep=1, etp=3)
+    with pytest.raises(
+        UserError, match="--moe-ffn-hidden-size 16 is not divisible by --expert-tensor-parallel-size 3"
+    ):
+        GPTModel(cfg, ParallelState(layout=lay, rank=0))
     assert list(itertools.chain(*compute_layout(world_size=4, tp=1, pp=1, ep=2).ep_groups)) == [0, 1, 2, 3]
 
 
@@ -364,6 +380,49 @@ def test_mlm_pretrain_with_expert_parallelism_resumes_bitwise(
         assert set(flat_w) == set(flat_g) and any("experts" in k for k in flat_w)
         for k, v in flat_w.items():
             assert torch.equal(flat_g[k], v), (rank_dir, k)
+
+
+@pytest.mark.slow
+def test_mlm_pretrain_at_etp_below_tp_resumes_bitwise(gpt_data: dict[str, str], tmp_path) -> None:
+    """TP 2 with whole experts (ETP 1), ZeRO-1: rank files mp_rank_00/01 each hold the whole
+    experts (expert-TP shard t % 1), ETP 1 in args; resuming continues bit for bit. A layout whose
+    expert shards no rank file can hold (ETP 2 > TP 1) is refused before any work."""
+    import json
+
+    from pretrain.checkpoint.opener import load_canonical
+    from tests.distributed import torchrun
+    from tests.train_fixtures import gpt_args
+
+    flags = {**MOE_FLAGS, "expert-model-parallel-size": 1, "tensor-model-parallel-size": 2,
+             "expert-tensor-parallel-size": 1}  # fmt: skip
+
+    def run(iters: int, name: str, **kw: object) -> list[float]:
+        log = tmp_path / f"{name}.jsonl"
+        argv = gpt_args(gpt_data, **flags, **{"train-iters": iters, "log-json": log, **kw})  # type: ignore[arg-type]
+        proc = torchrun(2, "pretrain.training.cli", argv)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "loss" in r]
+
+    full = run(4, "full")
+    first = run(2, "a", save=tmp_path / "ck")
+    it = tmp_path / "ck" / "iter_0000002"
+    assert sorted(p.name for p in it.iterdir()) == ["mp_rank_00", "mp_rank_01"]
+    state = torch.load(it / "mp_rank_01" / "model_optim_rng.pt", weights_only=False)
+    assert state["args"].expert_tensor_parallel_size == 1
+    weights, _, _ = load_canonical(tmp_path / "ck")  # both TP files' whole experts agree
+    assert any(".mlp.experts.3." in k for k in weights)
+    second = run(4, "b", load=tmp_path / "ck", save=tmp_path / "ck")
+    assert first + second == full  # bitwise: the same floats
+    argv = gpt_args(gpt_data, **{**MOE_FLAGS, "expert-model-parallel-size": 1, "expert-tensor-parallel-size": 2,
+                                 "train-iters": 2, "save": tmp_path / "etp2"})  # fmt: skip
+    proc = torchrun(2, "pretrain.training.cli", argv)
+    assert proc.returncode != 0 and "(exitcode: 2)" in proc.stderr  # the launcher reports the ranks' exit 2
+    words = "--expert-tensor-parallel-size 2 does not divide --tensor-model-parallel-size 1: checkpoint rank files"
+    assert {line for line in proc.stderr.splitlines() if line.startswith("error:")} == {
+        f"error: --save {tmp_path / 'etp2'}: {words} (mp_rank_TT[_PPP][_EEE]) cannot hold such expert shards; "
+        "use an ETP dividing TP"
+    }, proc.stderr[-2000:]
+    assert not (tmp_path / "etp2").exists()
 
 
 def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:

@@ -115,3 +115,31 @@ def test_reassembly_picks_each_ep_ranks_expert_shards_and_refuses_unmarked_ones(
         assert params["model0.mlp.experts.0.w"]["param"].tolist() == [100.0 * (1 + e), 100.0 * (1 + e) + 1]
     with pytest.raises(ValueError, match="do not record their EP rank"):
         reassemble_full_state([_shard(0, None), _shard(1, None)], ep_rank=0)
+
+
+@pytest.mark.slow
+def test_zero1_expert_state_at_etp_below_tp_resharded_resumes_bitwise(
+    gpt_data: dict[str, str], tmp_path: Path
+) -> None:
+    """TP 2 with whole experts (ETP 1) on 2 ranks: the expert buffer is sharded over expert DP 2,
+    which spans both TP ranks' ``distrib_optim.pt``. Reshard to TP 1 EP 2 and back to TP 2 ETP 1
+    with the optimizer: the resumed run is the uninterrupted one, bit for bit."""
+    etp1 = {
+        "expert-model-parallel-size": 1,
+        "tensor-model-parallel-size": 2,
+        "expert-tensor-parallel-size": 1,
+    }
+    full = _train(gpt_data, tmp_path, "full", 4, save=tmp_path / "full", **ROUND, **etp1)
+    _reshard(tmp_path / "full", tmp_path / "ep2", 2, "--iteration", "2")
+    _reshard(tmp_path / "ep2", tmp_path / "back", 1, "--target-etp", "1", tp=2)
+    assert sorted(p.name for p in (tmp_path / "back" / "iter_0000002").iterdir()) == [
+        "mp_rank_00",
+        "mp_rank_01",
+    ]
+    back = _train(gpt_data, tmp_path, "back", 4, load=tmp_path / "back", save=tmp_path / "backrun", **etp1)
+    assert back == full[2:]
+    want, got = _rank_files(tmp_path / "full", 4), _rank_files(tmp_path / "backrun", 4)
+    assert set(want) == set(got) == {"mp_rank_00", "mp_rank_01"}
+    for rank_dir, tensors in want.items():
+        for k, v in tensors.items():
+            assert torch.equal(got[rank_dir][k], v), (rank_dir, k)

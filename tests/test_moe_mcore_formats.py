@@ -142,6 +142,58 @@ def test_reshard_round_trip_across_tp_pp_ep_is_exact(tmp_path: Path, fmt: str) -
     assert opt.common.step == 7
 
 
+@pytest.mark.parametrize(
+    ("first", "etp"), [((2, 1), 1), ((4, 1), 2), ((4, 2), 1)], ids=["tp2_etp1", "tp4_etp2", "tp4_etp1_ep2"]
+)
+def test_legacy_files_at_etp_below_tp_round_trip_exactly(
+    tmp_path: Path, first: tuple[int, int], etp: int
+) -> None:
+    """ETP dividing TP in legacy files: TP rank t's file holds expert-TP shard t % ETP (the
+    experts megatron-core's rank at that TP rank owns); reshard to it and back, weights and
+    optimizer state bit for bit, ETP recorded in args."""
+    tp, ep = first
+    cfg = moe_cfg(num_layers=2, moe_shared_expert_intermediate_size=24)
+    full = random_full(cfg, seed=3)
+    src = write_moe(tmp_path / "a", cfg, full, ParallelConfig(tp=2, pp=2))
+    target = ["--target-tp", str(tp), "--target-pp", "1", "--target-ep", str(ep), "--target-etp", str(etp)]
+    mid = tmp_path / "etp"
+    assert convert(["reshard", "--load", str(src), "--save", str(mid), "--with-optimizer", *target]) == 0
+    it = mid / "iter_0000005"
+    names = sorted(p.name for p in it.iterdir())
+    assert names == [rank_dir_name(t, 0, 1, e if ep > 1 else None) for t in range(tp) for e in range(ep)]
+    state = torch.load(it / names[-1] / MODEL_FILE, weights_only=False)
+    assert state["args"].expert_tensor_parallel_size == etp
+    key = "decoder.layers.0.mlp.experts.local_experts.0.linear_fc2.weight"
+    want = full[f"language_model.encoder.layers.0.mlp.experts.{(E // ep) * (ep - 1)}.dense_4h_to_h.weight"]
+    assert torch.equal(state["model"][key], want.chunk(etp, dim=1)[(tp - 1) % etp])  # TP rank tp-1's shard
+    back = tmp_path / "back"
+    flags = ["--target-tp", "2", "--target-pp", "2"]
+    assert convert(["reshard", "--load", str(mid), "--save", str(back), "--with-optimizer", *flags]) == 0
+    for root in (mid, back):
+        got, _, _ = load_canonical(root)
+        assert got.keys() == full.keys() and all(torch.equal(got[k], full[k]) for k in full)
+        opt = open_optimizer_source(open_checkpoint(root))
+        for name in full:
+            for kind in OPTIM_STATES:
+                assert torch.equal(opt.state(kind, name), _Adam(full).state(kind, name)), (name, kind)
+
+
+def test_legacy_etp_shards_that_differ_between_tp_files_are_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    cfg = moe_cfg(num_layers=2)
+    root = write_moe(tmp_path / "a", cfg, random_full(cfg), ParallelConfig(tp=4, etp=2))
+    f = root / "iter_0000005" / "mp_rank_02" / MODEL_FILE  # a copy of TP rank 0's expert shard
+    state = torch.load(f, weights_only=False)
+    state["model"]["decoder.layers.1.mlp.experts.local_experts.2.linear_fc1.weight"] += 1
+    torch.save(state, f)
+    _refused(["reshard", "--load", str(root), "--save", str(tmp_path / "out"), "--target-tp", "1",
+              "--target-pp", "1"])  # fmt: skip
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "expert-TP shard 0 differs between" in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def _mcore_layouts(root: Path, layout: str) -> None:
     """Rewrite our SequentialMLP rank files as TE grouped (``linear_fc1.weight{i}``) or GroupedMLP
     (``weight1 [h, E_local * rows]``, ``weight2 [E_local * I, h]``, each expert transposed)."""
@@ -232,7 +284,7 @@ def test_planted_expert_faults_one_line_nothing_written(
 
 @pytest.mark.parametrize(("flags", "words"), [
     (["--target-ep", "3"], "--target-ep 3: does not divide num_experts 4"),
-    (["--target-etp", "2"], "--target-etp 2 differs from --target-tp 1"),
+    (["--target-etp", "2"], "--target-etp 2 does not divide --target-tp 1: legacy torch rank files are named"),
 ])  # fmt: skip
 def test_bad_expert_layouts_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str],
                                     words: str) -> None:  # fmt: skip

@@ -89,6 +89,27 @@ def test_megatron_core_loads_our_moe_output(peer, tmp_path: Path, fmt: str, ep: 
     assert (torch.load(tmp_path / "loaded" / "logits.pt") - ref).abs().max().item() < TOL
 
 
+@pytest.mark.parametrize(("fmt", "tp", "ep", "etp"), [
+    ("torch", 2, 1, 1), ("torch", 2, 2, 1), ("torch_dist", 1, 2, 2), ("torch_dist", 2, 1, 1),
+])  # fmt: skip
+def test_megatron_core_loads_our_moe_output_at_etp(
+    peer, tmp_path: Path, fmt: str, tp: int, ep: int, etp: int
+) -> None:
+    """ETP other than TP: megatron-core, its expert groups built with ``expert_tensor_parallel_size``,
+    loads our reshard (legacy: each TP rank's file holds its expert-TP shard t % ETP; torch_dist:
+    global tensors, ETP in args) strictly and gives its logits."""
+    out = peer("moe_shared", 2)
+    save = tmp_path / "ours"
+    assert convert(["reshard", "--load", str(out / "legacy"), "--save", str(save), "--target-tp", str(tp),
+                    "--target-pp", "1", "--target-ep", str(ep), "--target-etp", str(etp), "--ckpt-format", fmt,
+                    "--verify"]) == 0  # fmt: skip
+    cmd, where = ("load", save / "iter_0000001") if fmt == "torch_dist" else ("load-legacy", save)
+    _peer(cmd, str(where), str(tmp_path / "loaded"), "--case", "moe_shared", "--tp", str(tp), "--ep", str(ep),
+          "--etp", str(etp))  # fmt: skip
+    ref = torch.load(out / "logits.pt")
+    assert (torch.load(tmp_path / "loaded" / "logits.pt") - ref).abs().max().item() < TOL
+
+
 @pytest.mark.parametrize("experts", [2, 8])
 def test_expert_count_disagreeing_with_args_refused(peer, tmp_path: Path, experts: int) -> None:
     """args num_experts 2 (tensors hold 4: experts 2, 3 are extra) or 8 (4 missing): one line."""

@@ -47,11 +47,12 @@ def check_expert_layout(cfg: ModelConfig, parallel: ParallelConfig, *, legacy: b
         raise UserError(f"--etp {etp}: the model has no experts")
     if cfg.num_experts is not None and cfg.moe_ffn_size % etp:
         raise UserError(f"--etp {etp}: does not divide moe_ffn_hidden_size {cfg.moe_ffn_size}")
-    if legacy and etp != parallel.tp:
-        # each legacy rank file is one TP rank's; an expert slice of another width has no file of its own
+    if legacy and parallel.tp % etp:
+        # rank files are named by TP, PP and EP rank only (Megatron's get_checkpoint_name): TP rank
+        # t's file holds expert-TP shard t % ETP, one shard per file only when ETP divides TP
         raise UserError(
-            f"--etp {etp} differs from --tp {parallel.tp}: the legacy torch format "
-            "stores experts split like TP; use --ckpt-format torch_dist"
+            f"--etp {etp} does not divide --tp {parallel.tp}: legacy torch rank files are named by TP, PP "
+            "and EP rank only and cannot hold such expert shards; use --ckpt-format torch_dist"
         )
 
 

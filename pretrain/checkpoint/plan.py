@@ -7,6 +7,7 @@ or about which tensors are split along which dimension.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -20,7 +21,7 @@ from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.layout import compute_layout
 from pretrain.parallel.state import ParallelState
 from pretrain.pipeline.partition import StageLayers, stage_layer_numbers
-from pretrain.tensor_parallel.layers import partition_dim
+from pretrain.tensor_parallel.layers import is_expert, partition_dim
 
 MODEL_KINDS = tuple(KINDS)  # the recorded kind names (pretrain.models.kinds)
 
@@ -56,13 +57,25 @@ class Slot:
     shape: tuple[int, ...]
     vocab: bool  # rows are the padded vocabulary
     layout: RowLayout | None = None  # SwiGLU / GQA row structure (see pretrain.models.sharding)
+    # distinct shards along ``dim`` when not the layout's TP: a routed expert at an expert-TP size
+    # ETP dividing TP, whose TP rank t's file holds ETP shard ``t % ETP`` (megatron-core's ranks)
+    shards: int | None = None
 
 
 def meta_chunk(
-    spec: ModelSpec, *, tp: int, pre_process: bool, post_process: bool, layer_numbers: Sequence[int]
+    spec: ModelSpec,
+    *,
+    tp: int,
+    pre_process: bool,
+    post_process: bool,
+    layer_numbers: Sequence[int],
+    etp: int | None = None,
 ) -> ShardedModule:
-    """A model chunk of the given layout on the meta device (shapes and names only)."""
-    ps = ParallelState(layout=compute_layout(world_size=tp, tp=tp, pp=1), rank=0, device=torch.device("meta"))
+    """A model chunk of the given layout on the meta device (shapes and names only); routed
+    experts split ``etp`` ways (``None``: like TP)."""
+    world = math.lcm(tp, etp or tp)
+    lay = compute_layout(world_size=world, tp=tp, pp=1, etp=etp)
+    ps = ParallelState(layout=lay, rank=0, device=torch.device("meta"))
     return spec.model_kind.build(
         spec.cfg, ps, add_binary_head=spec.add_binary_head, pre_process=pre_process,
         post_process=post_process, layer_numbers=list(layer_numbers),
@@ -70,11 +83,19 @@ def meta_chunk(
 
 
 def chunk_slots(
-    spec: ModelSpec, *, tp: int, pre_process: bool, post_process: bool, layer_numbers: Sequence[int]
+    spec: ModelSpec,
+    *,
+    tp: int,
+    pre_process: bool,
+    post_process: bool,
+    layer_numbers: Sequence[int],
+    etp: int | None = None,
 ) -> list[Slot]:
-    """The tensors of one chunk at tensor-parallel size ``tp`` (same on every TP rank)."""
+    """The tensors of one chunk at tensor-parallel size ``tp`` (same on every TP rank); routed
+    experts at expert-TP size ``etp`` when given and not ``tp`` (:attr:`Slot.shards`)."""
+    etp = None if etp == tp else etp
     chunk = meta_chunk(
-        spec, tp=tp, pre_process=pre_process, post_process=post_process, layer_numbers=layer_numbers
+        spec, tp=tp, pre_process=pre_process, post_process=post_process, layer_numbers=layer_numbers, etp=etp
     )
     return [
         Slot(
@@ -84,6 +105,7 @@ def chunk_slots(
             tuple(p.shape),
             is_vocab_tensor(name),
             row_layout(name, spec.cfg),
+            etp if etp is not None and is_expert(p) else None,
         )  # fmt: skip
         for name, p in chunk.named_parameters()
     ]
@@ -98,6 +120,7 @@ class LayoutPlan:
     pp: int
     vp: int
     layers: StageLayers
+    etp: int | None = None  # routed experts' TP size when not ``tp``
 
     @classmethod
     def for_parallel(cls, spec: ModelSpec, parallel: ParallelConfig) -> LayoutPlan:
@@ -109,7 +132,8 @@ class LayoutPlan:
             first=parallel.num_layers_in_first_stage,
             last=parallel.num_layers_in_last_stage,
         )
-        return cls(spec=spec, tp=parallel.tp, pp=parallel.pp, vp=parallel.vp, layers=layers)
+        etp = parallel.expert_tp if spec.cfg.num_experts else None
+        return cls(spec=spec, tp=parallel.tp, pp=parallel.pp, vp=parallel.vp, layers=layers, etp=etp)
 
     def is_pre(self, stage: int, chunk: int) -> bool:
         return stage == 0 and chunk == 0
@@ -124,6 +148,7 @@ class LayoutPlan:
             pre_process=self.is_pre(stage, chunk),
             post_process=self.is_post(stage, chunk),
             layer_numbers=self.layers[stage][chunk],
+            etp=self.etp,
         )
 
     def chunk_keys(self) -> list[str]:

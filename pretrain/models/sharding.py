@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
-from pretrain.tensor_parallel.layers import partition_dim
+from pretrain.tensor_parallel.layers import is_expert, partition_dim
 from pretrain.tensor_parallel.mappings import ProcessGroup, group_size
 
 VOCAB_TENSORS = (
@@ -172,9 +172,11 @@ def unshard_tensors(
 
 
 def load_full_state_dict(model: ShardedModule, full: dict[str, torch.Tensor], *, strict: bool = True) -> None:
-    """Copy canonical full tensors into ``model``'s local shards (no communication)."""
-    tp_rank, tp, padded = model.ps.tp_rank, model.ps.tp_size, model.padded_vocab
+    """Copy canonical full tensors into ``model``'s local shards (no communication; routed
+    experts are split over the expert-TP group)."""
+    ps, padded = model.ps, model.padded_vocab
     for name, param in model.named_parameters():
+        tp_rank, tp = (ps.etp_rank, ps.etp_size) if is_expert(param) else (ps.tp_rank, ps.tp_size)
         key = model.canonical_name(name)
         if key not in full:
             if strict:
@@ -204,7 +206,8 @@ def _gather(x: torch.Tensor, group: ProcessGroup | None) -> list[torch.Tensor]:
 def gather_full_state_dict(model: ShardedModule, *, grads: bool = False) -> dict[str, torch.Tensor]:
     """Full tensors (or their gradients) of this stage's parameters, keyed by canonical name.
 
-    Collective over the TP group (all-gather per parallel tensor): call on every TP rank. For
+    Collective over the TP group (all-gather per parallel tensor; routed experts over the
+    expert-TP group): call on every rank of both. For
     ``grads=True`` a missing gradient is returned as zeros. Uses ``main_grad`` when present.
     """
     group = model.ps.tp_group
@@ -217,7 +220,7 @@ def gather_full_state_dict(model: ShardedModule, *, grads: bool = False) -> dict
             g = param.grad if g is None else g
             t = torch.zeros_like(param) if g is None else g.detach()
         dim = partition_dim(param)
-        parts = _gather(t, group) if dim is not None else [t]
+        parts = _gather(t, model.ps.etp_group if is_expert(param) else group) if dim is not None else [t]
         key = model.canonical_name(name)
         out[key] = unshard_tensors(
             parts,

@@ -250,14 +250,20 @@ def _expert_parts(shards: Sequence[dict[str, Any]], b: int, ep_rank: int) -> lis
     return mine
 
 
-def reassemble_full_state(shards: Sequence[dict[str, Any]], *, ep_rank: int | None = None) -> dict[str, Any]:
+def reassemble_full_state(
+    shards: Sequence[dict[str, Any]],
+    *,
+    ep_rank: int | None = None,
+    expert_shards: Sequence[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Combine every DP rank's :meth:`DistributedOptimizer.sharded_state_dict` (any order) into
     the non-distributed form: ``{"params": {key: {"param", "exp_avg", "exp_avg_sq"}}, "step",
     "param_groups", "grad_scaler"}`` with tensors shaped like the parameters. Pure function.
 
     With expert parallelism the expert buffers are sharded over the expert-DP group of each EP
     rank (the DP ranks that share its experts): ``ep_rank`` picks whose experts (local indices)
-    are reassembled; the dense buffers come from all DP ranks."""
+    are reassembled, from ``expert_shards`` (default ``shards``: with ETP below TP the expert-DP
+    group spans other TP ranks' DP groups); the dense buffers come from all DP ranks."""
     shards = sorted(shards, key=lambda s: s["dp_rank"])
     d = shards[0]["dp_size"]
     if [s["dp_rank"] for s in shards] != list(range(d)):
@@ -267,7 +273,7 @@ def reassemble_full_state(shards: Sequence[dict[str, Any]], *, ep_rank: int | No
         if "shard_size" in meta:
             if ep_rank is None:
                 raise ValueError("expert parameters are sharded over expert DP: say which EP rank's")
-            parts = _expert_parts(shards, b, ep_rank)
+            parts = _expert_parts(shards if expert_shards is None else expert_shards, b, ep_rank)
             meta = parts[0]
         else:
             parts = [s["buffers"][b] for s in shards]

@@ -54,7 +54,7 @@ class ParallelConfig:
     etp: int | None = field(
         default=None,
         metadata=flag_meta(
-            "expert tensor-parallel size (ETP): TP of each expert, 1 or TP (default: TP)",
+            "expert tensor-parallel size (ETP): TP of each expert, any size (default: TP)",
             flags=("--expert-tensor-parallel-size", "--etp"),
             metavar="N",
         ),
@@ -94,7 +94,9 @@ class ParallelConfig:
         return self.tp if self.etp is None else self.etp
 
     def check_expert_engine(self) -> None:
-        """The engine runs experts whole (ETP 1) or split like the dense layers (ETP = TP)."""
+        """Evaluation's expert layouts (mlm_eval pairs its replicas' all-to-alls over the EP group
+        only): whole experts (ETP 1) or split like the dense layers (ETP = TP). Training and
+        checkpoints take any ETP."""
         if self.expert_tp not in (1, self.tp):
             raise UserError(
                 f"--expert-tensor-parallel-size {self.expert_tp} is not supported with --tp {self.tp}: "

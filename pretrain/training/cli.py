@@ -188,6 +188,14 @@ def configs_from_args(args: argparse.Namespace, *, world_size: int) -> PretrainC
     model = ModelConfig(vocab_size=tokenizer.vocab_size, params_dtype=dtype, bidirectional=kind.bidirectional,
                         num_tokentypes=kind.tokentypes, post_layernorm=args.post_layernorm, **options)  # type: ignore[arg-type]  # fmt: skip
     dp = _check_layout(model, parallel, seq_length=args.seq_length, world_size=world_size)
+    for flag, path in (("--save", args.save), ("--load", args.load)):
+        if path and model.num_experts and parallel.tp % parallel.expert_tp:
+            # rank files are named by TP, PP and EP rank only (Megatron's get_checkpoint_name)
+            raise UserError(
+                f"{flag} {path}: --expert-tensor-parallel-size {parallel.expert_tp} does not divide "
+                f"--tensor-model-parallel-size {parallel.tp}: checkpoint rank files (mp_rank_TT[_PPP][_EEE]) "
+                "cannot hold such expert shards; use an ETP dividing TP"
+            )
     train = TrainingConfig(
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         train_iters=args.train_iters, seq_length=args.seq_length, seed=args.seed, log_interval=args.log_interval,

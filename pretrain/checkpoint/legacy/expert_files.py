@@ -41,6 +41,20 @@ def merge_optimizer(states: list[dict[str, Any]], i: int, state: dict[str, Any],
     states[i] = {**states[i], "optimizer": {**mine, "params": params}}
 
 
+def expert_tp_of(args: dict[str, Any], *, tp: int, where: str) -> int:
+    """The expert-TP size legacy files of TP size ``tp`` hold (args ``expert_tensor_parallel_size``,
+    default ``tp``). Megatron names rank files by TP, PP and EP rank only (``get_checkpoint_name``):
+    TP rank t's file holds the experts of expert-TP rank ``t % ETP``, which is that rank's own only
+    when ETP divides TP; other sizes have no files of their own (one line)."""
+    etp = int(args.get("expert_tensor_parallel_size") or tp)
+    if tp % etp:
+        raise UserError(
+            f"{where}: expert_tensor_parallel_size {etp} does not divide tensor_model_parallel_size {tp}: "
+            "legacy rank files (mp_rank_TT[_PPP][_EEE]) cannot hold such expert shards"
+        )
+    return etp
+
+
 def merge_expert_ranks(
     flats: list[dict[str, dict[str, torch.Tensor]]],
     states: list[dict[str, Any]],
@@ -64,12 +78,7 @@ def merge_expert_ranks(
             f"{dirs[(0, 0, 0)].parent}: args say num_experts {experts}, not divisible by "
             f"expert_model_parallel_size {ep}"
         )
-    etp = args.get("expert_tensor_parallel_size")
-    if etp not in (None, tp):
-        raise UserError(
-            f"{dirs[(0, 0, 0)].parent}: expert_tensor_parallel_size {etp} differs from "
-            f"tensor_model_parallel_size {tp}; legacy files of such a layout are not supported"
-        )
+    expert_tp_of(args, tp=tp, where=str(dirs[(0, 0, 0)].parent))
     per, out, extra_files = experts // ep, [], []
     for p in range(pp):
         for t in range(tp):

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from pretrain.checkpoint.expert_layout import ExpertShare
-from pretrain.checkpoint.legacy.expert_files import check_expert_files, merge_expert_ranks
+from pretrain.checkpoint.legacy.expert_files import check_expert_files, expert_tp_of, merge_expert_ranks
 from pretrain.checkpoint.legacy.layout import (
     MODEL_FILE,
     first_rank_dir,
@@ -108,6 +108,8 @@ class LegacyReader:
             heads = cfg.num_attention_heads // tp
             v = self.info.checkpoint_version
             parts = [qkv_to_canonical(p, version=v, heads=heads, head_dim=cfg.head_dim) for p in parts]
+        if slot.shards is not None and slot.dim is not None:  # ETP shard t % ETP in TP rank t's file
+            parts = self._expert_shards(name, entry, parts, slot.shards)
         if slot.dim is None:
             for ref, part in zip(entry.parts[1:], parts[1:], strict=True):
                 if not torch.equal(part, parts[0]):
@@ -125,6 +127,19 @@ class LegacyReader:
         if self.norm_1p and is_zero_centred_norm(name):  # args.apply_layernorm_1p: stored gamma - 1
             full = full + 1
         return full
+
+    def _expert_shards(
+        self, name: str, entry: _Entry, parts: list[torch.Tensor], shards: int
+    ) -> list[torch.Tensor]:
+        """The ``shards`` distinct ETP shards of a routed expert among its TP ranks' files (file
+        t holds shard ``t % shards``), each replica checked equal to the first."""
+        for t in range(shards, len(parts)):
+            if not torch.equal(parts[t], parts[t % shards]):
+                raise UserError(
+                    f"tensor {name}: expert-TP shard {t % shards} differs between "
+                    f"{self.files[entry.parts[t % shards][0]]} and {self.files[entry.parts[t][0]]}"
+                )
+        return parts[:shards]
 
     def stored_rows(self, name: str) -> torch.Tensor:
         """The full tensor ``name`` with every stored row: a vocabulary tensor keeps its padding
@@ -153,7 +168,7 @@ class LegacyReader:
         parts = [
             torch.empty(p.shape, dtype=p.dtype, device="meta")
             for p in map(self._part, self.entries[name].parts)
-        ]
+        ][: slot.shards]  # a routed expert at ETP != TP: the first ETP files hold every shard
         if slot.dim is None or len(parts) == 1:
             full = parts[0]
         else:
@@ -261,6 +276,7 @@ def _index(
     tp: int,
     files: list[Path],
     keep: Callable[[str], bool],
+    etp: int | None = None,
 ) -> tuple[dict[str, _Entry], dict[str, _Entry], list[Slot]]:
     """Entries of the tensors read (``keep(local name)``), the head copies, and the slots left
     unread (experts of other EP ranks: counted in the parameters, never read)."""
@@ -272,7 +288,9 @@ def _index(
     for s in range(pp):
         for c in range(vp):
             pre, post = s == 0 and c == 0, s == pp - 1 and c == vp - 1
-            every = chunk_slots(spec, tp=tp, pre_process=pre, post_process=post, layer_numbers=layers[s][c])
+            every = chunk_slots(
+                spec, tp=tp, pre_process=pre, post_process=post, layer_numbers=layers[s][c], etp=etp
+            )
             slots = [slot for slot in every if keep(slot.local)]
             unread += [slot for slot in every if not keep(slot.local)]
             expected = {slot.local for slot in slots}
@@ -302,7 +320,7 @@ def _num_params(spec: ModelSpec, entries: dict[str, _Entry], tp: int, unread: li
     for e in [*entries.values(), *(_Entry(slot, []) for slot in unread)]:
         shape = list(e.slot.shape)
         if e.slot.dim is not None:
-            shape[e.slot.dim] *= tp
+            shape[e.slot.dim] *= e.slot.shards or tp
         lay = e.slot.layout
         if e.slot.dim == 0 and lay is not None and lay.groups is not None:  # K/V replicated when tp > groups
             shape[0] = (lay.groups * lay.q_per_group + 2 * lay.groups) * lay.head_dim
@@ -369,7 +387,8 @@ def open_legacy(
         locals_ = {k: untie_head_names(v) for k, v in locals_.items()}
     if spec.cfg.num_experts is not None:
         check_expert_files(spec, locals_, dirs, counts, tp=tp, ep=ep, keep=keep)
-    entries, heads, unread = _index(spec, locals_, file_index, chunk_keys, counts, tp, files, keep)
+    etp = expert_tp_of(args0, tp=tp, where=str(it_dir)) if spec.cfg.num_experts is not None else None
+    entries, heads, unread = _index(spec, locals_, file_index, chunk_keys, counts, tp, files, keep, etp)
     dtypes = sorted(
         {str(t.dtype).removeprefix("torch.") for flat in flats for t in flat[chunk_keys[0]].values()}
     )

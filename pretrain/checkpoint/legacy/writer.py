@@ -82,6 +82,8 @@ def _shard(full: torch.Tensor, slot: Slot, *, tp_rank: int, tp: int, padded: int
             f"tensor {slot.canonical}: {full.shape[0]} rows exceed the padded vocabulary {padded}"
         )
     pad = padded if slot.vocab else None
+    if slot.shards is not None:  # a routed expert at ETP != TP: TP rank t holds ETP shard t % ETP
+        tp_rank, tp = tp_rank % slot.shards, slot.shards
     out = shard_tensor(full, dim=slot.dim, tp_rank=tp_rank, tp=tp, pad_rows_to=pad, layout=slot.layout)
     if tuple(out.shape) != slot.shape:
         raise UserError(

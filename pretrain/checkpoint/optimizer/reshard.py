@@ -78,18 +78,30 @@ class _FullStates:
         self.capacity = max(capacity, 1)
         self.cache: OrderedDict[int, dict[str, Any]] = OrderedDict()
 
+    def distrib_path(self, i: int) -> Path | None:
+        """Rank file ``i``'s ``distrib_optim.pt``, if any: in the directory of its DP rank 0, whose
+        EP rank is not always 0 (with ETP below TP, TP rank t's DP rank 0 has EP rank t // ETP)."""
+        here = self.files[i].parent
+        dirs = (
+            [here]
+            if self.reader.info.ep == 1
+            else sorted(here.parent.glob(f"{here.name[:-3]}[0-9][0-9][0-9]"))
+        )
+        return next((d / DISTRIB_OPTIM_FILE for d in dirs if (d / DISTRIB_OPTIM_FILE).exists()), None)
+
     def distributed(self, i: int) -> bool:
-        return (self.files[i].parent / DISTRIB_OPTIM_FILE).exists()
+        return self.distrib_path(i) is not None
 
     def _convert(self, i: int) -> dict[str, Any]:
-        if self.distributed(i):
+        path = self.distrib_path(i)
+        if path is not None:
             if not self.reader.info.ours:
                 raise UserError(
-                    f"{self.files[i].parent / DISTRIB_OPTIM_FILE}: distributed-optimizer buffers bound to "
+                    f"{path}: distributed-optimizer buffers bound to "
                     "the saving layout are not read; save with --ckpt-format torch_dist and "
                     "--dist-ckpt-optim-fully-reshardable"
                 )
-            return self._reassemble(self.files[i].parent / DISTRIB_OPTIM_FILE, self.reader.info.ep)
+            return self._reassemble(path, self.reader.info.ep, self._expert_siblings(i))
         state = self.states[i].get("optimizer")
         if not state:
             raise UserError(f"--with-optimizer: {self.files[i]} holds no optimizer state")
@@ -111,20 +123,40 @@ class _FullStates:
         self.cache.move_to_end(i)
         return self.cache[i]
 
-    def _reassemble(self, path: Path, ep: int) -> dict[str, Any]:
-        """The full form of one (TP, PP) rank's ``distrib_optim.pt``: the dense state from every DP
-        rank, and with expert parallelism every EP rank's experts (each sharded over its own
-        expert-DP group) under global expert indices, as the merged model files name them."""
+    def _expert_siblings(self, i: int) -> list[Path]:
+        """The other ``distrib_optim.pt`` files of rank file ``i``'s stage whose experts are the same
+        expert-TP shard (TP ranks t' = t mod ETP, ETP below TP): its expert-DP group spans them."""
+        tp = self.reader.info.tp
+        etp = (
+            int(self.reader.args.get("expert_tensor_parallel_size") or tp)
+            if self.reader.spec.cfg.num_experts
+            else tp
+        )
+        p, t = divmod(i, tp)
+        paths = [self.distrib_path(p * tp + u) for u in range(tp) if u != t and u % etp == t % etp]
+        return [x for x in paths if x is not None]
+
+    @staticmethod
+    def _shards(path: Path) -> list[dict[str, Any]]:
         shards = load_untrusted(path).get("shards")
         if not isinstance(shards, list) or not shards:
             raise UserError(f"{path}: no distributed-optimizer shards ('shards' entry)")
+        return shards
+
+    def _reassemble(self, path: Path, ep: int, siblings: list[Path]) -> dict[str, Any]:
+        """The full form of one (TP, PP) rank's ``distrib_optim.pt``: the dense state from every DP
+        rank, and with expert parallelism every EP rank's experts (each sharded over its own
+        expert-DP group, which with ETP below TP spans the ``siblings`` too) under global expert
+        indices, as the merged model files name them."""
+        shards = self._shards(path)
+        experts = [s for f in [path, *siblings] for s in (shards if f == path else self._shards(f))]
         try:
             if ep == 1:
-                return reassemble_full_state(shards, ep_rank=0)
+                return reassemble_full_state(shards, ep_rank=0, expert_shards=experts)
             per = int(self.reader.spec.cfg.num_experts or 0) // ep
-            full = reassemble_full_state(shards, ep_rank=0)
+            full = reassemble_full_state(shards, ep_rank=0, expert_shards=experts)
             for e in range(1, ep):
-                theirs = reassemble_full_state(shards, ep_rank=e)["params"]
+                theirs = reassemble_full_state(shards, ep_rank=e, expert_shards=experts)["params"]
                 full["params"].update(
                     (renumber_expert(k, e * per), v) for k, v in theirs.items() if expert_index(k) is not None
                 )
@@ -145,9 +177,7 @@ class _OptimizerView(LegacyReader):
         key = _optim_key(self.spec, chunk, file_key)
         assert self.full_states is not None
         params = self.full_states.full(i)["params"]
-        where = (
-            self.files[i].parent / DISTRIB_OPTIM_FILE if self.full_states.distributed(i) else self.files[i]
-        )
+        where = self.full_states.distrib_path(i) or self.files[i]
         if key not in params:
             raise UserError(f"{where}: optimizer state has no entry {key!r}")
         shape = self.flats[i][chunk][file_key].shape

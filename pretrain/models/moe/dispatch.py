@@ -9,12 +9,16 @@ uneven splits; gloo supports it on the CPU) sends the token rows, the local expe
 reverse all-to-all brings the outputs home, where they are weighted by the router's probabilities
 and summed per token. The autograd backward of an all-to-all is the reverse all-to-all.
 
-Which tokens a rank dispatches: with ETP = TP every TP rank of a group sends all of its (identical)
-tokens to its EP peers of the same TP rank, whose experts hold that TP slice, and the partial
-outputs are summed by the MoE layer's TP all-reduce as without EP. With ETP = 1 and TP > 1 the
-experts are whole, so TP rank r dispatches only its r-th contiguous share of the tokens and writes
-zeros elsewhere: the same TP all-reduce then assembles every token's output (and, backward, the
-copy-to-TP-region all-reduce assembles the input and probability gradients).
+Which tokens a rank dispatches (megatron-core's semantics with its sequence-parallel shards). With
+ETP = TP the expert-TP group is the TP group: every TP rank sends all of its (identical) tokens to
+its EP peers of the same TP rank, whose experts hold that TP slice, and the partial outputs are
+summed by the MoE layer's TP all-reduce as without EP. Any other ETP: TP rank r dispatches only its
+r-th contiguous share of the tokens (megatron-core's sequence-parallel shard) and writes zeros
+elsewhere; after the EP all-to-all the expert-TP group all-gathers the rows its ranks received
+(each holds an ETP slice of the same experts), runs them, and reduce-scatters the partial outputs
+back (megatron-core's all-to-all dispatcher does the same), so each share comes home whole and the
+layer's TP all-reduce assembles every token's output (backward, the copy-to-TP-region all-reduce
+assembles the input and probability gradients). ETP 1 is the case without the gather.
 """
 
 from __future__ import annotations
@@ -69,16 +73,32 @@ def token_share(n: int, tp_rank: int, tp: int) -> tuple[int, int]:
 
 
 def check_expert_parallel(cfg: ModelConfig, ep: int, *, etp: int, tp: int) -> None:
-    """:class:`UserError` unless ``ep`` divides the experts and ``etp`` is 1 or ``tp``."""
+    """:class:`UserError` unless ``ep`` divides the experts and ``etp`` their FFN width (any ETP
+    with any ``tp``, as megatron-core; the layout checks the world size)."""
     experts = int(cfg.num_experts or 0)
     if ep > 1 and not experts:
         raise UserError(f"--expert-model-parallel-size {ep} needs a mixture-of-experts model (--num-experts)")
     if experts and experts % ep:
         raise UserError(f"--num-experts {experts} is not divisible by --expert-model-parallel-size {ep}")
-    if etp not in (1, tp):
+    if experts and cfg.moe_ffn_size % etp:
         raise UserError(
-            f"--expert-tensor-parallel-size {etp} is not supported with --tp {tp}: use 1 (whole experts) or {tp}"
+            f"--moe-ffn-hidden-size {cfg.moe_ffn_size} is not divisible by --expert-tensor-parallel-size {etp}"
         )
+
+
+def _gather_rows(x: torch.Tensor, group: ProcessGroup, sizes: list[int]) -> torch.Tensor:
+    """All-gather of ``x [n, h]`` over ``group`` with uneven ``sizes`` (every rank's ``n``, in
+    rank order) -> ``[sum(sizes), h]``; backward sums each rank's gradient slice (reduce-scatter).
+    An all-to-all of ``n``-row copies, as gloo has no uneven all-gather."""
+    copies = x.unsqueeze(0).expand(len(sizes), *x.shape).reshape(-1, *x.shape[1:])
+    return all_to_all(copies, group, out_splits=sizes, in_splits=[x.shape[0]] * len(sizes))
+
+
+def _reduce_scatter_rows(y: torch.Tensor, group: ProcessGroup, sizes: list[int], n: int) -> torch.Tensor:
+    """The reverse of :func:`_gather_rows`: ``y [sum(sizes), h]`` partial outputs for every rank's
+    rows -> ``[n, h]``, this rank's rows summed over the group (in rank order)."""
+    parts = all_to_all(y, group, out_splits=[n] * len(sizes), in_splits=sizes)
+    return parts.view(len(sizes), n, *y.shape[1:]).sum(0)
 
 
 class ExpertDispatcher:
@@ -86,7 +106,8 @@ class ExpertDispatcher:
 
     ``num_local`` experts live here, global indices from ``first_expert``. Collectives over the
     expert-parallel group ``ps.ep_group``: two all-to-alls forward (counts, rows), one back
-    (rows), and their reverses in backward.
+    (rows), and their reverses in backward; with ETP other than 1 and TP, over the expert-TP
+    group ``ps.etp_group`` too: an all-gather of counts and one all-to-all each way (rows).
     """
 
     def __init__(self, cfg: ModelConfig, ps: ParallelState) -> None:
@@ -96,8 +117,10 @@ class ExpertDispatcher:
         self.ep, self.group = ps.ep_size, ps.ep_group
         self.num_local = self.num_experts // self.ep
         self.first_expert = ps.ep_rank * self.num_local
-        # ETP 1 under TP > 1: this rank dispatches only its share of the (TP-replicated) tokens
-        self.share = (ps.tp_rank, ps.tp_size) if ps.etp_size == 1 and ps.tp_size > 1 else (0, 1)
+        # ETP != TP: this rank dispatches only its share of the (TP-replicated) tokens
+        split = ps.etp_size != ps.tp_size
+        self.share = (ps.tp_rank, ps.tp_size) if split and ps.tp_size > 1 else (0, 1)
+        self.etp_group = ps.etp_group if split else None  # None: nothing to gather (ETP 1 or = TP)
 
     def __call__(
         self, x: torch.Tensor, experts: torch.Tensor, probs: torch.Tensor, local: nn.ModuleList
@@ -121,7 +144,7 @@ class ExpertDispatcher:
         order, counts = order[:kept], counts[: self.num_experts]
         token = order // self.topk
         rows = x[token]  # [kept, h], grouped by expert
-        if self.group is None:
+        if self.group is None and self.etp_group is None:
             y = torch.cat([expert(p) for expert, p in zip(local, rows.split(counts.tolist()), strict=True)])
         else:
             y = self._exchange(rows, counts, local)
@@ -131,18 +154,37 @@ class ExpertDispatcher:
     def _exchange(self, rows: torch.Tensor, counts: torch.Tensor, local: nn.ModuleList) -> torch.Tensor:
         """Rows grouped by global expert -> their expert outputs, in the same order, through the
         EP group (each block to the rank owning its experts and back)."""
-        assert self.group is not None
         ep, nl = self.ep, self.num_local
+        if self.group is None:
+            return self._run_local(rows, counts.view(1, nl), local)
         recv = torch.empty_like(counts)  # recv[j * nl + i]: rows from rank j for local expert i
         dist.all_to_all_single(recv, counts, group=self.group)
         sent = counts.view(ep, nl).sum(1).tolist()
-        got_by = recv.view(ep, nl)
-        got = got_by.sum(1).tolist()
+        got = recv.view(ep, nl).sum(1).tolist()
         received = all_to_all(rows, self.group, out_splits=got, in_splits=sent)
-        blocks = received.split(got_by.reshape(-1).tolist())  # (source rank, local expert) order
+        back = self._run_local(received, recv.view(ep, nl), local)
+        return all_to_all(back, self.group, out_splits=sent, in_splits=got)
+
+    def _run_local(self, rows: torch.Tensor, got_by: torch.Tensor, local: nn.ModuleList) -> torch.Tensor:
+        """``rows`` in blocks of ``got_by [S, nl]`` (source, local expert) order -> their outputs in
+        the same order; with an expert-TP group to gather over, every ETP rank's blocks run here
+        on this rank's ETP slice and the partial outputs are summed back (reduce-scatter)."""
+        if self.etp_group is not None:
+            peers = [torch.empty_like(got_by) for _ in range(dist.get_world_size(self.etp_group))]
+            dist.all_gather(peers, got_by.contiguous(), group=self.etp_group)
+            sizes = [int(p.sum()) for p in peers]
+            out = self._run_blocks(_gather_rows(rows, self.etp_group, sizes), torch.cat(peers), local)
+            return _reduce_scatter_rows(out, self.etp_group, sizes, rows.shape[0])
+        return self._run_blocks(rows, got_by, local)
+
+    @staticmethod
+    def _run_blocks(rows: torch.Tensor, got_by: torch.Tensor, local: nn.ModuleList) -> torch.Tensor:
+        """``rows`` in blocks of ``got_by [S, nl]`` -> each local expert's output on its blocks, in
+        the same (source, local expert) order."""
+        sources, nl = got_by.shape
+        blocks = rows.split(got_by.reshape(-1).tolist())
         outs = [
-            local[i](torch.cat([blocks[j * nl + i] for j in range(ep)])).split(got_by[:, i].tolist())
+            local[i](torch.cat([blocks[j * nl + i] for j in range(sources)])).split(got_by[:, i].tolist())
             for i in range(nl)
         ]
-        back = torch.cat([outs[i][j] for j in range(ep) for i in range(nl)])
-        return all_to_all(back, self.group, out_splits=sent, in_splits=got)
+        return torch.cat([outs[i][j] for j in range(sources) for i in range(nl)])
