@@ -147,12 +147,16 @@ def test_dropout_only_while_training_and_reproducible() -> None:
     assert torch.equal(runs[0], runs[1]) and (runs[0] - evaluated).abs().max() > 1e-3
 
 
-def test_moe_mlp_targets_are_refused() -> None:
+def test_moe_mlp_targets_adapt_the_experts_and_dropout_there_is_refused() -> None:
+    """LoRA on MoE MLPs (once refused) adapts each routed expert, never the router; dropout on
+    expert adapters is refused as PEFT's target_parameters refuses it."""
     from tests.llama_fixtures import llama_config
 
     cfg = llama_config(num_experts=4, moe_router_topk=2)
     model = GPTModel(cfg, ParallelState.single())
-    with pytest.raises(UserError, match="--lora-targets fc1,fc2: LoRA on mixture-of-experts"):
-        add_lora(model, LoraConfig(rank=2, alpha=2.0), seed=0)
-    add_lora(model, LoraConfig(rank=2, alpha=2.0, targets=("qkv", "proj")), seed=0)
-    assert len(lora_parameters(model)) == 2 * 2 * 2
+    with pytest.raises(UserError, match="--lora-dropout 0.1 with --lora-targets fc1,fc2 on a mixture-of-experts"):
+        add_lora(model, LoraConfig(rank=2, alpha=2.0, dropout=0.1), seed=0)
+    add_lora(model, LoraConfig(rank=2, alpha=2.0), seed=0)
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert len(names) == cfg.num_layers * 2 * (2 + 4 * 2)
+    assert not any("router" in n for n in names)

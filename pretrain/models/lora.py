@@ -30,9 +30,7 @@ Canonical names: the base weight's name with ``.weight`` replaced by ``.lora_A.w
 
 from __future__ import annotations
 
-import contextlib
-import math
-import zlib
+import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import cast
@@ -43,9 +41,21 @@ from torch import nn
 
 from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
+from pretrain.models.lora_experts import attach_expert_adapters
+from pretrain.models.lora_ops import (
+    LORA_A,
+    LORA_B,
+    LoraWeight,
+    adapter_names,
+    add_low_rank,
+    block_diagonal_b,
+    dropped,
+    init_adapter_a,
+    slice_mask,
+)
 from pretrain.models.sharding import shard_tensor
 from pretrain.parallel.rng import RNGStatesTracker
-from pretrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_partition
+from pretrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from pretrain.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 from pretrain.utils.errors import UserError
 
@@ -57,7 +67,8 @@ TARGET_MODULES: dict[str, str] = {
     "fc2": "mlp.dense_4h_to_h",
 }
 ALL_TARGETS = tuple(TARGET_MODULES)
-LORA_A, LORA_B = "lora_A", "lora_B"
+# a mixture-of-experts layer's expert linears: routed (global index) or shared
+_EXPERT_LINEAR = re.compile(r"mlp\.(experts\.\d+|shared_experts)\.(dense_h_to_4h|dense_4h_to_h)$")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -105,12 +116,6 @@ class LoraConfig:
         )
 
 
-def adapter_names(base_weight: str) -> tuple[str, str]:
-    """``X.weight`` -> (``X.lora_A.weight``, ``X.lora_B.weight``)."""
-    stem = base_weight.removesuffix(".weight")
-    return f"{stem}.{LORA_A}.weight", f"{stem}.{LORA_B}.weight"
-
-
 def is_lora_name(name: str) -> bool:
     return f".{LORA_A}." in name or f".{LORA_B}." in name
 
@@ -123,9 +128,27 @@ def base_name(adapter: str) -> str:
     raise ValueError(f"{adapter!r} is not a LoRA tensor name")
 
 
+def _stem(name: str) -> str:
+    """The module name of a base or adapter tensor name."""
+    return base_name(name).removesuffix(".weight") if is_lora_name(name) else name.rsplit(".", 1)[0]
+
+
+def expert_kind(name: str) -> str | None:
+    """``routed`` for a routed expert's fc1/fc2 tensor (base or adapter), ``shared`` for the
+    shared expert's, None otherwise."""
+    m = _EXPERT_LINEAR.search(_stem(name))
+    if m is None:
+        return None
+    return "shared" if m.group(1) == "shared_experts" else "routed"
+
+
 def target_of(name: str) -> str | None:
-    """The target (``qkv``/``proj``/``fc1``/``fc2``) a base or adapter tensor name belongs to."""
-    stem = base_name(name).removesuffix(".weight") if is_lora_name(name) else name.rsplit(".", 1)[0]
+    """The target (``qkv``/``proj``/``fc1``/``fc2``) a base or adapter tensor name belongs to
+    (the expert MLPs' linears are ``fc1``/``fc2`` too)."""
+    stem = _stem(name)
+    m = _EXPERT_LINEAR.search(stem)
+    if m is not None:
+        return "fc1" if m.group(2) == "dense_h_to_4h" else "fc2"
     for target, module in TARGET_MODULES.items():
         if stem.endswith(module):
             return target
@@ -133,68 +156,52 @@ def target_of(name: str) -> str | None:
 
 
 def slice_rows(target: str, rows: int, cfg: ModelConfig, *, groups: int | None = None,
-               q_per_group: int | None = None) -> list[torch.Tensor]:  # fmt: skip
+               q_per_group: int | None = None, routed: bool = False) -> list[torch.Tensor]:  # fmt: skip
     """Row indices of each slice of a fused target's ``rows`` output rows (one A block each).
 
     QKV: ``[q rows, k rows, v rows]`` of rows ``[groups][q_per_group + 2][d]`` (each list in HF
-    head order); SwiGLU fc1: ``[gate half, up half]``; otherwise one slice of all rows. ``groups``
-    and ``q_per_group`` default to the full model's (pass a TP rank's for its local shard)."""
+    head order); SwiGLU fc1: ``[gate half, up half]``, except a ``routed`` expert's (one A for
+    its fused gate/up, as PEFT's LoRA on ``experts.gate_up_proj``); otherwise one slice of all
+    rows. ``groups`` and ``q_per_group`` default to the full model's (pass a TP rank's for its
+    local shard)."""
     idx = torch.arange(rows)
     if target == "qkv":
         g = cfg.query_groups if groups is None else groups
         q = cfg.num_attention_heads // cfg.query_groups if q_per_group is None else q_per_group
         x = idx.view(g, q + 2, cfg.head_dim)
         return [x[:, :q].reshape(-1), x[:, q].reshape(-1), x[:, q + 1].reshape(-1)]
-    if target == "fc1" and cfg.swiglu:
+    if target == "fc1" and cfg.swiglu and not routed:
         return list(idx.chunk(2))
     return [idx]
 
 
-def num_slices(target: str, cfg: ModelConfig) -> int:
-    return 3 if target == "qkv" else 2 if target == "fc1" and cfg.swiglu else 1
+def num_slices(target: str, cfg: ModelConfig, *, routed: bool = False) -> int:
+    return 3 if target == "qkv" else 2 if target == "fc1" and cfg.swiglu and not routed else 1
 
 
-def adapter_shapes(target: str, cfg: ModelConfig, rank: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    """Full shapes of ``A`` ``[n r, in]`` and ``B`` ``[out, r]`` of ``target`` in model ``cfg``."""
+def adapter_shapes(
+    target: str, cfg: ModelConfig, rank: int, *, kind: str | None = None
+) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Full shapes of ``A`` ``[n r, in]`` and ``B`` ``[out, r]`` of ``target`` in model ``cfg``
+    (``kind``: :func:`expert_kind` of the tensor, for an expert MLP's width and slices)."""
     h, d = cfg.hidden_size, cfg.head_dim
+    ffn = {"routed": cfg.moe_ffn_size, "shared": cfg.moe_shared_expert_intermediate_size}.get(kind or "")
+    ffn = cfg.ffn_size if ffn is None else ffn
     out, inp = {
         "qkv": ((cfg.num_attention_heads + 2 * cfg.query_groups) * d, h),
         "proj": (h, cfg.num_attention_heads * d),
-        "fc1": ((2 if cfg.swiglu else 1) * cfg.ffn_size, h),
-        "fc2": (h, cfg.ffn_size),
+        "fc1": ((2 if cfg.swiglu else 1) * ffn, h),
+        "fc2": (h, ffn),
     }[target]
-    return (num_slices(target, cfg) * rank, inp), (out, rank)
-
-
-def init_adapter_a(name: str, shape: tuple[int, int], *, seed: int) -> torch.Tensor:
-    """The full initial ``A`` ``[n r, in]`` of adapter tensor ``name``: PEFT's kaiming-uniform
-    (uniform in ``+-1/sqrt(in)``) from a generator seeded by (seed, canonical name)."""
-    gen = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    bound = 1.0 / math.sqrt(shape[1])
-    return torch.empty(shape).uniform_(-bound, bound, generator=gen)
-
-
-class _Weight(nn.Module):
-    """Holds one adapter matrix as ``.weight`` (so names read ``...lora_A.weight`` as in PEFT)."""
-
-    def __init__(self, weight: torch.Tensor, dim: int | None) -> None:
-        super().__init__()
-        self.weight = mark_partition(nn.Parameter(weight), dim)
-
-
-def _dropped(x: torch.Tensor, p: float, training: bool, rng: RNGStatesTracker | None) -> torch.Tensor:
-    if p == 0.0 or not training:
-        return x
-    with rng.fork() if rng is not None else contextlib.nullcontext():
-        return F.dropout(x, p, True)
+    return (num_slices(target, cfg, routed=kind == "routed") * rank, inp), (out, rank)
 
 
 class LoraColumnParallelLinear(ColumnParallelLinear):
     """A :class:`ColumnParallelLinear` with an adapter: ``lora_A`` ``[n r, in]`` (replicated),
     ``lora_B`` ``[out/t, r]`` (this rank's base rows). ``x [..., in]`` -> ``[..., out/t]``."""
 
-    lora_A: _Weight
-    lora_B: _Weight
+    lora_A: LoraWeight
+    lora_B: LoraWeight
     lora_slice_mask: torch.Tensor  # [out/t, n]: 1 where a local row belongs to slice j
     lora_scaling: float
     lora_dropout: float
@@ -205,35 +212,21 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
         n = self.lora_slice_mask.shape[1]
         xf = x.to(a.dtype)
         if self.lora_dropout > 0.0 and self.training:  # one mask per slice, as PEFT's per module
-            z = torch.cat(
-                [F.linear(_dropped(xf, self.lora_dropout, True, None), aj) for aj in a.chunk(n)], -1
-            )
+            z = torch.cat([F.linear(dropped(xf, self.lora_dropout, True, None), aj) for aj in a.chunk(n)], -1)
         else:
             z = F.linear(xf, a)  # all slices in one GEMM: [..., n r]
         # f: the replicated A sees the gradient of every rank's B rows
         z = copy_to_tp_region(z, self.group)
-        if n > 1:  # each B row reads only its slice's block of z: B spread block-diagonally [out/t, n r]
-            b = (b.unsqueeze(1) * self.lora_slice_mask.unsqueeze(-1)).flatten(1)
-        return _add_low_rank(y, z, b, self.lora_scaling)
-
-
-def _add_low_rank(y: torch.Tensor, z: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """``y + scaling * z B^T`` for ``y [..., out]``, ``z [..., k]`` (fp32), ``B [out, k]``.
-
-    With a float32 ``y`` one ``addmm`` with the scaling folded into the small ``B`` (no pass over
-    the activations for the scaling or the sum); otherwise in fp32, then cast (as PEFT does)."""
-    if y.dtype != z.dtype:
-        return y + (F.linear(z, b) * scaling).to(y.dtype)
-    out = torch.addmm(y.reshape(-1, y.shape[-1]), z.reshape(-1, z.shape[-1]), (b * scaling).t())
-    return out.view(y.shape)
+        # each B row reads only its slice's block of z: B spread block-diagonally [out/t, n r]
+        return add_low_rank(y, z, block_diagonal_b(b, self.lora_slice_mask), self.lora_scaling)
 
 
 class LoraRowParallelLinear(RowParallelLinear):
     """A :class:`RowParallelLinear` with an adapter: ``lora_A`` ``[r, in/t]`` (split like the base
     input), ``lora_B`` ``[out, r]`` (replicated). ``x [..., in/t]`` -> ``[..., out]``."""
 
-    lora_A: _Weight
-    lora_B: _Weight
+    lora_A: LoraWeight
+    lora_B: LoraWeight
     lora_scaling: float
     lora_dropout: float
     lora_rng: RNGStatesTracker
@@ -243,9 +236,9 @@ class LoraRowParallelLinear(RowParallelLinear):
         if not self.input_is_parallel:
             raise NotImplementedError("LoRA on a row-parallel linear needs input_is_parallel=True")
         a, b = self.lora_A.weight, self.lora_B.weight
-        xj = _dropped(x.to(a.dtype), self.lora_dropout, self.training, self.lora_rng)
+        xj = dropped(x.to(a.dtype), self.lora_dropout, self.training, self.lora_rng)
         z = reduce_from_tp_region(F.linear(xj, a), self.group)
-        return _add_low_rank(y, z, b, self.lora_scaling)
+        return add_low_rank(y, z, b, self.lora_scaling)
 
 
 def _targets(
@@ -268,9 +261,11 @@ def add_lora(model: ShardedModule, cfg: LoraConfig, *, seed: int) -> None:
     """Add adapters to ``model``'s target linears in place and freeze every other parameter.
 
     ``A`` is drawn full on every rank from ``(seed, canonical name)`` and then sliced, so every
-    layout starts from the same adapted function; ``B`` starts at zero. Refused (``UserError``)
-    when TP exceeds the number of query groups (replicated key/value heads cannot train) or when
-    ``model`` already has adapters."""
+    layout starts from the same adapted function; ``B`` starts at zero. On a mixture-of-experts
+    model ``fc1``/``fc2`` also adapt every routed expert and the shared expert
+    (:mod:`pretrain.models.lora_experts`), never the router. Refused (``UserError``) when TP
+    exceeds the number of query groups (replicated key/value heads cannot train), with dropout on
+    expert MLPs, or when ``model`` already has adapters."""
     mcfg, ps = model.cfg, model.ps
     if any(is_lora_name(n) for n, _ in model.named_parameters()):
         raise UserError("LoRA: the model already has adapters")
@@ -282,16 +277,17 @@ def add_lora(model: ShardedModule, cfg: LoraConfig, *, seed: int) -> None:
     if mcfg.sequence_parallel and ps.tp_size > 1:  # adapters read the replicated input of the GEMMs
         raise UserError("LoRA with --sequence-parallel is not supported yet; train the adapters without it")
     mlp = [t for t in cfg.targets if t in ("fc1", "fc2")]
-    if mlp and mcfg.num_experts:  # expert MLPs are LocalLinear: adapters there are not built yet
+    if mlp and mcfg.num_experts and cfg.dropout > 0.0:  # PEFT's ParamWrapper refuses it too
         raise UserError(
-            f"--lora-targets {','.join(mlp)}: LoRA on mixture-of-experts MLPs is not supported yet; "
-            "use --lora-targets qkv,proj"
+            f"--lora-dropout {cfg.dropout} with --lora-targets {','.join(mlp)} on a mixture-of-experts model: "
+            "LoRA on the fused expert weights (PEFT's target_parameters) has no dropout; use --lora-dropout 0"
         )
     for p in model.parameters():
         p.requires_grad_(False)
     model.lora_config = cfg  # type: ignore[assignment]
     for name, target, lin in list(_targets(model, cfg)):
         _attach(model, name, target, lin, cfg, seed=seed)
+    attach_expert_adapters(model, rank=cfg.rank, scaling=cfg.scaling, targets=cfg.targets, seed=seed)
 
 
 def _attach(
@@ -312,8 +308,8 @@ def _attach(
     in_full = weight.shape[1] if column else weight.shape[1] * ps.tp_size
     full_a = init_adapter_a(a_name, (num_slices(target, mcfg) * cfg.rank, in_full), seed=seed)
     local_a = shard_tensor(full_a, dim=None if column else 1, tp_rank=ps.tp_rank, tp=ps.tp_size)
-    lora_a = _Weight(local_a.to(weight.device), None if column else 1)
-    lora_b = _Weight(torch.zeros(weight.shape[0], cfg.rank, device=weight.device), 0 if column else None)
+    lora_a = LoraWeight(local_a.to(weight.device), None if column else 1)
+    lora_b = LoraWeight(torch.zeros(weight.shape[0], cfg.rank, device=weight.device), 0 if column else None)
     if isinstance(lin, ColumnParallelLinear):
         attn = _attention_of(model, name) if target == "qkv" else None
         rows = slice_rows(
@@ -322,10 +318,8 @@ def _attach(
         )  # fmt: skip
         lin.__class__ = LoraColumnParallelLinear
         col = cast(LoraColumnParallelLinear, lin)
-        mask = torch.zeros(weight.shape[0], len(rows))
-        for j, r in enumerate(rows):
-            mask[r, j] = 1.0
-        col.register_buffer("lora_slice_mask", mask.to(weight.device), persistent=False)  # follows .to()
+        mask = slice_mask(rows, weight.shape[0], weight.device)
+        col.register_buffer("lora_slice_mask", mask, persistent=False)  # follows .to()
         col.lora_A, col.lora_B, col.lora_scaling, col.lora_dropout = lora_a, lora_b, cfg.scaling, cfg.dropout
     else:
         lin.__class__ = LoraRowParallelLinear
@@ -360,7 +354,7 @@ def adapter_delta(
     a, b = a.float(), b.float()
     r = b.shape[1]
     delta = torch.empty(b.shape[0], a.shape[1])
-    for j, rows in enumerate(slice_rows(target, b.shape[0], cfg)):
+    for j, rows in enumerate(slice_rows(target, b.shape[0], cfg, routed=expert_kind(name) == "routed")):
         delta[rows] = b[rows] @ a[j * r : (j + 1) * r]
     return delta * scaling
 

@@ -62,10 +62,27 @@ def _stems(i: int, target: str) -> tuple[str, list[str]]:
     return ours, [f"{PEFT_PREFIX}model.layers.{i}.{m}" for m in HF_MODULES[target]]
 
 
-def _split_b(target: str, b: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, ...]:
+def _split_b(target: str, b: torch.Tensor, cfg: ModelConfig, parts: int) -> tuple[torch.Tensor, ...]:
     if target == "qkv":
         return split_qkv(b, groups=cfg.query_groups, head_dim=cfg.head_dim)
-    return tuple(b.chunk(len(HF_MODULES[target])))
+    return tuple(b.chunk(parts))
+
+
+def pair_to_peft(
+    adapters: Mapping[str, torch.Tensor], ours: str, hf: list[str], target: str, cfg: ModelConfig
+) -> dict[str, torch.Tensor]:
+    """The PEFT tensors of our adapter of base weight ``ours``, whose target is the HF modules
+    ``hf`` (full PEFT module names): A split by slice, B by rows (contiguous copies)."""
+    a_name, b_name = adapter_names(ours)
+    if a_name not in adapters or b_name not in adapters:
+        raise UserError(f"LoRA -> PEFT: missing adapter tensor {a_name}")
+    a_parts = adapters[a_name].chunk(len(hf))
+    b_parts = _split_b(target, adapters[b_name], cfg, len(hf))
+    out: dict[str, torch.Tensor] = {}
+    for stem, a, b in zip(hf, a_parts, b_parts, strict=True):
+        out[f"{stem}.lora_A.weight"] = a.contiguous().clone()
+        out[f"{stem}.lora_B.weight"] = b.contiguous().clone()
+    return out
 
 
 def canonical_to_peft(
@@ -75,16 +92,44 @@ def canonical_to_peft(
     out: dict[str, torch.Tensor] = {}
     for i in range(cfg.num_layers):
         for target in targets:
-            ours, hf = _stems(i, target)
-            a_name, b_name = adapter_names(ours)
-            if a_name not in adapters or b_name not in adapters:
-                raise UserError(f"LoRA -> PEFT: missing adapter tensor {a_name}")
-            a_parts = adapters[a_name].chunk(len(hf))
-            b_parts = _split_b(target, adapters[b_name], cfg)
-            for stem, a, b in zip(hf, a_parts, b_parts, strict=True):
-                out[f"{stem}.lora_A.weight"] = a.contiguous().clone()
-                out[f"{stem}.lora_B.weight"] = b.contiguous().clone()
+            out.update(pair_to_peft(adapters, *_stems(i, target), target, cfg))
     return out
+
+
+def pair_from_peft(
+    peft: Mapping[str, torch.Tensor], ours: str, hf: list[str], target: str, cfg: ModelConfig, *,
+    where: str, used: set[str],
+) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Our adapter of base weight ``ours`` from the PEFT tensors of the HF modules ``hf`` (the
+    inverse of :func:`pair_to_peft`); the keys read are added to ``used``."""
+    a_s: list[torch.Tensor] = []
+    b_s: list[torch.Tensor] = []
+    for stem in hf:
+        for kind, acc in (("lora_A", a_s), ("lora_B", b_s)):
+            key = f"{stem}.{kind}.weight"
+            if key not in peft:
+                raise UserError(f"{where}: missing tensor {key}")
+            acc.append(peft[key])
+            used.add(key)
+    if len({a.shape[0] for a in a_s} | {b.shape[1] for b in b_s}) != 1:
+        raise UserError(f"{where}: the adapters of {', '.join(hf)} differ in rank")
+    a_name, b_name = adapter_names(ours)
+    if target == "qkv":
+        b = fuse_qkv(*b_s, groups=cfg.query_groups, head_dim=cfg.head_dim)
+    else:
+        b = torch.cat(b_s).contiguous()
+    return {a_name: torch.cat(a_s).contiguous(), b_name: b}
+
+
+def check_all_read(
+    peft: Mapping[str, torch.Tensor], used: set[str], targets: tuple[str, ...], *, where: str
+) -> None:
+    """``UserError`` naming the first PEFT tensor no target read."""
+    extra = sorted(set(peft) - used)
+    if extra:
+        raise UserError(
+            f"{where}: unexpected tensors {extra[:3]} (only LoRA A/B of {list(targets)} are read)"
+        )
 
 
 def peft_to_canonical(
@@ -97,27 +142,6 @@ def peft_to_canonical(
     used: set[str] = set()
     for i in range(cfg.num_layers):
         for target in targets:
-            ours, hf = _stems(i, target)
-            a_s: list[torch.Tensor] = []
-            b_s: list[torch.Tensor] = []
-            for stem in hf:
-                for kind, acc in (("lora_A", a_s), ("lora_B", b_s)):
-                    key = f"{stem}.{kind}.weight"
-                    if key not in peft:
-                        raise UserError(f"{where}: missing tensor {key}")
-                    acc.append(peft[key])
-                    used.add(key)
-            if len({a.shape[0] for a in a_s} | {b.shape[1] for b in b_s}) != 1:
-                raise UserError(f"{where}: the adapters of {', '.join(hf)} differ in rank")
-            a_name, b_name = adapter_names(ours)
-            out[a_name] = torch.cat(a_s).contiguous()
-            if target == "qkv":
-                out[b_name] = fuse_qkv(*b_s, groups=cfg.query_groups, head_dim=cfg.head_dim)
-            else:
-                out[b_name] = torch.cat(b_s).contiguous()
-    extra = sorted(set(peft) - used)
-    if extra:
-        raise UserError(
-            f"{where}: unexpected tensors {extra[:3]} (only LoRA A/B of {list(targets)} are read)"
-        )
+            out.update(pair_from_peft(peft, *_stems(i, target), target, cfg, where=where, used=used))
+    check_all_read(peft, used, targets, where=where)
     return out
