@@ -60,7 +60,8 @@ def test_three_steps_equal_transformers_peft_loop(family: str) -> None:
     # part of a step (SGD agrees to 1e-9)
     trainable = [p for p in theirs.parameters() if p.requires_grad]
     opt_ours, opt_theirs = (
-        torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01, eps=1e-6) for ps in (lora_parameters(ours), trainable)
+        torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.01, eps=1e-6)
+        for ps in (lora_parameters(ours), trainable)
     )
     assert sum(p.numel() for p in lora_parameters(ours)) == sum(p.numel() for p in trainable)
     for ids, labels in _batches(3):

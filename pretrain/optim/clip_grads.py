@@ -31,9 +31,10 @@ ProcessGroup = dist.ProcessGroup
 def counts_for_norm(name: str, param: nn.Parameter, ps: ParallelState) -> bool:
     """Whether this rank contributes ``param``'s gradient to the global norm (a routed expert's
     always: its shards are disjoint over the expert model-parallel group, see
-    :func:`expert_groups_differ`)."""
+    :func:`expert_groups_differ`; except a matrix replicated over the expert TP group, such as a
+    LoRA adapter's replicated half, counted on its first rank only)."""
     if is_expert(param):
-        return True
+        return ps.etp_size == 1 or ps.etp_rank == 0 or partition_dim(param) is not None
     if ps.tp_size > 1 and ps.tp_rank != 0 and partition_dim(param) is None:
         return False
     return not (ps.pp_size > 1 and name.startswith("word_embeddings_for_head."))
