@@ -74,7 +74,9 @@ class LoraAdapter:
 def full_adapter_tensors(
     chunks: Sequence[ShardedModule], ps: ParallelState
 ) -> dict[str, torch.Tensor] | None:
-    """Every stage's full adapter tensors, gathered on global rank 0 (None elsewhere).
+    """Every stage's full adapter tensors, gathered on global rank 0 (None elsewhere): the first
+    DP replica's, and with expert parallelism each EP rank's experts from its first expert-DP
+    replica (the first DP replica holds only its own EP rank's experts).
 
     Collective: all-gathers over each TP group, then a gather over all ranks."""
     mine: dict[str, torch.Tensor] = {}
@@ -83,7 +85,7 @@ def full_adapter_tensors(
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return mine
     parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(mine if ps.dp_rank == 0 else {}, parts, dst=0)
+    dist.gather_object(mine if ps.dp_rank == 0 or (ps.ep_size > 1 and ps.edp_rank == 0) else {}, parts, dst=0)
     if parts is None:
         return None
     out: dict[str, torch.Tensor] = {}

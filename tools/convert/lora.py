@@ -18,6 +18,7 @@ import functools
 import json
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Literal
 
 from pretrain.utils.errors import UserError
@@ -126,17 +127,27 @@ def run_lora_to_hf(source: SourceOptions, save: Path, *, lora_as: LoraAs, weight
     return 0
 
 
-def peft_config(adapter: LoraAdapter, family: str | None) -> dict[str, Any]:
-    """The ``adapter_config.json`` of our adapter (PEFT's LoraConfig fields)."""
+def peft_config(adapter: LoraAdapter, family: str | None, cfg: ModelConfig | None = None) -> dict[str, Any]:
+    """The ``adapter_config.json`` of our adapter (PEFT's LoraConfig fields); a mixture-of-experts
+    ``cfg`` adds the fused expert parameters as ``target_parameters``."""
     from pretrain.models.families.llama_lora import peft_target_modules
+    from pretrain.models.families.moe_lora import peft_targets
 
-    return {
+    targets = adapter.lora.targets
+    if cfg is not None and cfg.num_experts:
+        modules, parameters = peft_targets(cfg, targets)
+    else:
+        modules, parameters = peft_target_modules(targets), []
+    out = {
         "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": adapter.base.path,
         "r": adapter.lora.rank, "lora_alpha": adapter.lora.alpha, "lora_dropout": adapter.lora.dropout,
-        "target_modules": peft_target_modules(adapter.lora.targets), "bias": "none", "fan_in_fan_out": False,
+        "target_modules": modules, "bias": "none", "fan_in_fan_out": False,
         "use_rslora": False, "use_dora": False, "init_lora_weights": True, "inference_mode": True,
         "modules_to_save": None, "rank_pattern": {}, "alpha_pattern": {},
     }  # fmt: skip
+    if parameters:
+        out["target_parameters"] = parameters
+    return out
 
 
 def _check_llama(cfg: ModelConfig, family: str | None, what: str) -> None:
@@ -144,20 +155,35 @@ def _check_llama(cfg: ModelConfig, family: str | None, what: str) -> None:
 
     if not cfg.swiglu or cfg.position_embedding_type != "rope" or hf_llama.unsupported(cfg):
         raise UserError(
-            f"{what}: PEFT adapters are written and read for Llama-family models only ({family or 'gpt'})"
+            f"{what}: PEFT adapters are written and read for Llama-family and MoE models only ({family or 'gpt'})"
         )
+
+
+def _mapping(cfg: ModelConfig, family: str | None, what: str) -> ModuleType:
+    """The PEFT name mapping module of ``cfg`` (:mod:`~pretrain.models.families.llama_lora`, or
+    :mod:`~pretrain.models.families.moe_lora` for a mixture-of-experts model), after checking that
+    the Hugging Face family can express ``cfg`` (one line otherwise)."""
+    from pretrain.models.families import llama_lora, moe, moe_lora
+
+    if not cfg.num_experts:
+        _check_llama(cfg, family, what)
+        return llama_lora
+    fam = family if family in moe.ARCHITECTURES else moe.family_of(cfg).model_type
+    problems = moe.unsupported(cfg, fam)
+    if problems:
+        raise UserError(f"{what}: {moe.ARCHITECTURES[fam]} cannot express " + "; ".join(problems))
+    return moe_lora
 
 
 def write_peft_adapter(save: Path, adapter: LoraAdapter, cfg: ModelConfig, family: str | None) -> None:
     """Write the PEFT adapter directory atomically, after reading its tensors back exactly."""
     from safetensors.torch import save_file
 
-    from pretrain.models.families.llama_lora import canonical_to_peft, peft_to_canonical
     from pretrain.utils.atomic import atomic_directory
 
-    _check_llama(cfg, family, "to-hf --lora-as adapter")
-    tensors = canonical_to_peft(adapter.tensors, cfg, adapter.lora.targets)
-    back = peft_to_canonical(tensors, cfg, adapter.lora.targets, where="to-hf --lora-as adapter")
+    mapping = _mapping(cfg, family, "to-hf --lora-as adapter")
+    tensors = mapping.canonical_to_peft(adapter.tensors, cfg, adapter.lora.targets)
+    back = mapping.peft_to_canonical(tensors, cfg, adapter.lora.targets, where="to-hf --lora-as adapter")
     if back.keys() != adapter.tensors.keys() or any(not back[k].equal(v) for k, v in adapter.tensors.items()):
         raise UserError(
             f"to-hf --lora-as adapter: the PEFT tensors do not read back exactly; {save} not written"
@@ -165,7 +191,7 @@ def write_peft_adapter(save: Path, adapter: LoraAdapter, cfg: ModelConfig, famil
     with atomic_directory(save) as tmp:
         save_file(tensors, str(tmp / PEFT_WEIGHTS), metadata={"format": "pt"})
         (tmp / PEFT_CONFIG).write_text(
-            json.dumps(peft_config(adapter, family), indent=2) + "\n", encoding="utf-8"
+            json.dumps(peft_config(adapter, family, cfg), indent=2) + "\n", encoding="utf-8"
         )
 
 
@@ -174,7 +200,8 @@ def read_peft_adapter(adapter_dir: Path, cfg: ModelConfig) -> tuple[LoraConfig, 
     ``UserError`` naming the file and field on anything our LoRA cannot hold."""
     from safetensors.torch import load_file
 
-    from pretrain.models.families.llama_lora import peft_to_canonical, targets_of_peft_modules
+    from pretrain.models.families.llama_lora import targets_of_peft_modules
+    from pretrain.models.families.moe_lora import targets_of_peft
     from pretrain.models.lora import LoraConfig
 
     where = f"--adapter {adapter_dir}"
@@ -194,11 +221,21 @@ def read_peft_adapter(adapter_dir: Path, cfg: ModelConfig) -> tuple[LoraConfig, 
     modules = conf.get("target_modules")
     if not isinstance(modules, list):
         raise UserError(f"{conf_path}: target_modules must be a list of module names, got {modules!r}")
-    _check_llama(cfg, None, where)
-    targets = targets_of_peft_modules(modules, where=str(conf_path))
+    parameters = conf.get("target_parameters") or []
+    if not isinstance(parameters, list):
+        raise UserError(
+            f"{conf_path}: target_parameters must be a list of parameter names, got {parameters!r}"
+        )
+    mapping = _mapping(cfg, None, where)
+    if cfg.num_experts:
+        targets = targets_of_peft(cfg, modules, parameters, where=str(conf_path))
+    elif parameters:
+        raise UserError(f"{conf_path}: target_parameters {parameters} on a model without experts is not read")
+    else:
+        targets = targets_of_peft_modules(modules, where=str(conf_path))
     lora = LoraConfig(rank=int(conf["r"]), alpha=float(conf["lora_alpha"]),
                       dropout=float(conf.get("lora_dropout") or 0.0), targets=targets)  # fmt: skip
-    tensors = peft_to_canonical(load_file(str(weights)), cfg, targets, where=str(weights))
+    tensors = mapping.peft_to_canonical(load_file(str(weights)), cfg, targets, where=str(weights))
     check_adapter_shapes(tensors, cfg, lora, where=str(weights))
     return lora, tensors
 
@@ -207,13 +244,13 @@ def check_adapter_shapes(
     tensors: dict[str, torch.Tensor], cfg: ModelConfig, lora: LoraConfig, *, where: str
 ) -> None:
     """Every adapter tensor has the shape its target and rank give (``UserError`` naming it)."""
-    from pretrain.models.lora import LORA_A, adapter_shapes, target_of
+    from pretrain.models.lora import LORA_A, adapter_shapes, expert_kind, target_of
 
     for name, t in tensors.items():
         target = target_of(name)
         if target is None:
             raise UserError(f"{where}: tensor {name} adapts no LoRA target")
-        a_shape, b_shape = adapter_shapes(target, cfg, lora.rank)
+        a_shape, b_shape = adapter_shapes(target, cfg, lora.rank, kind=expert_kind(name))
         want = a_shape if f".{LORA_A}." in name else b_shape
         if tuple(t.shape) != want:
             raise UserError(

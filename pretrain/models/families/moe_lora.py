@@ -61,31 +61,31 @@ def targets_of_peft(
 ) -> tuple[str, ...]:
     """Our targets from PEFT ``target_modules`` and ``target_parameters``: a target's HF modules
     and fused expert parameter come all or none (``UserError`` naming ``where`` otherwise)."""
-    given = {m.rsplit(".", 1)[-1] for m in modules}
-    params = {p.rsplit(".", 1)[-1] for p in parameters}
-    known = {m.rsplit(".", 1)[1] for ms in HF_MODULES.values() for m in ms}
-    unknown = (given - known) | (params - {p.rsplit(".", 1)[1] for p in EXPERT_PARAMETERS.values()})
+    given = {f"module {m.rsplit('.', 1)[-1]}" for m in modules}
+    given |= {f"parameter experts.{p.rsplit('.', 1)[-1]}" for p in parameters}
+    need = {t: _needs(cfg, t) for t in ALL_TARGETS}
+    unknown = given - set().union(*need.values())
     if unknown:
-        raise UserError(f"{where}: targets {sorted(unknown)} are not linears or expert parameters we adapt")
+        raise UserError(f"{where}: {sorted(unknown)} are not linears or expert parameters we adapt")
     out = []
     for target in ALL_TARGETS:
-        need = (
-            {m.rsplit(".", 1)[1] for m in HF_MODULES[target]}
-            if target in ("qkv", "proj") or has_plain_mlps(cfg)
-            else set()
-        )
-        need_p = {EXPERT_PARAMETERS[target].rsplit(".", 1)[1]} if target in EXPERT_PARAMETERS else set()
-        have = (need & given) | (need_p & params)
-        if have and have != need | need_p:
+        have = need[target] & given
+        if have and have != need[target]:
             raise UserError(
-                f"{where}: {sorted(have)} without {sorted((need | need_p) - have)}; our {target} adapter "
-                f"covers all of {sorted(need | need_p)} (target_modules / target_parameters)"
+                f"{where}: {sorted(have)} without {sorted(need[target] - have)}; our {target} adapter "
+                f"covers all of {sorted(need[target])} (target_modules / target_parameters)"
             )
         if have:
             out.append(target)
     if not out:
         raise UserError(f"{where}: no target_modules or target_parameters we adapt")
     return tuple(out)
+
+
+def _needs(cfg: ModelConfig, target: str) -> set[str]:
+    """The PEFT targets (``module x`` / ``parameter experts.x``) that make our ``target``."""
+    modules, parameters = peft_targets(cfg, (target,))
+    return {f"module {m}" for m in modules} | {f"parameter {p}" for p in parameters}
 
 
 def _expert_keys(i: int, target: str, targets: tuple[str, ...]) -> str:
