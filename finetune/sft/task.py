@@ -127,14 +127,24 @@ class SFTTask:
                                        padded_vocab=padded)  # fmt: skip
 
 
+def _replica_rows(n: int, ps: ParallelState) -> tuple[np.ndarray, int]:
+    """This DP replica's rows ``r::dp`` of ``n``, and how many are real. With expert parallelism
+    every replica runs as many rows (padded with row 0, no loss), so that its forwards, and the
+    expert all-to-alls in them, pair with the other replicas'."""
+    mine = np.arange(ps.dp_rank, n, ps.dp_size)
+    real = len(mine)
+    if ps.ep_size > 1:
+        mine = np.concatenate([mine, np.zeros(-(-n // ps.dp_size) - real, dtype=mine.dtype)])
+    return mine, real
+
+
 @torch.no_grad()
 def valid_loss(
     chunks: list[ShardedModule], ps: ParallelState, rows: Rows, micro_batch: int
 ) -> tuple[float, int]:
     """``(mean NLL, loss tokens)`` over every row of ``rows`` (dropout off). DP rank ``r`` runs rows
     ``r::dp``; the last stage's TP-rank-0 sums (float64) are all-reduced. Collective over all ranks."""
-    n = len(rows["tokens"])
-    mine = np.arange(ps.dp_rank, n, ps.dp_size)
+    mine, real = _replica_rows(len(rows["tokens"]), ps)
     total = torch.zeros(2, dtype=torch.float64)
 
     def loss_fn(out: torch.Tensor, mb: Microbatch) -> torch.Tensor:
@@ -147,8 +157,11 @@ def valid_loss(
         c.eval()
     try:
         if len(mine):
-            forward_backward(chunks=chunks, ps=ps, microbatches=rows_to_microbatches(rows, mine, micro_batch, ps.device),
-                             loss_fn=loss_fn, forward_only=True, forward_step=sft_forward_step)  # fmt: skip
+            mbs = rows_to_microbatches(rows, mine, micro_batch, ps.device)
+            for k, mb in enumerate(mbs):  # padding rows (see _replica_rows) carry no loss
+                mb["loss_mask"][max(real - k * micro_batch, 0) :] = 0
+            forward_backward(chunks=chunks, ps=ps, microbatches=mbs, loss_fn=loss_fn, forward_only=True,
+                             forward_step=sft_forward_step)  # fmt: skip
     finally:
         for c in chunks:
             c.train()

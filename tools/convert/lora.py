@@ -5,7 +5,9 @@
   cast to the base dtype), and the result goes through the normal exact export and verification.
 * ``to-hf --lora-as adapter``: a PEFT adapter directory (``adapter_config.json``,
   ``adapter_model.safetensors``) with the Hugging Face module names
-  (:mod:`pretrain.models.families.llama_lora`); checked by reading it back exactly.
+  (:mod:`pretrain.models.families.llama_lora`; for mixture-of-experts models
+  :mod:`pretrain.models.families.moe_lora`, the routed experts as PEFT ``target_parameters``);
+  checked by reading it back exactly.
 * ``from-hf --load BASE --adapter PEFT_DIR``: ``--adapter-as merged`` writes BASE with the adapter
   merged; ``--adapter-as lora`` (default) writes our LoRA checkpoint (the adapter alone, naming
   BASE and its fingerprint), which ``to-hf`` exports back to the same PEFT tensors bit for bit.
