@@ -1,4 +1,5 @@
-"""LoRA on mixture-of-experts models under expert parallelism (EP, TP x EP with ETP = TP or 1):
+"""LoRA on mixture-of-experts models under expert parallelism (EP; TP x EP with ETP = TP or 1; ETP 2
+at TP 1):
 the training steps equal one process on loss, gradient norm and every adapter (slow: processes)."""
 
 from __future__ import annotations
@@ -74,12 +75,13 @@ LAYOUTS = {  # name: (world, layout)
     "ep2": (2, ParallelConfig(ep=2)),
     "tp2_ep2": (4, ParallelConfig(tp=2, ep=2)),
     "tp2_ep2_etp1": (4, ParallelConfig(tp=2, ep=2, etp=1)),
+    "ep2_etp2": (4, ParallelConfig(ep=2, etp=2)),
 }
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("layout", "zero1"), [("ep2", False), ("ep2", True), ("tp2_ep2", True),
-                                                ("tp2_ep2_etp1", False)])  # fmt: skip
+                                                ("tp2_ep2_etp1", False), ("ep2_etp2", True)])  # fmt: skip
 def test_expert_parallel_lora_training_equals_one_process(layout: str, zero1: bool) -> None:
     world, par = LAYOUTS[layout]
     cfg = moe_config(num_layers=4)  # a dense layer, a gated shared expert, 4 routed experts

@@ -23,9 +23,9 @@ adapter adds no forward collective:
   partial ``z_t = A_t x_t`` is partial and summed by the layer's g; ``B``'s gradient is partial
   and enters through f.
 
-A routed expert's TP group is the expert TP group (none with ETP 1: whole experts, each TP rank
-a share of the tokens, their gradients summed with the expert data-parallel group); the shared
-expert's is the TP group. Routed expert adapters are marked as expert parameters, so with EP
+A routed expert's group is the expert-TP group (whose ranks run the same rows: the dispatcher
+all-gathers them when ETP != TP and reduce-scatters the partial outputs; none with ETP 1: whole
+experts); the shared expert's is the TP group. Routed expert adapters are marked as expert parameters, so with EP
 they live with their expert and their gradients reduce over the expert data-parallel group.
 Every local expert runs once per forward on every rank (with zero rows if none), so the f
 all-reduces pair across ranks.
@@ -90,15 +90,16 @@ def attach_expert_adapters(
         if not isinstance(module, ExpertMLP):
             continue
         routed = not isinstance(module, SharedExpertMLP)
-        group = ps.etp_group if routed else ps.tp_group
-        tp = ps.etp_size if routed else ps.tp_size
+        group, tp, tp_rank = (
+            (ps.etp_group, ps.etp_size, ps.etp_rank) if routed else (ps.tp_group, ps.tp_size, ps.tp_rank)
+        )
         for sub, target in _LINEARS:
             if target not in targets:
                 continue
             lin = cast(LocalLinear, getattr(module, sub))
             slices = 2 if target == "fc1" and module.swiglu and not routed else 1
             _attach(model, f"{name}.{sub}", lin, rank=rank, scaling=scaling, slices=slices, seed=seed,
-                    group=group if tp > 1 else None, tp=tp, routed=routed)  # fmt: skip
+                    group=group if tp > 1 else None, tp=tp, tp_rank=tp_rank, routed=routed)  # fmt: skip
 
 
 def _attach(
@@ -112,16 +113,18 @@ def _attach(
     seed: int,
     group: ProcessGroup | None,
     tp: int,
+    tp_rank: int,
     routed: bool,
 ) -> None:
+    """Give ``lin`` (local module ``name``, a shard of ``tp`` over ``group``, ``tp_rank`` in it) its
+    adapter and the LoRA forward (in place: the class becomes :class:`LoraLocalLinear`)."""
     weight = lin.weight
     column = name.endswith("dense_h_to_4h")  # rows split (fc1) or input split (fc2)
     split = tp > 1
-    tp_rank = model.ps.tp_rank if split else 0
     in_full = weight.shape[1] * (1 if column else tp)
     a_name = adapter_names(model.canonical_name(f"{name}.weight"))[0]
     full_a = init_adapter_a(a_name, (slices * rank, in_full), seed=seed)
-    local_a = shard_tensor(full_a, dim=None if column else 1, tp_rank=tp_rank, tp=tp)
+    local_a = shard_tensor(full_a, dim=None if column else 1, tp_rank=tp_rank if split else 0, tp=tp)
     lora_a = LoraWeight(local_a.to(weight.device), 1 if split and not column else None)
     lora_b = LoraWeight(
         torch.zeros(weight.shape[0], rank, device=weight.device), 0 if split and column else None
