@@ -35,6 +35,8 @@ from tools.hf_shards import DEFAULT_MAX_SHARD_SIZE
 if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
+    from pretrain.config import ModelConfig
+
 __all__ = ["check_exportable", "export_hf", "hf_tokenizer_of", "import_hf", "open_hf", "read_hf_state"]
 
 
@@ -155,6 +157,18 @@ def _tensor_access(
     return list(full), full.__getitem__, {n: meta_like(t) for n, t in full.items()}
 
 
+def one_layer_config(cfg: ModelConfig, layer: int) -> ModelConfig | None:
+    """A one-layer model whose layer is built as ``cfg``'s layer ``layer`` (its mixture-of-experts
+    choice kept), for converting that layer alone; ``None`` when no such config is valid."""
+    kw: dict[str, object] = {"num_layers": 1}
+    if cfg.num_experts is not None:
+        kw["moe_layer_freq"] = (int(cfg.is_moe_layer(layer)),)
+    try:
+        return dataclasses.replace(cfg, **kw)  # type: ignore[arg-type]
+    except (UserError, ValueError, TypeError):
+        return None
+
+
 def export_hf(
     tensors: Iterable[tuple[str, torch.Tensor]] | TensorSource,
     spec: ModelSpec,
@@ -196,10 +210,16 @@ def export_hf(
     def convert(chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return fam.module().export_tensors(chunk, spec.cfg, fresh_heads=spec.fresh_heads, family=fam)
 
+    def layer_convert(layer: int) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
+        cfg = one_layer_config(spec.cfg, layer)
+        if cfg is None:
+            return None
+        return lambda chunk: fam.module().export_tensors(chunk, cfg, fresh_heads=spec.fresh_heads, family=fam)
+
     hf_metas = convert(dict(metas))
     written = progress(len(hf_metas)) if progress is not None else None
     # each shard's header from the tensors' dtypes and shapes, so every byte is written once
-    plan = plan_hf_tensors(names, metas, convert)
+    plan = plan_hf_tensors(names, metas, convert, layer_convert)
     with atomic_directory(save) as tmp:
         writer = ShardWriter(tmp, max_shard_size=max_bytes, plan=None if plan is None else plan.tensors)
         for name, t in stream_hf_tensors(names, get, convert, metas, plan):

@@ -17,13 +17,14 @@ about one layer.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
 import shutil
 import struct
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -91,11 +92,36 @@ class Planned:
 
 @dataclass(frozen=True)
 class HFPlan:
-    """What :func:`stream_hf_tensors` yields, in order (``tensors``), and per layer group each
-    output with the one canonical tensor it is made from (``None``: it needs several)."""
+    """What :func:`stream_hf_tensors` yields, in order (``tensors``), per layer group each output
+    with the one canonical tensor it is made from (``None``: it needs several), and per group how
+    to convert it alone (:class:`LocalGroup`; ``None``: with every other tensor as a placeholder)."""
 
     tensors: list[Planned]
     groups: list[list[tuple[str, str | None]]]
+    local: list[LocalGroup | None] = field(default_factory=list)
+    outputs: frozenset[str] = frozenset()  # every HF name (empty: not known)
+
+
+LayerConvert = Callable[[int], Convert | None]  # layer i -> the mapping of a one-layer model like it
+
+
+@dataclass(frozen=True)
+class LocalGroup:
+    """One layer group converted as the only layer of a one-layer model: the whole-model mapping
+    called once per canonical tensor costs each call every other layer's placeholders (seconds per
+    model), this costs one layer's. Checked against the whole-model mapping on placeholders when
+    planned (same outputs, names, dtypes and shapes), so the tensors and their order are the same."""
+
+    convert: Convert
+    metas: dict[str, torch.Tensor]  # the one-layer model's placeholders
+    names: dict[str, str]  # this group's canonical name -> its name in the one-layer model
+    outputs: dict[str, str]  # the one-layer model's HF name -> the HF name it stands for
+
+    def run(self, real: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``_real_outputs`` of the whole-model mapping for ``real`` (tensors of this group)."""
+        made = _real_outputs(self.convert, self.metas, {self.names[n]: t for n, t in real.items()})
+        out = {self.outputs[k]: t for k, t in made.items()}
+        return {k: out[k] for k in self.outputs.values() if k in out}  # the whole-model order
 
 
 def _real_outputs(
@@ -121,12 +147,15 @@ def stream_hf_tensors(
     layer group at a time; ``metas``: each canonical tensor's dtype and shape on the ``meta`` device
     (default: ``meta_like(get(name))``, reading every tensor once more). With ``plan``, a group whose
     outputs each come from one canonical tensor is converted one tensor at a time, in the same order
-    (memory: one canonical tensor and its outputs, not the layer's)."""
+    (memory: one canonical tensor and its outputs, not the layer's), and a group the plan can
+    convert alone (:class:`LocalGroup`) is."""
     if metas is None:
         metas = {n: meta_like(get(n)) for n in names}
-    expected = set(convert(dict(metas)))
+    expected = set(plan.outputs) if plan is not None and plan.outputs else set(convert(dict(metas)))
     seen: set[str] = set()
     for i, group in enumerate(layer_groups(names)):
+        local = plan.local[i] if plan is not None and i < len(plan.local) else None
+        run = local.run if local is not None else functools.partial(_real_outputs, convert, metas)
         if plan is not None and _one_source_each(plan.groups[i]):
             source: str | None = None
             made: dict[str, torch.Tensor] = {}
@@ -134,12 +163,12 @@ def stream_hf_tensors(
                 assert src is not None
                 if src != source:
                     made = {}  # the previous tensor's outputs go before the next is read
-                    made, source = _real_outputs(convert, metas, {src: get(src)}), src
+                    made, source = run({src: get(src)}), src
                 seen.add(hf_name)
                 yield hf_name, made.pop(hf_name)
             continue
         try:
-            out = _real_outputs(convert, metas, {n: get(n) for n in group})
+            out = run({n: get(n) for n in group})
         except (RuntimeError, NotImplementedError) as exc:  # an output mixing layers: cannot stream
             raise RuntimeError(f"the HF mapping combines tensors of several layers ({exc})") from exc
         for hf_name, t in out.items():
@@ -151,13 +180,16 @@ def stream_hf_tensors(
         raise RuntimeError(f"HF tensors not produced by any single layer: {sorted(expected - seen)[:5]}")
 
 
-def _sources(convert: Convert, metas: dict[str, torch.Tensor], group: list[str],
-             outputs: list[str], fake: Callable[[str], torch.Tensor]) -> list[tuple[str, str | None]]:  # fmt: skip
+Run = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def _sources(run: Run, group: list[str], outputs: list[str],
+             fake: Callable[[str], torch.Tensor]) -> list[tuple[str, str | None]]:  # fmt: skip
     """Each of a group's ``outputs`` with the one tensor of ``group`` that alone makes it real."""
     source: dict[str, str] = {}
     for n in group:
         try:
-            made = _real_outputs(convert, metas, {n: fake(n)})
+            made = run({n: fake(n)})
         except Exception:  # noqa: BLE001  # e.g. meta mixed with a real tensor: not alone
             continue
         for hf_name in made:
@@ -165,30 +197,68 @@ def _sources(convert: Convert, metas: dict[str, torch.Tensor], group: list[str],
     return [(hf_name, source.get(hf_name)) for hf_name in outputs]
 
 
-def plan_hf_tensors(names: Sequence[str], metas: dict[str, torch.Tensor], convert: Convert) -> HFPlan | None:
+def _global_name(local_name: str, layer: int) -> str:
+    """A one-layer model's HF name as layer ``layer``'s: the first index in it is the layer's
+    (``model.layers.0.mlp.experts.3.w1``, ``transformer.h.0.attn``, ``bert.encoder.layer.0.output``)."""
+    return local_name.replace(".0.", f".{layer}.", 1)
+
+
+def _local_group(group: list[str], metas: dict[str, torch.Tensor], hf_metas: dict[str, torch.Tensor],
+                 layer_convert: LayerConvert, fake: Callable[[str], torch.Tensor]) -> LocalGroup | None:  # fmt: skip
+    """Layer group ``group`` as the only layer of a one-layer model, or ``None`` when that model's
+    mapping does not make the same tensors (names, dtypes, shapes) as the whole model's."""
+    layers = {int(m.group(1)) if m is not None else None for m in map(_LAYER.search, group)}
+    if len(layers) != 1:
+        return None
+    layer = layers.pop()  # None: the embeddings, final norm and heads, converted beside layer 0
+    convert = layer_convert(layer or 0)
+    if convert is None:
+        return None
+    names = {n: _LAYER.sub(".layers.0.", n, count=1) for n in group}
+    local = {n: t for n, t in metas.items() if (m := _LAYER.search(n)) is None or int(m.group(1)) == 0}
+    local.update({names[n]: metas[n] for n in group})
+    made = _real_outputs(convert, local, {names[n]: fake(n) for n in group})
+    outputs = {k: k if layer is None else _global_name(k, layer) for k in made}
+    for k, g in outputs.items():
+        if g not in hf_metas or (hf_metas[g].dtype, hf_metas[g].shape) != (made[k].dtype, made[k].shape):
+            return None
+    if len(set(outputs.values())) != len(outputs):
+        return None
+    order = {g: j for j, g in enumerate(hf_metas)}
+    outputs = dict(sorted(outputs.items(), key=lambda kv: order[kv[1]]))
+    return LocalGroup(convert, local, names, outputs)
+
+
+def plan_hf_tensors(names: Sequence[str], metas: dict[str, torch.Tensor], convert: Convert,
+                    layer_convert: LayerConvert | None = None) -> HFPlan | None:  # fmt: skip
     """What :func:`stream_hf_tensors` will yield, in order, from a dry run on fake tensors (shapes
-    only: no data read, no memory); ``None`` when the mapping cannot run on them."""
+    only: no data read, no memory); ``None`` when the mapping cannot run on them. With
+    ``layer_convert`` each layer group is, where it checks out, converted alone (:class:`LocalGroup`)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     try:
+        hf_metas = convert(dict(metas))  # on placeholders alone: cheaper outside the fake mode
         with FakeTensorMode(allow_non_fake_inputs=True):
 
             def fake(name: str) -> torch.Tensor:
                 return torch.empty(metas[name].shape, dtype=metas[name].dtype)
 
-            tensors = [
-                Planned(n, t.dtype, tuple(t.shape)) for n, t in stream_hf_tensors(names, fake, convert, metas)
-            ]
-            groups, seen = [], set()
+            groups, local, seen = [], [], set()
             for group in layer_groups(names):
-                outs = [
-                    n for n in _real_outputs(convert, metas, {n: fake(n) for n in group}) if n not in seen
-                ]
+                lg = None if layer_convert is None else _local_group(group, metas, hf_metas, layer_convert, fake)
+                run = lg.run if lg is not None else functools.partial(_real_outputs, convert, metas)
+                outs = [n for n in run({n: fake(n) for n in group}) if n not in seen]
                 seen.update(outs)
-                groups.append(_sources(convert, metas, group, outs, fake))
+                groups.append(_sources(run, group, outs, fake))
+                local.append(lg)
     except Exception:  # noqa: BLE001  # e.g. a data-dependent step: write without a plan
         return None
-    return HFPlan(tensors, groups)
+    if seen != set(hf_metas):
+        return None
+    # the order the stream yields, with the placeholders' dtypes and shapes (a real tensor unlike its
+    # placeholder only costs the writer a header rewrite: ShardWriter checks every add)
+    tensors = [Planned(n, hf_metas[n].dtype, tuple(hf_metas[n].shape)) for g in groups for n, _ in g]
+    return HFPlan(tensors, groups, local, frozenset(hf_metas))
 
 
 def split_shards(tensors: Sequence[Planned], max_bytes: int) -> list[list[Planned]]:

@@ -163,7 +163,7 @@ def unshard_tensors(
         full = parts[0]
     elif layout is not None and dim == 0 and layout.blocks > 1:
         blocks = [p.chunk(layout.blocks, dim=0) for p in parts]
-        full = torch.cat([torch.cat([b[i] for b in blocks]) for i in range(layout.blocks)])
+        full = torch.cat([b[i] for i in range(layout.blocks) for b in blocks])  # one copy, not two
     elif layout is not None and dim == 0 and layout.groups is not None and tp > layout.groups:
         full = _unshard_qkv_replicated(parts, layout, replicas)
     else:
