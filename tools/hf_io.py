@@ -208,13 +208,16 @@ def export_hf(
     config = _hf_config(fam, spec, tokenizer)
 
     def convert(chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        return fam.module().export_tensors(chunk, spec.cfg, fresh_heads=spec.fresh_heads, family=fam)
+        # no defensive copies: each output is written out and dropped
+        return fam.module().export_tensors(chunk, spec.cfg, fresh_heads=spec.fresh_heads, family=fam, copy=False)
 
     def layer_convert(layer: int) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
         cfg = one_layer_config(spec.cfg, layer)
         if cfg is None:
             return None
-        return lambda chunk: fam.module().export_tensors(chunk, cfg, fresh_heads=spec.fresh_heads, family=fam)
+        return lambda chunk: fam.module().export_tensors(
+            chunk, cfg, fresh_heads=spec.fresh_heads, family=fam, copy=False
+        )
 
     hf_metas = convert(dict(metas))
     written = progress(len(hf_metas)) if progress is not None else None

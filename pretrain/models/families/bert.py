@@ -183,7 +183,7 @@ def _with_written_zeros(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> d
 
 def canonical_to_hf(
     full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, include_tied: bool = True,
-    fresh_heads: tuple[str, ...] = (),
+    fresh_heads: tuple[str, ...] = (), copy: bool = True,
 ) -> dict[str, torch.Tensor]:  # fmt: skip
     """Canonical full BERT tensors -> the state dict of :func:`hf_architecture` (``cfg``).
 
@@ -203,7 +203,7 @@ def canonical_to_hf(
     fresh = {n for n in full if n.split(".")[0] in fresh_heads}
     expected = {o for o, _ in pairs} | {o for o, _ in qkv} | fresh
     _check_keys("BERT checkpoint -> Hugging Face", full, expected, ())
-    out = {hf: full[ours].detach().clone() for ours, hf in pairs}
+    out = {hf: full[ours].detach().clone() if copy else full[ours].detach() for ours, hf in pairs}
     for ours, hf_names in qkv:
         for name, t in zip(hf_names, split_qkv(full[ours].detach(), cfg.num_attention_heads)):
             out[name] = t
@@ -343,8 +343,8 @@ def export_config(cfg: ModelConfig, family: Family, *, special_ids: Mapping[str,
 
 
 def export_tensors(full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, fresh_heads: tuple[str, ...] = (),
-                   family: Family | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
-    return canonical_to_hf(full, cfg, include_tied=False, fresh_heads=fresh_heads)
+                   family: Family | None = None, copy: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
+    return canonical_to_hf(full, cfg, include_tied=False, fresh_heads=fresh_heads, copy=copy)
 
 
 def _same(t: torch.Tensor) -> torch.Tensor:

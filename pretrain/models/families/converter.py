@@ -79,7 +79,10 @@ class Converter(Protocol):
         *,
         fresh_heads: tuple[str, ...],
         family: Family | None = None,
+        copy: bool = True,
     ) -> dict[str, torch.Tensor]:
         """The HF state dict of canonical ``full`` tensors (tied copies omitted; ``family``: as
-        for :meth:`check_exportable`, the names of the MoE families differ)."""
+        for :meth:`check_exportable`, the names of the MoE families differ). ``copy=False``: an
+        output may share memory with ``full`` (the streamed writer, which only writes it out,
+        saves a copy of every tensor)."""
         ...

@@ -128,7 +128,7 @@ def _strip_prefix(hf: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def canonical_to_hf(
-    full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, vocab_size: int | None = None
+    full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, vocab_size: int | None = None, copy: bool = True
 ) -> dict[str, torch.Tensor]:
     """Canonical full GPT tensors -> ``GPT2LMHeadModel`` state dict (``lm_head`` only when untied).
 
@@ -146,7 +146,8 @@ def canonical_to_hf(
         if ours not in full:
             raise UserError(f"GPT checkpoint -> Hugging Face: missing tensor {ours}")
         t = full[ours].detach()
-        out[hf] = (t.t() if transposed else t).contiguous().clone()
+        t = (t.t() if transposed else t).contiguous()
+        out[hf] = t.clone() if copy else t  # copy=False: may share memory with ``full``
     for hf in ("transformer.wte.weight", "lm_head.weight"):
         if hf in out:
             if vocab > out[hf].shape[0]:
@@ -295,5 +296,5 @@ def export_config(cfg: ModelConfig, family: Family, *, special_ids: Mapping[str,
 
 
 def export_tensors(full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, fresh_heads: tuple[str, ...] = (),
-                   family: Family | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
-    return canonical_to_hf(full, cfg)
+                   family: Family | None = None, copy: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
+    return canonical_to_hf(full, cfg, copy=copy)

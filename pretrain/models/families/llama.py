@@ -139,22 +139,27 @@ def check_supported(cfg: ModelConfig) -> None:
         )
 
 
-def canonical_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Canonical full tensors -> a ``*ForCausalLM`` state dict (``lm_head`` only when untied)."""
+def canonical_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, copy: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Canonical full tensors -> a ``*ForCausalLM`` state dict (``lm_head`` only when untied);
+    ``copy=False``: outputs may share memory with ``full``."""
     check_supported(cfg)
     out: dict[str, torch.Tensor] = {}
     for ours, hf in name_pairs(cfg):
         if ours not in full:
             raise UserError(f"checkpoint -> Hugging Face: missing tensor {ours}")
-        out[hf] = full[ours].detach().contiguous().clone()
+        out[hf] = _copied(full[ours].detach().contiguous(), copy)
     for ours, parts, kind in fused_names(cfg):
         if ours not in full:
             raise UserError(f"checkpoint -> Hugging Face: missing tensor {ours}")
         t = full[ours].detach()
         pieces = split_qkv(t, groups=cfg.query_groups, head_dim=cfg.head_dim) if kind == "qkv" else t.chunk(2)
         for name, piece in zip(parts, pieces, strict=True):
-            out[name] = piece.contiguous().clone()
+            out[name] = _copied(piece.contiguous(), copy)
     return out
+
+
+def _copied(t: torch.Tensor, copy: bool) -> torch.Tensor:
+    return t.clone() if copy else t
 
 
 def lazy_hf_to_canonical(
@@ -354,5 +359,5 @@ def export_config(cfg: ModelConfig, family: Family, *, special_ids: Mapping[str,
 
 
 def export_tensors(full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, fresh_heads: tuple[str, ...] = (),
-                   family: Family | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
-    return canonical_to_hf(full, cfg)
+                   family: Family | None = None, copy: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
+    return canonical_to_hf(full, cfg, copy=copy)

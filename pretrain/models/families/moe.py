@@ -218,9 +218,11 @@ def _make(p: Piece, *ts: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return ts[0].contiguous().clone()
 
 
-def canonical_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig, family: str) -> dict[str, torch.Tensor]:  # fmt: skip
+def canonical_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig, family: str, *,
+                    copy: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
     """Canonical full tensors -> the per-expert state dict ``save_pretrained`` writes. ``full`` may
-    hold ``meta`` tensors (the streamed writer's other layers): they map to ``meta`` tensors."""
+    hold ``meta`` tensors (the streamed writer's other layers): they map to ``meta`` tensors.
+    ``copy=False``: outputs may share memory with ``full``."""
     out: dict[str, torch.Tensor] = {}
     for p in pieces(cfg, family):
         if p.ours not in full:
@@ -237,7 +239,7 @@ def canonical_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig, family: 
         else:
             parts = (t,)
         for name, piece in zip(p.hf, parts, strict=True):
-            out[name] = piece.contiguous().clone()
+            out[name] = piece.contiguous().clone() if copy else piece.contiguous()
     return out
 
 
@@ -252,10 +254,10 @@ def import_hf(
 
 
 def export_tensors(full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, fresh_heads: tuple[str, ...] = (),
-                   family: Family | None = None) -> dict[str, torch.Tensor]:  # fmt: skip
+                   family: Family | None = None, copy: bool = True) -> dict[str, torch.Tensor]:  # fmt: skip
     fam = family or family_of(cfg)
     _check(cfg, fam.model_type)
-    return canonical_to_hf(full, cfg, fam.model_type)
+    return canonical_to_hf(full, cfg, fam.model_type, copy=copy)
 
 
 def family_of(cfg: ModelConfig) -> Family:
