@@ -55,9 +55,14 @@ def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
     )
     flat = tensor.detach().reshape(-1)
     target, np_type = (torch.float32, "<f4") if kind == "f" else (torch.int64, "<i8")
+    # one buffer for every chunk (a fresh 64 MiB allocation per chunk costs its page faults), and
+    # the bytes hashed where they lie (no copy when the host is little-endian)
+    buf = torch.empty(min(flat.numel(), _CHUNK_ELEMENTS), dtype=target)
     for start in range(0, flat.numel(), _CHUNK_ELEMENTS):
-        part = flat[start : start + _CHUNK_ELEMENTS].to(device="cpu", dtype=target).contiguous()
-        h.update(np.ascontiguousarray(part.numpy(), dtype=np_type).tobytes())
+        chunk = flat[start : start + _CHUNK_ELEMENTS]
+        part = buf[: chunk.numel()]
+        part.copy_(chunk)
+        h.update(memoryview(np.ascontiguousarray(part.numpy(), dtype=np_type)).cast("B"))
     return h.digest()
 
 
