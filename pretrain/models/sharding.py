@@ -120,12 +120,15 @@ def shard_tensor(
     tp: int,
     pad_rows_to: int | None = None,
     layout: RowLayout | None = None,
+    copy: bool = True,
 ) -> torch.Tensor:
     """This rank's shard of ``full`` split along ``dim`` (``None``: replicated copy).
 
     ``layout`` (dim 0 only): SwiGLU blocks are split one by one; QKV groups are replicated when
-    ``tp`` exceeds their number.
+    ``tp`` exceeds their number. ``copy=False``: the shard may be a view of ``full`` (a file
+    writer that only reads it saves a copy of every tensor).
     """
+    done = (lambda t: t.clone()) if copy else (lambda t: t)
     if pad_rows_to is not None and full.shape[0] < pad_rows_to:
         if layout is None and pad_rows_to % tp == 0 and (dim in (None, 0) or tp == 1):
             # the rank's rows of the padded tensor, without first building the padded whole
@@ -136,13 +139,13 @@ def shard_tensor(
         pad = full.new_zeros((pad_rows_to - full.shape[0], *full.shape[1:]))
         full = torch.cat([full, pad], dim=0)
     if dim is None or tp == 1:
-        return full.clone()
+        return done(full)
     if layout is not None and dim == 0:
         if layout.blocks > 1:
-            return torch.cat([b.chunk(tp, dim=0)[tp_rank] for b in full.chunk(layout.blocks, dim=0)]).clone()
+            return done(torch.cat([b.chunk(tp, dim=0)[tp_rank] for b in full.chunk(layout.blocks, dim=0)]))
         if layout.groups is not None and tp > layout.groups:
-            return _shard_qkv_replicated(full, layout, tp_rank, tp).clone()
-    return full.chunk(tp, dim=dim)[tp_rank].clone()
+            return done(_shard_qkv_replicated(full, layout, tp_rank, tp))
+    return done(full.chunk(tp, dim=dim)[tp_rank])
 
 
 def unshard_tensors(
