@@ -169,12 +169,16 @@ class LegacyReader:
             torch.empty(p.shape, dtype=p.dtype, device="meta")
             for p in map(self._part, self.entries[name].parts)
         ][: slot.shards]  # a routed expert at ETP != TP: the first ETP files hold every shard
+        lay = row_layout(slot.local, self.spec.cfg) if slot.dim is not None and len(parts) > 1 else None
         if slot.dim is None or len(parts) == 1:
             full = parts[0]
+        elif lay is None or lay.groups is None or len(parts) <= lay.groups:
+            # the shards joined along dim (SwiGLU blocks only reorder rows): the shape, no meta ops
+            shape = list(parts[0].shape)
+            shape[slot.dim] = sum(p.shape[slot.dim] for p in parts)
+            full = torch.empty(shape, dtype=parts[0].dtype, device="meta")
         else:
-            full = unshard_tensors(
-                parts, dim=slot.dim, layout=row_layout(slot.local, self.spec.cfg), replicas="first"
-            )
+            full = unshard_tensors(parts, dim=slot.dim, layout=lay, replicas="first")
         return full[: self.spec.cfg.vocab_size] if slot.vocab else full
 
     def tensor(self, name: str) -> torch.Tensor:
