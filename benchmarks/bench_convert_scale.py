@@ -12,7 +12,8 @@ process whose whole process tree's RssAnon is sampled (:mod:`benchmarks.anon_mem
 
 Each reports ``mb_per_s`` (source bytes / wall time, start-up included), ``time_over_cp``
 (wall time / the time ``cp -r`` of the same source takes on the same disk, measured in the same
-run) and ``peak_anon_gb``; per size ``largest_tensor_gb`` and the bound 2 x largest + 0.5 GB.
+run), ``cpu_s`` (user + system seconds of its processes: comparable on a loaded host) and
+``peak_anon_gb``; per size ``largest_tensor_gb`` and the bound 2 x largest + 0.5 GB.
 ``anon_slope_gb_per_b_params`` is the least-squares slope of peak anonymous memory against
 parameters (billions), per conversion (goal about 0). The last line is one JSON object.
 
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import shutil
 import subprocess
 import sys
@@ -121,14 +123,18 @@ REPO = Path(__file__).parents[1]
 def _convert(name: str, argv: list[str], source: Path, cp_s: float) -> dict[str, float]:
     """Run ``python -m tools.convert_cli ARGV`` from :data:`REPO` (``--repo``), measured."""
     cmd = [sys.executable, "-m", "tools.convert_cli", *argv]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     m = run_measured(cmd, cwd=REPO, env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
     if m.returncode != 0:
         raise SystemExit(f"{name} failed ({m.returncode}): {m.output[-3000:]}")
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the conversion's processes, waited for
+    cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     src_bytes = _dir_bytes(source)
     return {
         "wall_s": round(m.wall_s, 2),
         "mb_per_s": round(src_bytes / 1e6 / m.wall_s, 1),
         "time_over_cp": round(m.wall_s / cp_s, 2),
+        "cpu_s": round(cpu_s, 2),  # user + system: what the conversion costs on a loaded host
         "peak_anon_gb": round(m.peak_anon_bytes / GB, 3),
         "source_gb": round(src_bytes / GB, 3),
     }

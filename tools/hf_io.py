@@ -209,7 +209,9 @@ def export_hf(
 
     def convert(chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         # no defensive copies: each output is written out and dropped
-        return fam.module().export_tensors(chunk, spec.cfg, fresh_heads=spec.fresh_heads, family=fam, copy=False)
+        return fam.module().export_tensors(
+            chunk, spec.cfg, fresh_heads=spec.fresh_heads, family=fam, copy=False
+        )
 
     def layer_convert(layer: int) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
         cfg = one_layer_config(spec.cfg, layer)

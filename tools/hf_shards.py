@@ -245,7 +245,11 @@ def plan_hf_tensors(names: Sequence[str], metas: dict[str, torch.Tensor], conver
 
             groups, local, seen = [], [], set()
             for group in layer_groups(names):
-                lg = None if layer_convert is None else _local_group(group, metas, hf_metas, layer_convert, fake)
+                lg = (
+                    None
+                    if layer_convert is None
+                    else _local_group(group, metas, hf_metas, layer_convert, fake)
+                )
                 run = lg.run if lg is not None else functools.partial(_real_outputs, convert, metas)
                 outs = [n for n in run({n: fake(n) for n in group}) if n not in seen]
                 seen.update(outs)

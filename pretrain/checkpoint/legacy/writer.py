@@ -85,7 +85,9 @@ def _shard(full: torch.Tensor, slot: Slot, *, tp_rank: int, tp: int, padded: int
     if slot.shards is not None:  # a routed expert at ETP != TP: TP rank t holds ETP shard t % ETP
         tp_rank, tp = tp_rank % slot.shards, slot.shards
     # a view where it can be: the file writer only reads it (one copy of every tensor less)
-    out = shard_tensor(full, dim=slot.dim, tp_rank=tp_rank, tp=tp, pad_rows_to=pad, layout=slot.layout, copy=False)
+    out = shard_tensor(
+        full, dim=slot.dim, tp_rank=tp_rank, tp=tp, pad_rows_to=pad, layout=slot.layout, copy=False
+    )
     if tuple(out.shape) != slot.shape:
         raise UserError(
             f"tensor {slot.canonical}: target shard shape {tuple(out.shape)} != expected {slot.shape} "
