@@ -62,7 +62,7 @@ def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
         chunk = flat[start : start + _CHUNK_ELEMENTS]
         part = buf[: chunk.numel()]
         part.copy_(chunk)
-        h.update(memoryview(np.ascontiguousarray(part.numpy(), dtype=np_type)).cast("B"))
+        h.update(np.ascontiguousarray(part.numpy(), dtype=np_type).data.cast("B"))
     return h.digest()
 
 
