@@ -13,13 +13,13 @@ from safetensors.torch import load_file, save_file
 
 from pretrain.checkpoint.plan import ModelSpec
 from pretrain.checkpoint.types import DictSource
+from pretrain.checkpoint.verify_routes import Routes
 from pretrain.utils.errors import UserError
 from tests.cli_helpers import one_line_error
 from tests.moe_hf_fixtures import hf_model, import_state, save_hf
 from tools.convert_cli import main
 from tools.hf_io import export_hf
 from tools.hf_verify import verify_export
-from tools.hf_verify_routes import Routes
 
 pytest.importorskip("transformers")
 L0 = "model.layers.0.mlp."
@@ -138,3 +138,56 @@ def test_router_choices_are_compared() -> None:
         Routes(ours=[wrong], theirs=[(theirs, logits)]).check(1e-4)
     with pytest.raises(UserError, match="routed 0 times, the export 1"):
         Routes(ours=[], theirs=[(theirs, logits)]).check(1e-4)
+
+
+def _identical_experts_0_and_1(directory: Path) -> None:
+    """Layer 0's experts 0 and 1 get the same weights: swapping their router rows then moves no
+    logit, only the router's choices."""
+
+    def copy(state: dict[str, torch.Tensor]) -> None:
+        for w in ("gate_proj", "up_proj", "down_proj"):
+            state[f"{L0}experts.1.{w}.weight"] = state[f"{L0}experts.0.{w}.weight"].clone()
+
+    _rewrite(directory, copy)
+
+
+def _plant_router_swap(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A converter fault: the written checkpoint's layer-0 router rows 0 and 1 swapped."""
+    from tools.convert import cli as convert_cli
+
+    convert = convert_cli._convert
+
+    def faulty(args):  # type: ignore[no-untyped-def]
+        rc = convert(args)
+        path = next(Path(args.save).glob("*/mp_rank_00/model_optim_rng.pt"))
+        state = torch.load(path, weights_only=False)
+        w = state["model"]["decoder.layers.0.mlp.router.weight"]
+        w[[0, 1]] = w[[1, 0]].clone()
+        torch.save(state, path)
+        return rc
+
+    monkeypatch.setattr(convert_cli, "_convert", faulty)
+
+
+def test_rerouting_fault_is_caught_by_from_hf_and_reshard_verify(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--verify`` on every conversion compares each MoE layer's router choices, not only logits:
+    a fault that reroutes tokens between two identical experts keeps the logits but fails, and the
+    conversion is removed."""
+    save_hf("qwen3_moe", tmp_path / "hf")
+    _identical_experts_0_and_1(tmp_path / "hf")
+    hf, ck, bad = (str(tmp_path / d) for d in ("hf", "ck", "bad"))
+    assert main(["from-hf", "--load", hf, "--save", ck, "--weights-only", "--verify"]) == 0
+    assert "router top-k equal in 4 MoE layers" in capsys.readouterr().out
+    _plant_router_swap(monkeypatch)
+    for argv in (["from-hf", "--load", hf, "--save", bad, "--weights-only", "--verify"],
+                 ["reshard", "--load", ck, "--save", bad, "--target-tp", "1", "--target-pp", "1", "--verify"]):  # fmt: skip
+        assert main(argv) == 1, argv
+        out = capsys.readouterr()
+        assert "max |logit difference|" in out.out  # the logits pass ...
+        err = [line for line in out.err.splitlines() if line.startswith("error:")]  # (not the load bars)
+        assert len(err) == 2 and "MoE layer 0 (counting MoE layers) routes" in err[0], (
+            err
+        )  # ... the routes not
+        assert err[1] == f"error: --verify failed; removed {bad}" and not Path(bad).exists()
