@@ -151,8 +151,8 @@ def _identical_experts_0_and_1(directory: Path) -> None:
     _rewrite(directory, copy)
 
 
-def _plant_router_swap(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A converter fault: the written checkpoint's layer-0 router rows 0 and 1 swapped."""
+def _plant(monkeypatch: pytest.MonkeyPatch, change) -> None:  # type: ignore[no-untyped-def]
+    """A converter fault: ``change(model)`` applied to the written (tp 1) checkpoint's tensors."""
     from tools.convert import cli as convert_cli
 
     convert = convert_cli._convert
@@ -161,12 +161,16 @@ def _plant_router_swap(monkeypatch: pytest.MonkeyPatch) -> None:
         rc = convert(args)
         path = next(Path(args.save).glob("*/mp_rank_00/model_optim_rng.pt"))
         state = torch.load(path, weights_only=False)
-        w = state["model"]["decoder.layers.0.mlp.router.weight"]
-        w[[0, 1]] = w[[1, 0]].clone()
+        change(state["model"])
         torch.save(state, path)
         return rc
 
     monkeypatch.setattr(convert_cli, "_convert", faulty)
+
+
+def _swap_router_rows(model: dict[str, torch.Tensor]) -> None:
+    w = model["decoder.layers.0.mlp.router.weight"]
+    w[[0, 1]] = w[[1, 0]].clone()
 
 
 def test_rerouting_fault_is_caught_by_from_hf_and_reshard_verify(
@@ -180,14 +184,45 @@ def test_rerouting_fault_is_caught_by_from_hf_and_reshard_verify(
     hf, ck, bad = (str(tmp_path / d) for d in ("hf", "ck", "bad"))
     assert main(["from-hf", "--load", hf, "--save", ck, "--weights-only", "--verify"]) == 0
     assert "router top-k equal in 4 MoE layers" in capsys.readouterr().out
-    _plant_router_swap(monkeypatch)
+    _plant(monkeypatch, _swap_router_rows)
     for argv in (["from-hf", "--load", hf, "--save", bad, "--weights-only", "--verify"],
                  ["reshard", "--load", ck, "--save", bad, "--target-tp", "1", "--target-pp", "1", "--verify"]):  # fmt: skip
         assert main(argv) == 1, argv
         out = capsys.readouterr()
         assert "max |logit difference|" in out.out  # the logits pass ...
         err = [line for line in out.err.splitlines() if line.startswith("error:")]  # (not the load bars)
-        assert len(err) == 2 and "MoE layer 0 (counting MoE layers) routes" in err[0], (
-            err
-        )  # ... the routes not
+        assert len(err) == 2 and "MoE layer 0 (counting MoE layers) routes" in err[0], err  # the routes not
         assert err[1] == f"error: --verify failed; removed {bad}" and not Path(bad).exists()
+
+
+_EXPERT = "decoder.layers.1.mlp.experts.local_experts.{}.linear_fc{}.weight"
+
+
+def _swap_experts(model: dict[str, torch.Tensor]) -> None:
+    for fc in (1, 2):
+        a, b = _EXPERT.format(0, fc), _EXPERT.format(1, fc)
+        model[a], model[b] = model[b].clone(), model[a].clone()
+
+
+def _transpose_square_expert(model: dict[str, torch.Tensor]) -> None:
+    name = _EXPERT.format(2, 2)  # [hidden, width] = [32, 32]: the shape cannot tell
+    model[name] = model[name].t().contiguous()
+
+
+@pytest.mark.parametrize(("fault", "overrides"), [(_swap_experts, {}), (_transpose_square_expert, {"intermediate_size": 32})],
+                         ids=["swapped_experts", "square_transposed"])  # fmt: skip
+def test_expert_faults_that_keep_every_shape_fail_from_hf_verify(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, fault, overrides
+) -> None:  # type: ignore[no-untyped-def]
+    """Two experts' weights swapped, or a square expert matrix transposed, by the conversion: every
+    name and shape is right, ``--verify`` (logits) catches it and removes the output."""
+    save_hf("mixtral", tmp_path / "hf", **overrides)
+    _plant(monkeypatch, fault)
+    bad = tmp_path / "bad"
+    assert (
+        main(["from-hf", "--load", str(tmp_path / "hf"), "--save", str(bad), "--weights-only", "--verify"])
+        == 1
+    )
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+    assert len(err) == 2 and err[0].startswith("error: --verify: logit differ by"), err
+    assert not bad.exists()
