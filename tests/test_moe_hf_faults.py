@@ -209,13 +209,18 @@ def _transpose_square_expert(model: dict[str, torch.Tensor]) -> None:
     model[name] = model[name].t().contiguous()
 
 
-@pytest.mark.parametrize(("fault", "overrides"), [(_swap_experts, {}), (_transpose_square_expert, {"intermediate_size": 32})],
-                         ids=["swapped_experts", "square_transposed"])  # fmt: skip
+def _zero_router(model: dict[str, torch.Tensor]) -> None:
+    model["decoder.layers.3.mlp.router.weight"].zero_()
+
+
+@pytest.mark.parametrize(("fault", "overrides"), [(_swap_experts, {}), (_transpose_square_expert, {"intermediate_size": 32}),
+                                                  (_zero_router, {})],
+                         ids=["swapped_experts", "square_transposed", "zeroed_router"])  # fmt: skip
 def test_expert_faults_that_keep_every_shape_fail_from_hf_verify(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, fault, overrides
 ) -> None:  # type: ignore[no-untyped-def]
-    """Two experts' weights swapped, or a square expert matrix transposed, by the conversion: every
-    name and shape is right, ``--verify`` (logits) catches it and removes the output."""
+    """Two experts' weights swapped, a square expert matrix transposed or a router zeroed by the
+    conversion: every name and shape is right, ``--verify`` (logits) catches it and removes the output."""
     save_hf("mixtral", tmp_path / "hf", **overrides)
     _plant(monkeypatch, fault)
     bad = tmp_path / "bad"
