@@ -54,6 +54,13 @@ def test_expert_count_disagreeing_with_config(tmp_path: Path, capsys: pytest.Cap
     assert "experts.5" in err and "num_experts=5" in err and "disagree" in err
 
 
+def test_topk_beyond_the_expert_count_in_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    save_hf("qwen2_moe", tmp_path / "hf")
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    (tmp_path / "hf" / "config.json").write_text(json.dumps({**config, "num_experts_per_tok": 7}))
+    assert "moe_router_topk 7 must be in [1, num_experts 6]" in _from_hf_error(tmp_path, capsys)
+
+
 def test_zeroed_router(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     save_hf("olmoe", tmp_path / "hf")
     _rewrite(tmp_path / "hf", lambda s: s[L0 + "gate.weight"].zero_())
