@@ -54,6 +54,15 @@ def test_expert_count_disagreeing_with_config(tmp_path: Path, capsys: pytest.Cap
     assert "experts.5" in err and "num_experts=5" in err and "disagree" in err
 
 
+def test_transposed_per_expert_matrix(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    save_hf("qwen3_moe", tmp_path / "hf")
+    name = L0 + "experts.3.down_proj.weight"
+    _rewrite(tmp_path / "hf", lambda s: s.__setitem__(name, s[name].t().contiguous()))
+    assert f"{name} has shape [24, 32], expected [32, 24] [hidden, width] (transposed)" in _from_hf_error(
+        tmp_path, capsys
+    )
+
+
 def test_topk_beyond_the_expert_count_in_config(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     save_hf("qwen2_moe", tmp_path / "hf")
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
