@@ -1,6 +1,7 @@
 """No silent expert loss (issue 27): an expert count or top-k that disagrees between a checkpoint's
 Megatron ``args``, our model record beside them, and the run or conversion reading it is refused
-with one line, exit 2, before any work and with nothing written."""
+with one line, exit 2, before any work and with nothing written; so is resharding a checkpoint
+whose router is all zeros."""
 
 from __future__ import annotations
 
@@ -94,3 +95,19 @@ def test_resume_with_another_expert_count_or_topk_is_refused(
     err = one_line_error(pretrain_main, argv, capsys)
     assert "the checkpoint's architecture differs from this run's model" in err and words in err, err
     assert sorted(p.name for p in (tmp_path / "ck").iterdir()) == before  # nothing written
+
+
+def test_reshard_refuses_a_zeroed_router(
+    saved: dict[str, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "ck"
+    shutil.copytree(saved["legacy"], root)
+    for path in root.glob(f"iter_*/*/{MODEL_FILE}"):  # the router is in every EP rank's file
+        state = torch.load(path, weights_only=False)
+        state["model"]["decoder.layers.1.mlp.router.weight"].zero_()
+        torch.save(state, path)
+    save = tmp_path / "out"
+    argv = ["reshard", "--load", str(root), "--save", str(save), "--target-tp", "2", "--target-pp", "1"]
+    err = one_line_error(convert, argv, capsys)
+    assert f"{root}: language_model.encoder.layers.1.mlp.router.weight is all zeros" in err, err
+    assert not save.exists()
