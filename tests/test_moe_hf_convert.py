@@ -79,7 +79,7 @@ def test_round_trip_tp2_pp2_is_exact_and_loads_cleanly(tmp_path: Path, family: s
         assert torch.equal(after[name], t), name
     written, original = (json.loads((tmp_path / d / "config.json").read_text()) for d in ("out", "hf"))
     assert written["architectures"] == [ARCH[family]]
-    ignore = {"bos_token_id", "eos_token_id", "pad_token_id", "dtype"}  # --weights-only: no tokenizer
+    ignore = {"bos_token_id", "eos_token_id", "pad_token_id"}  # --weights-only: no tokenizer
     assert {k: v for k, v in written.items() if k not in ignore} == {
         k: v for k, v in original.items() if k not in ignore
     }

@@ -222,6 +222,7 @@ def export_hf(
         )
 
     hf_metas = convert(dict(metas))
+    config.dtype = _weights_dtype(hf_metas)  # as save_pretrained records the model's dtype
     written = progress(len(hf_metas)) if progress is not None else None
     # each shard's header from the tensors' dtypes and shapes, so every byte is written once
     plan = plan_hf_tensors(names, metas, convert, layer_convert)
@@ -240,6 +241,12 @@ def export_hf(
         if check is not None:
             check(tmp)
     return save
+
+
+def _weights_dtype(hf_metas: dict[str, torch.Tensor]) -> torch.dtype | None:
+    """The dtype ``save_pretrained`` writes into ``config.json``: its model's first floating-point
+    parameter's (``get_parameter_dtype``); here the first floating-point tensor written."""
+    return next((t.dtype for t in hf_metas.values() if t.dtype.is_floating_point), None)
 
 
 def _weight_files(hf_dir: Path) -> list[Path]:

@@ -35,6 +35,7 @@ from torch import nn
 from pretrain.checkpoint.plan import ModelSpec
 from pretrain.checkpoint.types import TensorSource
 from pretrain.checkpoint.verify import ours_probe, probe_ids
+from pretrain.checkpoint.verify_routes import record_routes
 from pretrain.models.base import ShardedModule
 from pretrain.models.sharding import load_full_state_dict
 from pretrain.parallel.state import ParallelState
@@ -49,7 +50,6 @@ from tools.hf_layered_model import (
     per_layer_model,
     quiet_transformers,
 )
-from tools.hf_verify_routes import record_routes
 
 VerifyMode = Literal["auto", "full", "per-layer"]
 MODES: tuple[VerifyMode, ...] = ("auto", "full", "per-layer")
@@ -80,7 +80,7 @@ class VerifyResult:
     what: str
     batch: tuple[int, int]
     comparisons: tuple[Comparison, ...]
-    moe_layers: int = 0  # MoE layers whose router choices were compared (tools.hf_verify_routes)
+    moe_layers: int = 0  # MoE layers whose router choices were compared (pretrain.checkpoint.verify_routes)
 
     @property
     def worst(self) -> Comparison:
@@ -208,7 +208,7 @@ def verify_export(source: TensorSource, spec: ModelSpec, hf_dir: Path, *, mode: 
 
     Raises :class:`UserError` (one line: the max difference, its limit and the first stage that
     diverges) on a mismatch or when ``transformers`` cannot load the export; for a mixture of
-    experts also when a layer's router choices differ (:mod:`tools.hf_verify_routes`)."""
+    experts also when a layer's router choices differ (:mod:`pretrain.checkpoint.verify_routes`)."""
     files = SafetensorsDir(hf_dir)
     chosen = choose_mode(mode, files)
     ids = probe_ids(spec)

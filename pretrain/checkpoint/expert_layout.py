@@ -17,8 +17,10 @@ from pathlib import Path
 import torch
 
 from pretrain.checkpoint.plan import Slot
+from pretrain.checkpoint.types import TensorSource
 from pretrain.checkpoint.upstream.expert_names import OUR_EXPERT, split_grouped
 from pretrain.config import ModelConfig
+from pretrain.models.moe.router import check_router_weight
 from pretrain.parallel.config import ParallelConfig
 from pretrain.utils.errors import UserError
 
@@ -140,3 +142,13 @@ class ExpertShare:
         kept = self.experts(num_experts)
         per = num_experts // file_ep
         return [r for r in range(file_ep) if kept is None or set(range(r * per, (r + 1) * per)) & set(kept)]
+
+
+def check_routers(source: TensorSource, *, where: str) -> None:
+    """Every MoE router of ``source`` read now (``[E, h]`` each, small) and an all-zero one refused
+    (:func:`~pretrain.models.moe.router.check_router_weight`), before a conversion writes anything."""
+    if source.spec.cfg.num_experts is None:
+        return
+    for name in source.names():
+        if name.endswith(".mlp.router.weight"):
+            check_router_weight(f"{where}: {name}", source.tensor(name))

@@ -210,7 +210,26 @@ def read_metadata(args: object, *, source: str = "checkpoint") -> CheckpointMeta
         return None
     if not isinstance(ours.get("model"), Mapping):
         raise UserError(f"{source}: args.{OURS} has no model entry (damaged checkpoint metadata)")
-    return _from_plain(ours, mapping, source)
+    meta = _from_plain(ours, mapping, source)
+    _check_expert_args(meta, mapping, source)
+    return meta
+
+
+_EXPERT_ARGS = ("num_experts", "moe_router_topk")
+
+
+def _check_expert_args(meta: CheckpointMetadata, args: Mapping[str, Any], source: str) -> None:
+    """Megatron-LM builds its model from ``args``, we from our record: an expert count or top-k on
+    which the two disagree (an edited ``args``) is refused rather than read one way or the other."""
+    if meta.model.num_experts is None and not args.get("num_experts"):
+        return
+    recorded = args_from_config(meta.model, mcore=meta.module_names == "mcore")
+    for key in _EXPERT_ARGS:
+        if key in args and args[key] != recorded[key]:
+            raise UserError(
+                f"{source}: args.{key} is {args[key]} but the model record (args.{OURS}.model) says "
+                f"{recorded[key]}; they must agree"
+            )
 
 
 def require_metadata(args: object, *, source: str) -> CheckpointMetadata:

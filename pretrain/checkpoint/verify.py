@@ -17,6 +17,7 @@ import torch
 
 from pretrain.checkpoint.opener import load_canonical
 from pretrain.checkpoint.plan import ModelSpec
+from pretrain.checkpoint.verify_routes import record_routes
 from pretrain.models.sharding import load_full_state_dict
 from pretrain.parallel.state import ParallelState
 from pretrain.utils.errors import UserError
@@ -83,21 +84,41 @@ def what_of(spec: ModelSpec) -> str:
 
 
 def verify_checkpoints(source: Path, target: Path, *, tolerance: float = DEFAULT_TOLERANCE) -> float:
-    """Our checkpoint ``source`` against our checkpoint ``target`` (reshard)."""
+    """Our checkpoint ``source`` against our checkpoint ``target`` (reshard): the probe outputs,
+    and for a mixture of experts every MoE layer's router choices (:mod:`.verify_routes`)."""
     full, spec, _ = load_canonical(source)
     ids = probe_ids(spec)
-    a = ours_probe(full, spec, ids)
+    with record_routes() as before:
+        a = ours_probe(full, spec, ids)
     del full
     full_t, spec_t, _ = load_canonical(target)
-    return compare(a, ours_probe(full_t, spec_t, ids), tolerance=tolerance, what=what_of(spec))
+    with record_routes() as after:
+        b = ours_probe(full_t, spec_t, ids)
+    diff = compare(a, b, tolerance=tolerance, what=what_of(spec))
+    after.theirs = before.ours_as_reference()
+    _report_routes(
+        after.check(tolerance, label="--verify", names=("new checkpoint", "source"), reference="the source")
+    )
+    return diff
 
 
 def verify_against_hf(ckpt: Path, hf_dir: Path, *, tolerance: float = DEFAULT_TOLERANCE) -> float:
-    """Our checkpoint ``ckpt`` against the Hugging Face directory ``hf_dir`` (to-hf / from-hf)."""
+    """Our checkpoint ``ckpt`` against the Hugging Face directory ``hf_dir`` (from-hf): the probe
+    outputs, and for a mixture of experts every MoE layer's router choices (:mod:`.verify_routes`)."""
     full, spec, _ = load_canonical(ckpt)
     ids = probe_ids(spec)
-    ours = ours_probe(full, spec, ids)
-    return compare(ours, hf_probe(hf_dir, spec, ids), tolerance=tolerance, what=what_of(spec))
+    with record_routes() as routes:
+        ours = ours_probe(full, spec, ids)
+        theirs = hf_probe(hf_dir, spec, ids)
+    diff = compare(ours, theirs, tolerance=tolerance, what=what_of(spec))
+    _report_routes(routes.check(tolerance, label="--verify", names=("checkpoint", "Hugging Face model"),
+                                reference="transformers"))  # fmt: skip
+    return diff
+
+
+def _report_routes(layers: int) -> None:
+    if layers:
+        print(f"verify: router top-k equal in {layers} MoE layers")
 
 
 def verify_optimizer(source: Path, target: Path) -> int:

@@ -84,13 +84,17 @@ def save_training_checkpoint(
 
 
 ARCHITECTURE_FIELDS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_size", "vocab_size",
-                       "max_position_embeddings")  # fmt: skip
+                       "max_position_embeddings", "num_experts", "moe_router_topk")  # fmt: skip
+_NONE_DIFFERS = ("num_experts",)  # None (dense) vs a count is a difference too
 
 
 def check_architecture(root: str | Path, saved: ModelConfig, here: ModelConfig) -> None:
-    """A checkpoint of another model size is an architecture mismatch (not a layout one): show both."""
+    """A checkpoint of another model size (or expert count, or top-k: a different function on the
+    same tensors) is an architecture mismatch (not a layout one): show both."""
     diff = [(f, getattr(saved, f, None), getattr(here, f, None)) for f in ARCHITECTURE_FIELDS]
-    diff = [(f, a, b) for f, a, b in diff if a is not None and b is not None and a != b]
+    diff = [
+        (f, a, b) for f, a, b in diff if a != b and (f in _NONE_DIFFERS or (a is not None and b is not None))
+    ]
     if diff:
         both = ", ".join(f"{f.replace('_', '-')} {a} (checkpoint) vs {b} (this run)" for f, a, b in diff)
         raise UserError(f"{root}: the checkpoint's architecture differs from this run's model: {both}")

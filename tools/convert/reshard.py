@@ -32,12 +32,14 @@ def _carried_rng(reader: CheckpointReader, target: ParallelConfig) -> Any:
 def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, with_optimizer: bool,
                 ckpt_format: str = "torch", module_names: str | None = None,
                 dist_optimizer: bool = False) -> int:  # fmt: skip
+    from pretrain.checkpoint.expert_layout import check_routers
     from pretrain.checkpoint.fingerprint import weights_fingerprint
     from pretrain.checkpoint.legacy.writer import WriteOptions, check_output_dir
     from pretrain.checkpoint.types import Provenance
 
     check_output_dir(save, sources=(source.load,))
     reader, given = source.open()
+    check_routers(reader, where=str(source.load))  # a lost router is refused before writing
     tok = source.tokenizer(reader, required=False, given=given)
     opt = None
     if with_optimizer:

@@ -32,6 +32,7 @@ from pretrain.models.families import llama
 from pretrain.models.families.converter import HFConfig, HFImport
 from pretrain.models.families.moe_names import FUSED_GATE_UP, Piece, pieces
 from pretrain.models.families.registry import Family, export_family
+from pretrain.models.moe.router import check_router_weight
 from pretrain.utils.errors import UserError
 
 ARCHITECTURES = {"mixtral": "Mixtral", "qwen2_moe": "Qwen2-MoE", "qwen3_moe": "Qwen3-MoE", "olmoe": "OLMoE"}
@@ -188,13 +189,6 @@ def _check_shape(name: str, got: tuple[int, ...], want: tuple[int, ...], what: s
     )
 
 
-def _check_router(name: str, t: torch.Tensor) -> None:
-    if t.device.type != "meta" and t.numel() and not bool(t.any()):
-        raise UserError(
-            f"{name} is all zeros: every token's top-k would be a tie (an untrained or lost router)"
-        )
-
-
 def lazy_hf_to_canonical(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, family: str) -> dict[str, Callable[[], torch.Tensor]]:  # fmt: skip
     """A ``*ForCausalLM`` state dict (either expert layout, per layer) -> each canonical tensor's
     maker; names, shapes, expert counts and routers are checked now (see the module docstring)."""
@@ -204,7 +198,7 @@ def lazy_hf_to_canonical(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, famil
         for name, want, what in zip(p.hf, p.shapes, p.what, strict=True):
             _check_shape(name, tuple(hf[name].shape), want, what, p.make)
         if p.ours.endswith("mlp.router.weight"):
-            _check_router(f"Hugging Face model: {p.hf[0]}", hf[p.hf[0]])
+            check_router_weight(f"Hugging Face model: {p.hf[0]}", hf[p.hf[0]])
     return {p.ours: functools.partial(_make, p, *(hf[h] for h in p.hf), cfg=cfg) for p in plan}
 
 
@@ -229,7 +223,7 @@ def canonical_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig, family: 
             raise UserError(f"checkpoint -> Hugging Face: missing tensor {p.ours}")
         t = full[p.ours].detach()
         if p.ours.endswith("mlp.router.weight"):
-            _check_router(f"checkpoint -> Hugging Face: {p.ours}", t)
+            check_router_weight(f"checkpoint -> Hugging Face: {p.ours}", t)
         if p.make == "qkv":
             parts: tuple[torch.Tensor, ...] = llama.split_qkv(
                 t, groups=cfg.query_groups, head_dim=cfg.head_dim

@@ -22,6 +22,7 @@ from pretrain.config import ModelConfig
 from pretrain.models.norms import DTYPES
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.layers import mark_partition
+from pretrain.utils.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -93,3 +94,13 @@ class TopKRouter(nn.Module):
             scaling_factor=self.scaling_factor,
         )
         return Routing(probs=probs, experts=experts, logits=logits)
+
+
+def check_router_weight(name: str, weight: torch.Tensor) -> None:
+    """Refuse an all-zero router weight ``[E, h]`` (``name`` says where): every token's top-k would
+    be a tie, so it is a lost or never-written router (Megatron-Bridge #1883's zero export), never
+    a model. Placeholders on the ``meta`` device are not checked."""
+    if weight.device.type != "meta" and weight.numel() and not bool(weight.any()):
+        raise UserError(
+            f"{name} is all zeros: every token's top-k would be a tie (an untrained or lost router)"
+        )
