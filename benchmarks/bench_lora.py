@@ -22,12 +22,14 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -68,6 +70,7 @@ def _batches(steps: int, batch: int, seq: int, vocab: int, device: str) -> list[
 def _ours(workdir: Path, dtype: str, device: str) -> Callable[[torch.Tensor], float]:
     import dataclasses
 
+    from finetune.init_from import TrunkTensors
     from pretrain.distributed import DDPConfig, DistributedDataParallel, finalize_model_grads
     from pretrain.models.gpt import GPTModel
     from pretrain.models.lora import add_lora
@@ -81,7 +84,7 @@ def _ours(workdir: Path, dtype: str, device: str) -> Callable[[torch.Tensor], fl
     cfg = dataclasses.replace(source.spec.cfg, params_dtype=dtype)
     ps = ParallelState.single(device=device, seed=0)
     model = GPTModel(cfg, ps)
-    load_full_state_dict(model, {n: source.tensor(n) for n in source.names()})
+    load_full_state_dict(model, TrunkTensors(source))  # streamed, one tensor at a time (as SFT loads)
     lora, adapters = read_peft_adapter(workdir / "adapter", cfg)
     add_lora(model, lora, seed=0)
     load_full_state_dict(model, adapters, strict=False)
@@ -123,21 +126,50 @@ def _theirs(workdir: Path, dtype: str, device: str) -> Callable[[torch.Tensor], 
     return step
 
 
+def _rss_mb() -> dict[str, float]:
+    """This process's resident set now and at its peak (``/proc/self/status``; Linux), in MB."""
+    fields = {"VmRSS": "rss_mb", "VmHWM": "peak_rss_mb"}
+    out: dict[str, float] = {}
+    with open("/proc/self/status", encoding="ascii") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in fields:
+                out[fields[key]] = int(value.split()[0]) / 1024
+    return out
+
+
 def _side(args: argparse.Namespace) -> None:
-    """One side in this process: build, one warm-up step, then the timed steps."""
+    """One side in this process: build, one warm-up step, then the timed steps (wall and CPU time)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    phases = {"import": _rss_mb()}
     batches = _batches(args.steps, args.batch, args.seq, SIZES[args.size][5], args.device)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     step = (_ours if args.side == "ours" else _theirs)(args.workdir, args.dtype, args.device)
+    phases["built"] = _rss_mb()
     losses = [step(batches[0])]
+    phases["first_step"] = _rss_mb()
     sync()
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     losses += [step(b) for b in batches[1:]]
     sync()
-    seconds = time.perf_counter() - t0
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    print(json.dumps({"side": args.side, "losses": losses, "steps_s": seconds, "peak_rss_mb": rss,
-                      "peak_gpu_mb": peak_gpu}))  # fmt: skip
+    print(json.dumps({"side": args.side, "losses": losses, "steps_s": seconds, "cpu_s": cpu, "peak_rss_mb": rss,
+                      "rss_phases": phases, "peak_gpu_mb": peak_gpu}))  # fmt: skip
+
+
+def _run_side(side: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    argv = [sys.executable, "-m", "benchmarks.bench_lora", "--side", side, "--workdir", str(work),
+            "--size", args.size, "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
+            "--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads)]  # fmt: skip
+    out = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        sys.exit(f"{side} failed:\n{out.stderr[-3000:]}")
+    res: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    print(f"{side}: {res}", file=sys.stderr)
+    return res
 
 
 def main() -> None:
@@ -148,37 +180,53 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument(
+        "--repeats", type=int, default=1, help="back-to-back runs of both sides (medians reported)"
+    )
+    p.add_argument("--threads", type=int, default=0, help="torch threads per side (0: torch's default)")
     p.add_argument("--side", choices=("ours", "theirs"), help=argparse.SUPPRESS)
     p.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.side is not None:
         _side(args)
         return
+    pairs: list[dict[str, dict[str, Any]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         _prepare(work, args.size)
-        res = {}
-        for side in ("theirs", "ours"):
-            argv = [sys.executable, "-m", "benchmarks.bench_lora", "--side", side, "--workdir", str(work),
-                    "--size", args.size, "--steps", str(args.steps), "--batch", str(args.batch),
-                    "--seq", str(args.seq), "--dtype", args.dtype, "--device", args.device]  # fmt: skip
-            out = subprocess.run(argv, capture_output=True, text=True, check=False)
-            if out.returncode != 0:
-                sys.exit(f"{side} failed:\n{out.stderr[-3000:]}")
-            res[side] = json.loads(out.stdout.strip().splitlines()[-1])
-            print(f"{side}: {res[side]}", file=sys.stderr)
-    ours, theirs = res["ours"], res["theirs"]
+        for i in range(args.repeats):  # alternate which side runs first: drifting load hits both
+            order = ("theirs", "ours") if i % 2 == 0 else ("ours", "theirs")
+            pairs.append({side: _run_side(side, work, args) for side in order})
+    print(json.dumps(_summary(pairs, args)))
+
+
+def _summary(pairs: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -> dict[str, Any]:
+    """Medians over the repeats of the paired ratios (each pair ran back to back) and of each side."""
+
+    def med(f: Callable[[dict[str, dict[str, Any]]], float]) -> float:
+        return float(statistics.median(f(p) for p in pairs))
+
     tokens = args.batch * args.seq * (args.steps - 1)
-    print(json.dumps({
-        "ratio": theirs["steps_s"] / ours["steps_s"],
-        "peak_rss_ratio": ours["peak_rss_mb"] / theirs["peak_rss_mb"],
-        "loss_diff": abs(ours["losses"][-1] - theirs["losses"][-1]),
-        "ours_tokens_per_s": tokens / ours["steps_s"], "theirs_tokens_per_s": tokens / theirs["steps_s"],
-        "ours_peak_rss_mb": ours["peak_rss_mb"], "theirs_peak_rss_mb": theirs["peak_rss_mb"],
-        "ours_peak_gpu_mb": ours["peak_gpu_mb"], "theirs_peak_gpu_mb": theirs["peak_gpu_mb"],
+    gpu = {s: pairs[-1][s]["peak_gpu_mb"] for s in ("ours", "theirs")}
+    return {
+        "ratio": med(lambda p: p["theirs"]["steps_s"] / p["ours"]["steps_s"]),
+        "cpu_ratio": med(lambda p: p["theirs"]["cpu_s"] / p["ours"]["cpu_s"]),
+        "peak_rss_ratio": med(lambda p: p["ours"]["peak_rss_mb"] / p["theirs"]["peak_rss_mb"]),
+        "loss_diff": max(abs(p["ours"]["losses"][-1] - p["theirs"]["losses"][-1]) for p in pairs),
+        "ours_tokens_per_s": med(lambda p: tokens / p["ours"]["steps_s"]),
+        "theirs_tokens_per_s": med(lambda p: tokens / p["theirs"]["steps_s"]),
+        "ours_cpu_s_per_step": med(lambda p: p["ours"]["cpu_s"]) / (args.steps - 1),
+        "theirs_cpu_s_per_step": med(lambda p: p["theirs"]["cpu_s"]) / (args.steps - 1),
+        "ours_peak_rss_mb": med(lambda p: p["ours"]["peak_rss_mb"]),
+        "theirs_peak_rss_mb": med(lambda p: p["theirs"]["peak_rss_mb"]),
+        "ours_built_rss_mb": med(lambda p: p["ours"]["rss_phases"]["built"]["rss_mb"]),
+        "theirs_built_rss_mb": med(lambda p: p["theirs"]["rss_phases"]["built"]["rss_mb"]),
+        "ours_peak_gpu_mb": gpu["ours"], "theirs_peak_gpu_mb": gpu["theirs"],
+        "ratios": [round(p["theirs"]["steps_s"] / p["ours"]["steps_s"], 3) for p in pairs],
+        "cpu_ratios": [round(p["theirs"]["cpu_s"] / p["ours"]["cpu_s"], 3) for p in pairs],
         "size": args.size, "steps": args.steps, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
-        "device": args.device, "rank": RANK,
-    }))  # fmt: skip
+        "device": args.device, "rank": RANK, "repeats": args.repeats, "threads": args.threads or torch.get_num_threads(),
+    }  # fmt: skip
 
 
 if __name__ == "__main__":
