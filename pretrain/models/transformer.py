@@ -35,6 +35,7 @@ from pretrain.models.moe.layer import MoEMLP
 from pretrain.models.norms import DTYPES, full_width_norm, layer_norm
 from pretrain.models.recompute import layer_groups
 from pretrain.models.rotary import RotaryEmbedding, apply_rotary
+from pretrain.models.swiglu import swiglu
 from pretrain.parallel.rng import checkpointed
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -73,9 +74,8 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.dense_h_to_4h(x)
-        if self.swiglu:
-            gate, up = y.chunk(2, dim=-1)
-            return self.dense_4h_to_h(F.silu(gate) * up)
+        if self.swiglu:  # silu(gate) * up, keeping only y for backward
+            return self.dense_4h_to_h(swiglu(y))
         if self.squared_relu:
             return self.dense_4h_to_h(F.relu(y).square())
         return self.dense_4h_to_h(F.gelu(y, approximate=self.approximate))
