@@ -13,6 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 
 from pretrain.tensor_parallel.mappings import ProcessGroup, group_size
 
@@ -75,6 +76,43 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         return grad, None, None, None
 
 
+class _CrossEntropy(torch.autograd.Function):
+    """``F.cross_entropy(logits, target, reduction="none")`` for ``logits [n, V]``, ``target [n]``,
+    whose backward writes the gradient over the saved log-softmax instead of allocating two more
+    ``[n, V]`` tensors (PyTorch's nll and log-softmax backward each allocate one). The kernels
+    are PyTorch's own (log-softmax, its backward on row blocks), so loss and gradient are bitwise
+    those of ``F.cross_entropy``. The saved tensor is consumed: a second backward through the same
+    graph is refused by autograd (its version changed) rather than computed wrong."""
+
+    @staticmethod
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        log_probs = F.log_softmax(logits, dim=-1)
+        ctx.save_for_backward(log_probs, target)
+        return log_probs.gather(-1, target.unsqueeze(-1)).squeeze(-1).neg()
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        log_probs, target = ctx.saved_tensors
+        n, v = log_probs.shape
+        rows = max(1, min(n, _BLOCK_ELEMENTS // max(v, 1)))
+        grad_lp = log_probs.new_empty(rows, v)  # the nll gradient of one row block: -grad at the target
+        for start in range(0, n, rows):
+            block = log_probs[start : start + rows]
+            g = grad_lp[: block.shape[0]].zero_()
+            g.scatter_(
+                -1,
+                target[start : start + rows].unsqueeze(-1),
+                grad_loss[start : start + rows].neg().unsqueeze(-1),
+            )
+            # row-wise kernel: each element reads its own log-prob before writing it, so out= may alias it
+            torch.ops.aten._log_softmax_backward_data.out(g, block, -1, block.dtype, out=block)
+        return log_probs, None
+
+
+_BLOCK_ELEMENTS = 1 << 21  # elements of the per-block nll gradient buffer (8 MiB in fp32)
+
+
 def vocab_parallel_cross_entropy(
     logits: torch.Tensor, target: torch.Tensor, *, vocab_start: int, group: ProcessGroup | None
 ) -> torch.Tensor:
@@ -90,7 +128,7 @@ def vocab_parallel_cross_entropy(
         flat = logits.float().reshape(-1, logits.shape[-1])
         tgt = target - vocab_start
         safe = tgt.masked_fill((tgt < 0) | (tgt >= logits.shape[-1]), 0).reshape(-1)
-        return F.cross_entropy(flat, safe, reduction="none").view(target.shape)
+        return _CrossEntropy.apply(flat, safe).view(target.shape)  # type: ignore[no-any-return]
     return _VocabParallelCrossEntropy.apply(logits.float(), target, vocab_start, group)
 
 
