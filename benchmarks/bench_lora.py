@@ -4,17 +4,24 @@ The parent writes a random Llama (``save_pretrained``) and a PEFT LoRA adapter w
 initialisation (B set to small random values so both sides start from the same non-trivial
 adapter), then runs each side in its own fresh process (so peak RSS is that side's alone):
 
-* ``ours``: the base read through ``tools.hf_io.open_hf``, our ``GPTModel`` with ``add_lora``, the
-  adapter read with ``from-hf --adapter``'s reader, our DDP wrapper and optimizer (AdamW, as the
-  training loop builds them);
+* ``ours``: the base read through ``tools.hf_io.open_hf`` and loaded one tensor at a time (as
+  ``mlm-finetune sft --hf-model`` loads it), our ``GPTModel`` with ``add_lora``, the adapter read
+  with ``from-hf --adapter``'s reader, our DDP wrapper and optimizer (AdamW, as the training loop
+  builds them);
 * ``theirs``: ``AutoModelForCausalLM`` + ``PeftModel.from_pretrained(is_trainable=True)`` and
   ``torch.optim.AdamW`` over the trainable parameters.
 
 Both run the same ``--steps`` batches (the first step is warm-up, not timed) with the same LR, no
-clipping, no weight decay. The last line is one JSON object: ``ratio`` (their step time over ours),
-``peak_rss_ratio`` (ours over theirs), ``loss_diff`` (|difference| of the last step's loss),
-tokens/s of both, and the settings. ``--device cuda`` runs both on the GPU (peak GPU memory too).
-Usage: ``python -m benchmarks.bench_lora [--size tiny|small|1b] [--steps N] [--dtype float32|bfloat16]``.
+clipping, no weight decay. ``--repeats N`` runs both sides N times back to back, alternating which
+goes first, and reports medians of the paired ratios (a loaded host drifts between runs);
+``--threads`` sets torch's threads in both (1 makes CPU time a clean measure on a shared host).
+The last line is one JSON object: ``ratio`` (their step wall time over ours), ``cpu_ratio`` (their
+process CPU time over ours), ``peak_rss_ratio`` (ours over theirs), ``loss_diff`` (|difference| of
+the last step's loss), tokens/s, CPU s/step, peak and after-build RSS of both, the per-repeat
+ratios and the settings; each side's line on stderr has its RSS after import, build and the first
+step. ``--device cuda`` runs both on the GPU (peak GPU memory too).
+Usage: ``python -m benchmarks.bench_lora [--size tiny|small|1b] [--steps N] [--dtype float32|bfloat16]
+[--repeats N] [--threads N]``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,27 @@
+"""The LoRA benchmark runs (tiny Llama, two steps, two alternating repeats): its last line is the
+JSON the issue names, with CPU time and per-side peak RSS, and both sides compute the same loss."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_bench_lora_tiny_reports_ratios_and_equal_losses() -> None:
+    argv = [sys.executable, "-m", "benchmarks.bench_lora", "--size", "tiny", "--steps", "2", "--seq", "32",
+            "--repeats", "2", "--threads", "1"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=ROOT, env=env).stdout
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["loss_diff"] < 1e-5
+    assert result["ratio"] > 0 and result["cpu_ratio"] > 0 and 0 < result["peak_rss_ratio"] < 2
+    assert len(result["ratios"]) == 2 and result["threads"] == 1
+    assert result["ours_built_rss_mb"] > 0
