@@ -52,8 +52,8 @@ def _from_ckpt(path: str, tokenizer_dir: str | None, force: bool) -> Decoder:
     from mlm_eval.scoring.megatron import TokenizerChoice, read_gpt_checkpoint
 
     read = read_gpt_checkpoint(
-        path, tokenizer_cfg=TokenizerChoice(directory=tokenizer_dir, force=force), purpose="SFT"
-    )
+        path, tokenizer_cfg=TokenizerChoice(directory=tokenizer_dir, force=force), purpose="SFT", lazy=True
+    )  # lazy: the run keeps the Decoder, and a copy of every base tensor beside the model's would stay
     return Decoder(cfg=read.cfg, tensors=read.full, tokenizer=read.tokenizer, source=path,
                    fingerprint=read.info["fingerprint"], iteration=read.info["iteration"])  # fmt: skip
 

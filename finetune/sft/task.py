@@ -92,7 +92,7 @@ class SFTTask:
         for chunk in chunks:
             try:
                 if self.pretrained is not None:
-                    load_full_state_dict(chunk, self.pretrained)  # type: ignore[arg-type]
+                    load_full_state_dict(chunk, self.pretrained)
                 if self.lora is not None:
                     add_lora(chunk, self.lora, seed=self.train_cfg.seed)
                     if self.adapter is not None:

@@ -10,6 +10,7 @@ or the files upstream ``args`` name); tokenizer flags are checked against it.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -21,7 +22,7 @@ from mlm_eval.scoring.vocab import score_hidden, scored_hidden
 from pretrain.checkpoint.expert_layout import ExpertShare
 from pretrain.checkpoint.fingerprint import combine_digests, tensor_digests
 from pretrain.checkpoint.opener import open_checkpoint
-from pretrain.checkpoint.types import CheckpointReader
+from pretrain.checkpoint.types import CheckpointReader, TensorSource
 from pretrain.config import DTypeName, ModelConfig
 from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import load_full_state_dict
@@ -161,11 +162,29 @@ def _open_with_tokenizer(
     return reader, ResolvedTokenizer(tokenizer=tok, source=what, record=record_of(tok), forced=tuple(forced))
 
 
+class SourceTensors(Mapping[str, torch.Tensor]):
+    """``names`` of a tensor source as a read-only mapping; each access reads the tensor anew."""
+
+    def __init__(self, reader: TensorSource, names: list[str]) -> None:
+        self._reader, self._names, self._set = reader, list(names), set(names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._set:
+            raise KeyError(name)
+        return self._reader.tensor(name)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 @dataclass(frozen=True, kw_only=True)
 class CanonicalGPT:
     """A GPT checkpoint read into canonical full tensors, with its tokenizer and identity."""
 
-    full: dict[str, torch.Tensor]
+    full: Mapping[str, torch.Tensor]  # a dict, or (``lazy``) read from the checkpoint on access
     cfg: ModelConfig  # the checkpoint's model config (training dropout etc. as saved)
     tokenizer: Tokenizer
     info: dict[str, Any]  # the result record's "model": name, parameters, iteration, layout, checkpoint
@@ -178,8 +197,13 @@ def read_gpt_checkpoint(
     tokenizer_cfg: TokenizerChoice | TokenizerConfig | None = None,
     purpose: str = "zero-shot LM evaluation",
     experts: ExpertShare | None = None,
+    lazy: bool = False,
 ) -> CanonicalGPT:
     """Read ``ckpt`` (any layout the checkpoint tools read) and its tokenizer; no model is built.
+
+    ``lazy``: :attr:`CanonicalGPT.full` re-reads each tensor from the checkpoint when it is
+    accessed instead of holding a copy of every tensor (a caller that keeps the result for a whole
+    run, such as SFT, then holds no second copy of the weights beside the model's).
 
     The tokenizer is the checkpoint's own unless flags name one, which is then checked against it
     (vocabulary, special ids, probe encoding; ``force`` overrides and ``info["tokenizer"]`` says so).
@@ -200,8 +224,15 @@ def read_gpt_checkpoint(
     if not info.vocab_known:
         raise UserError(f"--ckpt {ckpt}: the true vocabulary size is unknown ({info.vocab_source})")
     names = [n for n in reader.names() if experts is None or experts.keeps(n, spec.cfg.num_experts)]
-    full = {name: reader.tensor(name).clone() for name in names}
-    digests = tensor_digests(full.items(), vocab_size=spec.cfg.vocab_size)
+    full: Mapping[str, torch.Tensor]
+    if lazy:
+        full = SourceTensors(reader, names)
+        digests = tensor_digests(
+            ((name, reader.tensor(name)) for name in names), vocab_size=spec.cfg.vocab_size
+        )
+    else:
+        full = {name: reader.tensor(name).clone() for name in names}
+        digests = tensor_digests(full.items(), vocab_size=spec.cfg.vocab_size)
     tokenizer = resolved.tokenizer
     meta = {
         "name": Path(ckpt).resolve().name,

@@ -298,6 +298,7 @@ def load_parallel_gpt(
     (chunk,) = build_model_chunks(cfg, ps)
     assert isinstance(chunk, GPTModel)
     load_full_state_dict(chunk, read.full)
-    read.full.clear()  # other EP ranks' experts and other stages' layers are not kept
+    if isinstance(read.full, dict):  # other EP ranks' experts and other stages' layers are not kept
+        read.full.clear()
     scorer = ParallelGPTScorer(chunk, ps, batch_size=batch_size, batch_invariant=batch_invariant)
     return scorer, PretrainTextEncoder(read.tokenizer), read.info, ps

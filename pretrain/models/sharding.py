@@ -20,6 +20,7 @@ found from the canonical name by :func:`row_layout`), both laid out as Megatron 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -174,7 +175,9 @@ def unshard_tensors(
     return full[:trim_rows_to] if trim_rows_to is not None else full
 
 
-def load_full_state_dict(model: ShardedModule, full: dict[str, torch.Tensor], *, strict: bool = True) -> None:
+def load_full_state_dict(
+    model: ShardedModule, full: Mapping[str, torch.Tensor], *, strict: bool = True
+) -> None:
     """Copy canonical full tensors into ``model``'s local shards (no communication; routed
     experts are split over the expert-TP group)."""
     ps, padded = model.ps, model.padded_vocab
