@@ -16,6 +16,7 @@ the same source streamed from the memory-mapped weight files, one canonical tens
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -25,10 +26,10 @@ import torch
 
 from pretrain.checkpoint.plan import ModelSpec
 from pretrain.checkpoint.types import DictSource, LazySource, TensorSource
+from pretrain.checkpoint.work_split import SINGLE, WorkSplit
 from pretrain.models.families import Family, export_family, family_of_model_type, supported_model_types
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.tokenizer.record import PROBE_TEXT
-from pretrain.utils.atomic import atomic_directory
 from pretrain.utils.errors import UserError
 from tools.hf_shards import DEFAULT_MAX_SHARD_SIZE
 
@@ -36,6 +37,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from pretrain.config import ModelConfig
+    from tools.hf_shards import HFPlan
 
 __all__ = ["check_exportable", "export_hf", "hf_tokenizer_of", "import_hf", "open_hf", "read_hf_state"]
 
@@ -179,6 +181,7 @@ def export_hf(
     max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
     progress: Callable[[int], Callable[[str], object]] | None = None,
     check: Callable[[Path], object] | None = None,
+    split: WorkSplit = SINGLE,
 ) -> Path:
     """Write a HF model directory at ``save`` (atomically) from canonical ``tensors``: weights,
     ``config.json``, ``generation_config.json`` and the complete tokenizer (``tokenizer.json``,
@@ -191,7 +194,8 @@ def export_hf(
     :func:`hf_state_and_config`. ``progress(total)`` (optional) is told the number of HF tensors and
     returns a callback called with each tensor's name once it is written. ``check(directory)``
     (optional; ``to-hf`` verifies the export with it) runs on the complete directory before it is
-    renamed to ``save``: when it raises, nothing is left at ``save``."""
+    renamed to ``save``: when it raises, nothing is left at ``save``. ``split``: under torchrun
+    each process writes its share of the shard files, rank 0 the rest and runs ``check``."""
     from transformers import GenerationConfig
 
     from tools.hf_shards import ShardWriter, parse_shard_size, plan_hf_tensors, stream_hf_tensors
@@ -223,23 +227,29 @@ def export_hf(
 
     hf_metas = convert(dict(metas))
     config.dtype = _weights_dtype(hf_metas)  # as save_pretrained records the model's dtype
-    written = progress(len(hf_metas)) if progress is not None else None
+    written = progress(len(hf_metas)) if progress is not None and split.leader else None
     # each shard's header from the tensors' dtypes and shapes, so every byte is written once
     plan = plan_hf_tensors(names, metas, convert, layer_convert)
-    with atomic_directory(save) as tmp:
-        writer = ShardWriter(tmp, max_shard_size=max_bytes, plan=None if plan is None else plan.tensors)
-        for name, t in stream_hf_tensors(names, get, convert, metas, plan):
-            writer.add(name, t)
-            if written is not None:
-                written(name)
-        writer.close()
-        config.save_pretrained(str(tmp))
-        if spec.model_kind.causal_lm:
-            GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
-        if hf_tok is not None:
-            hf_tok.save_pretrained(str(tmp))  # tokenizer.json + tokenizer_config.json
-        if check is not None:
-            check(tmp)
+    with split.directory(save) as tmp:
+        if split.parallel and plan is not None:
+            _write_share(tmp, split, plan, max_bytes, stream=functools.partial(stream_hf_tensors, names, get, convert,
+                         metas, plan))  # fmt: skip
+        elif split.leader:  # (no plan under torchrun: rank 0 writes every shard)
+            writer = ShardWriter(tmp, max_shard_size=max_bytes, plan=None if plan is None else plan.tensors)
+            for name, t in stream_hf_tensors(names, get, convert, metas, plan):
+                writer.add(name, t)
+                if written is not None:
+                    written(name)
+            writer.close()
+        split.agree()  # every shard is written
+        if split.leader:
+            config.save_pretrained(str(tmp))
+            if spec.model_kind.causal_lm:
+                GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+            if hf_tok is not None:
+                hf_tok.save_pretrained(str(tmp))  # tokenizer.json + tokenizer_config.json
+            if check is not None:
+                check(tmp)
     return save
 
 
@@ -247,6 +257,24 @@ def _weights_dtype(hf_metas: dict[str, torch.Tensor]) -> torch.dtype | None:
     """The dtype ``save_pretrained`` writes into ``config.json``: its model's first floating-point
     parameter's (``get_parameter_dtype``); here the first floating-point tensor written."""
     return next((t.dtype for t in hf_metas.values() if t.dtype.is_floating_point), None)
+
+
+def _write_share(
+    tmp: Path, split: WorkSplit, plan: HFPlan, max_bytes: int, *, stream: Callable[..., Iterable[tuple[str, torch.Tensor]]]
+) -> None:  # fmt: skip
+    """This process's shard files of a split export (balanced by bytes; only their source tensors
+    are read), and on rank 0 the index, made from the plan."""
+    from tools.hf_shards import shard_file_names, split_shards, write_index, write_planned_shards
+
+    shards = split_shards(plan.tensors, max_bytes)
+    owned = split.mine([sum(t.nbytes for t in shard) for shard in shards])
+    wanted = {t.name for shard, mine in zip(shards, owned, strict=True) if mine for t in shard}
+    if wanted:
+        write_planned_shards(tmp, shards, owned, stream(wanted=wanted))
+    if split.leader and len(shards) > 1:
+        files = shard_file_names(len(shards))
+        weight_map = {t.name: files[i] for i, shard in enumerate(shards) for t in shard}
+        write_index(tmp, weight_map, sum(t.nbytes for t in plan.tensors))
 
 
 def _weight_files(hf_dir: Path) -> list[Path]:

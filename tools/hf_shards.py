@@ -23,7 +23,7 @@ import os
 import re
 import shutil
 import struct
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO
@@ -142,18 +142,25 @@ def _one_source_each(group: list[tuple[str, str | None]]) -> bool:
 def stream_hf_tensors(
     names: Sequence[str], get: Callable[[str], torch.Tensor], convert: Convert,
     metas: dict[str, torch.Tensor] | None = None, plan: HFPlan | None = None,
+    wanted: set[str] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
     """``(hf_name, tensor)`` for every output of ``convert`` (canonical dict -> HF dict), computed one
     layer group at a time; ``metas``: each canonical tensor's dtype and shape on the ``meta`` device
     (default: ``meta_like(get(name))``, reading every tensor once more). With ``plan``, a group whose
     outputs each come from one canonical tensor is converted one tensor at a time, in the same order
     (memory: one canonical tensor and its outputs, not the layer's), and a group the plan can
-    convert alone (:class:`LocalGroup`) is."""
+    convert alone (:class:`LocalGroup`) is. ``wanted`` (with ``plan``): only these outputs, in the
+    same order; a group with none of them is not read."""
     if metas is None:
         metas = {n: meta_like(get(n)) for n in names}
     expected = set(plan.outputs) if plan is not None and plan.outputs else set(convert(dict(metas)))
     seen: set[str] = set()
+    if wanted is not None:
+        assert plan is not None, "wanted needs the plan"
+        expected &= wanted
     for i, group in enumerate(layer_groups(names)):
+        if plan is not None and wanted is not None and not any(hf in wanted for hf, _ in plan.groups[i]):
+            continue
         local = plan.local[i] if plan is not None and i < len(plan.local) else None
         run = local.run if local is not None else functools.partial(_real_outputs, convert, metas)
         if plan is not None and _one_source_each(plan.groups[i]):
@@ -161,6 +168,8 @@ def stream_hf_tensors(
             made: dict[str, torch.Tensor] = {}
             for hf_name, src in plan.groups[i]:
                 assert src is not None
+                if wanted is not None and hf_name not in wanted:
+                    continue
                 if src != source:
                     made = {}  # the previous tensor's outputs go before the next is read
                     made, source = run({src: get(src)}), src
@@ -172,7 +181,7 @@ def stream_hf_tensors(
         except (RuntimeError, NotImplementedError) as exc:  # an output mixing layers: cannot stream
             raise RuntimeError(f"the HF mapping combines tensors of several layers ({exc})") from exc
         for hf_name, t in out.items():
-            if hf_name not in seen:
+            if hf_name not in seen and (wanted is None or hf_name in wanted):
                 seen.add(hf_name)
                 yield hf_name, t
         del out
@@ -379,19 +388,63 @@ class ShardWriter:
                 self._open_shard()
             self._finish_shard()
         n = len(self.shards)
-        names = (
-            ["model.safetensors"]
-            if n == 1
-            else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        )
+        names = shard_file_names(n)
         weight_map = {}
         for (path, tensors), final in zip(self.shards, names, strict=True):
             path.rename(self.directory / final)
             weight_map.update(dict.fromkeys(tensors, final))
         if n > 1:
-            index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
-            (self.directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            write_index(self.directory, weight_map, self.total)
         return [self.directory / f for f in names]
+
+
+def shard_file_names(n: int) -> list[str]:
+    """``model.safetensors``, or ``model-0000i-of-0000n.safetensors`` for ``n`` > 1 shards."""
+    return (
+        ["model.safetensors"] if n == 1 else [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+    )
+
+
+def write_index(directory: Path, weight_map: dict[str, str], total: int) -> None:
+    """``model.safetensors.index.json`` as ``save_pretrained`` writes it (sorted keys)."""
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def write_planned_shards(
+    directory: Path, shards: Sequence[Sequence[Planned]], owned: Sequence[bool],
+    tensors: Iterable[tuple[str, torch.Tensor]], *, metadata: dict[str, str] | None = None,
+) -> None:  # fmt: skip
+    """The ``owned`` shard files of ``shards`` (:func:`split_shards` of the plan) under their final
+    names, from ``tensors`` (exactly the owned shards' tensors, in order): the bytes
+    :class:`ShardWriter` writes for the same plan (a process of a split export writes its share)."""
+    names = shard_file_names(len(shards))
+    head = {"format": "pt", **(metadata or {})}
+    expected = iter([(i, t) for i, shard in enumerate(shards) if owned[i] for t in shard])
+    fh: BinaryIO | None = None
+    current = -1
+    try:
+        for name, tensor in tensors:
+            i, planned = next(expected, (-1, None))
+            t = tensor.detach().to("cpu").contiguous()
+            if planned is None or planned != Planned(name, t.dtype, tuple(t.shape)):
+                raise RuntimeError(
+                    f"to-hf: tensor {name} {tuple(t.shape)} departs from the shard plan ({planned})"
+                )
+            if i != current:
+                if fh is not None:
+                    fh.close()
+                fh = open(directory / names[i], "wb")  # noqa: SIM115
+                fh.write(_header(_entries(shards[i]), head))
+                current = i
+            assert fh is not None
+            if t.numel():
+                fh.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        if next(expected, None) is not None:
+            raise RuntimeError("to-hf: fewer tensors than the shard plan")
+    finally:
+        if fh is not None:
+            fh.close()
 
 
 def _copy(src: BinaryIO, dst: BinaryIO, count: int) -> None:

@@ -31,6 +31,7 @@ import numpy as np
 import torch
 
 from pretrain.checkpoint.types import TensorSource
+from pretrain.checkpoint.work_split import SINGLE, WorkSplit
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.utils.errors import UserError
 
@@ -112,21 +113,32 @@ def combine_digests(digests: Mapping[str, bytes]) -> str:
 
 
 def weights_fingerprint(
-    source: TensorSource | Mapping[str, torch.Tensor], *, vocab_size: int | None = None
-) -> str:
+    source: TensorSource | Mapping[str, torch.Tensor], *, vocab_size: int | None = None,
+    split: WorkSplit = SINGLE,
+) -> str:  # fmt: skip
     """The fingerprint of a canonical source (``names()``/``tensor(name)``/``spec``: a checkpoint
     reader, ``DictSource``, ``import_hf``) or of a ``{canonical name: full tensor}`` mapping.
 
     A source's true vocabulary (``spec.cfg.vocab_size``) and fresh heads (``spec.fresh_heads``) are
-    used unless ``vocab_size`` is given; tensors are read one at a time."""
+    used unless ``vocab_size`` is given; tensors are read one at a time. ``split`` (torchrun): each
+    process digests its share of the tensors and the digests are gathered (collective)."""
     if isinstance(source, Mapping):
         return fingerprint_tensors(source.items(), vocab_size=vocab_size)
     spec = getattr(source, "spec", None)
     cfg = getattr(spec, "cfg", None)
     vocab = vocab_size if vocab_size is not None else getattr(cfg, "vocab_size", None)
     fresh = tuple(getattr(spec, "fresh_heads", ()) or ())
-    pairs = ((name, source.tensor(name)) for name in source.names())
-    return fingerprint_tensors(pairs, vocab_size=vocab, skip_prefixes=fresh)
+    names = list(source.names())
+    if split.parallel:
+        from pretrain.checkpoint.tensor_meta import tensor_meta
+
+        metas = [tensor_meta(source, n) for n in names]
+        mine = split.mine([m.numel() * m.dtype.itemsize for m in metas])
+        names = [n for n, keep in zip(names, mine, strict=True) if keep]
+    digests = tensor_digests(((n, source.tensor(n)) for n in names), vocab_size=vocab, skip_prefixes=fresh)
+    if split.parallel:
+        digests = {k: v for part in split.agree(payload=digests) for k, v in part.items()}
+    return combine_digests(digests)
 
 
 def short_fingerprint(fingerprint: str) -> str:

@@ -52,19 +52,30 @@ def atomic_directory(path: str | os.PathLike[str]) -> Iterator[Path]:
     An existing ``path`` is replaced only after the new directory is complete.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
-    os.chmod(tmp, 0o777 & ~current_umask())
+    tmp = temporary_directory_for(path)
     try:
         yield tmp
-        if path.exists():
-            old = path.with_name(f".{path.name}.old")
-            shutil.rmtree(old, ignore_errors=True)
-            os.replace(path, old)
-            os.replace(tmp, path)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, path)
+        replace_directory(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def temporary_directory_for(path: Path) -> Path:
+    """A new empty directory beside ``path`` (``.NAME.XXXX.tmp``, following the umask)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent))
+    os.chmod(tmp, 0o777 & ~current_umask())
+    return tmp
+
+
+def replace_directory(tmp: Path, path: Path) -> None:
+    """Rename the complete directory ``tmp`` to ``path``; an existing ``path`` is replaced only now."""
+    if path.exists():
+        old = path.with_name(f".{path.name}.old")
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(path, old)
+        os.replace(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, path)

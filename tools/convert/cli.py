@@ -11,7 +11,8 @@
 directory, written by mlm-toolkit or by Megatron-LM (legacy ``torch`` format of any era, or
 ``torch_dist``). Every output directory is written under a temporary sibling and renamed when
 complete. User errors print one line and exit with code 2; ``inspect`` exits 1 when the
-checkpoint is inconsistent. ``inspect``, ``reshard`` and ``to-hf`` take the shared tokenizer flags
+checkpoint is inconsistent. Under ``torchrun -n N`` the writing commands split the output files
+among the processes (:mod:`pretrain.checkpoint.work_split`); rank 0 prints and runs ``--verify``. ``inspect``, ``reshard`` and ``to-hf`` take the shared tokenizer flags
 (``--tokenizer-type``/``--vocab-file``/``--merge-file``/``--tokenizer-model`` or ``--tokenizer-dir``;
 e.g. local copies of the files an upstream checkpoint's ``args`` name on its training cluster).
 """
@@ -25,6 +26,7 @@ import shutil
 import sys
 from pathlib import Path
 
+from pretrain.checkpoint.work_split import WorkSplit
 from pretrain.models.families.registry import supported_architectures, supported_model_types
 from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer.flags import TokenizerFlags
@@ -155,19 +157,31 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "inspect":
         _check_tokenizer_flags(args)
         return run_inspect(source_from_args(args), as_json=args.json)
+    split = WorkSplit.from_env()  # under torchrun: this process's share of the output files
+    try:
+        with split.guard():
+            return _checked_convert(args, split)
+    finally:
+        split.close()
+
+
+def _checked_convert(args: argparse.Namespace, split: WorkSplit) -> int:
+    """The conversion, then (reshard, from-hf) ``--verify`` on rank 0: a failed check removes it."""
     _check_outputs_and_flags(args)
     if not args.verify or args.command == "to-hf":  # to-hf verifies inside its atomic write
-        return _convert(args)
+        return _convert(args, split)
     announced = io.StringIO()  # "wrote ..." is printed only once the conversion is verified
     with contextlib.redirect_stdout(announced):
-        rc = _convert(args)
+        rc = _convert(args, split)
     if rc != 0:
         print(announced.getvalue(), end="")
         return rc
-    rc = _verify(args)
+    rc = _verify(args) if split.leader else 0
+    rc = max(split.agree(payload=rc))  # the other ranks wait for rank 0's verdict
     if rc != 0:  # a conversion that fails its check is not kept
-        shutil.rmtree(args.save, ignore_errors=True)
-        print(f"error: --verify failed; removed {args.save}", file=sys.stderr)
+        if split.leader:
+            shutil.rmtree(args.save, ignore_errors=True)
+            print(f"error: --verify failed; removed {args.save}", file=sys.stderr)
         return rc
     print(announced.getvalue(), end="")
     return 0
@@ -203,24 +217,24 @@ def _check_tokenizer_flags(args: argparse.Namespace) -> None:
             raise UserError(f"--{name.replace('_', '-')} {value}: no such file")
 
 
-def _convert(args: argparse.Namespace) -> int:
+def _convert(args: argparse.Namespace, split: WorkSplit) -> int:
     if args.command == "reshard":
         with renamed_flag_errors(ParallelConfig, TARGET_FLAGS):  # the user typed --target-tp, not --tp
             target = flags_from_namespace(ParallelConfig, args, dests=TARGET_DESTS)
             rc = run_reshard(source_from_args(args), args.save, target, with_optimizer=args.with_optimizer,
                              ckpt_format=args.ckpt_format, module_names=args.module_names,
-                             dist_optimizer=args.dist_optimizer)  # fmt: skip
+                             dist_optimizer=args.dist_optimizer, split=split)  # fmt: skip
     elif args.command == "to-hf":
         rc = run_to_hf(source_from_args(args), args.save, weights_only=args.weights_only,
                        max_shard_size=args.max_shard_size, verify=args.verify, verify_tol=args.verify_tol,
-                       lora_as=args.lora_as)  # fmt: skip
+                       lora_as=args.lora_as, split=split)  # fmt: skip
     else:
         target = flags_from_namespace(ParallelConfig, args)
         rc = run_from_hf(args.load, args.save, target, divisible_by=args.make_vocab_size_divisible_by,
                          tokenizer_dir=args.tokenizer_dir, weights_only=args.weights_only,
                          ckpt_format=args.ckpt_format, module_names=args.module_names,
                          force_tokenizer=args.force_tokenizer, adapter=args.adapter,
-                         adapter_as=args.adapter_as)  # fmt: skip
+                         adapter_as=args.adapter_as, split=split)  # fmt: skip
     return rc
 
 

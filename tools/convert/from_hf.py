@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import TYPE_CHECKING
 
+from pretrain.checkpoint.work_split import SINGLE, WorkSplit
 from pretrain.utils.errors import UserError
 from tools.convert.writing import progress_bar, tokenizer_files, write_checkpoint
 
@@ -49,9 +50,10 @@ def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_b
                 tokenizer_dir: Path | None = None, weights_only: bool = False,
                 ckpt_format: str = "torch", module_names: str | None = None,
                 force_tokenizer: bool = False, adapter: Path | None = None,
-                adapter_as: str = "lora") -> int:  # fmt: skip
+                adapter_as: str = "lora", split: WorkSplit = SINGLE) -> int:  # fmt: skip
     """Import ``hf_dir``; with ``adapter`` (a PEFT LoRA directory) merge it (``adapter_as``
-    ``merged``) or write it as our LoRA checkpoint naming ``hf_dir`` as its base (``lora``)."""
+    ``merged``) or write it as our LoRA checkpoint naming ``hf_dir`` as its base (``lora``).
+    ``split`` (torchrun): this process's share of the target files."""
     from pretrain.checkpoint.fingerprint import weights_fingerprint
     from pretrain.checkpoint.legacy.writer import WriteOptions, check_output_dir
     from pretrain.checkpoint.types import Provenance
@@ -65,24 +67,28 @@ def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_b
 
         lora, tensors = read_peft_adapter(adapter, source.spec.cfg)
         if adapter_as == "lora":
+            if split.parallel:
+                raise UserError("--adapter-as lora writes one small adapter file: run it without torchrun")
             return keep_peft_adapter(hf_dir, source, save, lora, tensors)
         source = merged_source(source, tensors, lora)
     tok = _hf_tokenizer(hf_dir, tokenizer_dir, rows=source.spec.cfg.vocab_size, weights_only=weights_only,
                         divisible_by=divisible_by, force=force_tokenizer)  # fmt: skip
-    bar = progress_bar(target.tp * target.pp * target.ep, "from-hf")
+    bar = progress_bar(target.tp * target.pp * target.ep, "from-hf", shown=split.leader)
     options = WriteOptions(
         iteration="release",
         tokenizer=None if tok is None else tok.record,
         provenance=Provenance(
             converted_from=str(hf_dir),
             source_model_type=_hf_model_type(hf_dir),
-            weights_fingerprint=weights_fingerprint(source),
+            weights_fingerprint=weights_fingerprint(source, split=split),
         ),
         module_names=module_names,
     )
     with bar:
         write_checkpoint(ckpt_format, source, save, target, options=options, progress=lambda _name: bar.update(1),
-               extra_files=tokenizer_files(tok))  # fmt: skip
+               extra_files=tokenizer_files(tok), split=split)  # fmt: skip
+    if not split.leader:
+        return 0
     print(
         f"wrote {save} ({source.spec.kind}, tp={target.tp}, pp={target.pp}, vp={target.vp}, iteration release)"
     )

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from typing import TYPE_CHECKING, Any
 
+from pretrain.checkpoint.work_split import SINGLE, WorkSplit
 from tools.convert.writing import progress_bar, tokenizer_files, write_checkpoint
 
 if TYPE_CHECKING:
@@ -31,7 +32,8 @@ def _carried_rng(reader: CheckpointReader, target: ParallelConfig) -> Any:
 
 def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, with_optimizer: bool,
                 ckpt_format: str = "torch", module_names: str | None = None,
-                dist_optimizer: bool = False) -> int:  # fmt: skip
+                dist_optimizer: bool = False, split: WorkSplit = SINGLE) -> int:  # fmt: skip
+    """``split`` (torchrun): this process's share of the target files (:mod:`~pretrain.checkpoint.work_split`)."""
     from pretrain.checkpoint.expert_layout import check_routers
     from pretrain.checkpoint.fingerprint import weights_fingerprint
     from pretrain.checkpoint.legacy.writer import WriteOptions, check_output_dir
@@ -59,7 +61,7 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
     if prov.global_batch_size is None and opt is not None and opt.global_batch_size:
         prov = dataclasses.replace(prov, global_batch_size=opt.global_batch_size)  # the schedule's unit
     if prov.weights_fingerprint is None:  # resharding keeps the weights: the source's fingerprint holds
-        prov = dataclasses.replace(prov, weights_fingerprint=weights_fingerprint(reader))
+        prov = dataclasses.replace(prov, weights_fingerprint=weights_fingerprint(reader, split=split))
     options = WriteOptions(
         iteration=reader.info.iteration if reader.info.iteration is not None else "release",
         opt_param_scheduler=scheduler if isinstance(scheduler, dict) else None,
@@ -69,11 +71,13 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
         rng_state=_carried_rng(reader, target),
         module_names=module_names,
     )
-    bar = progress_bar(target.tp * target.pp * target.ep, "reshard")
+    bar = progress_bar(target.tp * target.pp * target.ep, "reshard", shown=split.leader)
     with bar:
         write_checkpoint(ckpt_format, reader, save, target, options=options, optimizer=optimizer, optimizer_state=opt,
                distributed_optimizer=dist_optimizer,
-               progress=lambda _name: bar.update(1), extra_files=tokenizer_files(tok))  # fmt: skip
+               progress=lambda _name: bar.update(1), extra_files=tokenizer_files(tok), split=split)  # fmt: skip
+    if not split.leader:
+        return 0
     experts = f", ep={target.ep}, etp={target.expert_tp}" if target.ep > 1 or target.etp is not None else ""
     print(
         f"wrote {save} (tp={target.tp}, pp={target.pp}, vp={target.vp}{experts}, iteration {options.iteration})"

@@ -15,6 +15,7 @@ if TYPE_CHECKING:
 def write_checkpoint(fmt: str, source: TensorSource, save: Path, target: ParallelConfig, **kw: Any) -> None:
     """``write_layout`` (legacy ``torch``) or :func:`write_torch_dist` with the same options."""
     from pretrain.checkpoint.legacy.writer import write_layout
+    from pretrain.checkpoint.work_split import SINGLE
 
     optimizer_state = kw.pop("optimizer_state", None)
     distributed_optimizer = kw.pop("distributed_optimizer", False)
@@ -24,14 +25,16 @@ def write_checkpoint(fmt: str, source: TensorSource, save: Path, target: Paralle
     from pretrain.checkpoint.torch_dist.writer import write_torch_dist
 
     write_torch_dist(source, save, target, options=kw["options"], extra_files=kw.get("extra_files"),
-                     optimizer=optimizer_state, distributed_optimizer=distributed_optimizer)  # fmt: skip
+                     optimizer=optimizer_state, distributed_optimizer=distributed_optimizer,
+                     split=kw.get("split", SINGLE))  # fmt: skip
 
 
-def progress_bar(total: int, desc: str, unit: str = "file") -> Any:
-    """A bar on a terminal; ``disable=None`` turns it off when stderr is not a TTY (logs, CI)."""
+def progress_bar(total: int, desc: str, unit: str = "file", *, shown: bool = True) -> Any:
+    """A bar on a terminal; ``disable=None`` turns it off when stderr is not a TTY (logs, CI).
+    ``shown=False`` (torchrun ranks other than 0): none."""
     from tqdm import tqdm
 
-    return tqdm(total=total, desc=desc, unit=unit, disable=None, file=sys.stderr)
+    return tqdm(total=total, desc=desc, unit=unit, disable=None if shown else True, file=sys.stderr)
 
 
 def tokenizer_files(tok: ResolvedTokenizer | None) -> Any:

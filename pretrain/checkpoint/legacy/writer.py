@@ -13,6 +13,7 @@ Vocabulary padding is recomputed for the target TP; the last stage gets its
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,10 +43,11 @@ from pretrain.checkpoint.types import (
     TensorSource,
     TokenizerRecord,
 )
+from pretrain.checkpoint.work_split import SINGLE, WorkSplit
 from pretrain.models.sharding import shard_tensor
 from pretrain.parallel.config import ParallelConfig
 from pretrain.tensor_parallel.vocab import padded_vocab_size
-from pretrain.utils.atomic import atomic_directory, atomic_open
+from pretrain.utils.atomic import atomic_open
 from pretrain.utils.errors import UserError
 
 __all__ = ["DictSource", "WriteOptions", "check_output_dir", "vocab_rows", "write_layout"]
@@ -182,11 +184,11 @@ def _rank_file(
 
 def _write_rank_files(
     it_dir: Path, target: ParallelConfig, pp_rank: int, ep: int | None, state: Callable[[int], dict[str, Any]],
-    *, lockstep: bool, progress: Callable[[str], None] | None, done: Callable[[], None],
+    *, tp_ranks: list[int], lockstep: bool, progress: Callable[[str], None] | None, done: Callable[[], None],
 ) -> None:  # fmt: skip
-    """The TP rank files of one (stage, EP rank): in lockstep (each full tensor read once for all
-    of them), or with an optimizer one rank at a time (its states are real tensors)."""
-    groups = [list(range(target.tp))] if lockstep else [[t] for t in range(target.tp)]
+    """The TP rank files ``tp_ranks`` of one (stage, EP rank): in lockstep (each full tensor read
+    once for all of them), or with an optimizer one rank at a time (its states are real tensors)."""
+    groups = [tp_ranks] if lockstep else [[t] for t in tp_ranks]
     for ranks in groups:
         names = [rank_dir_name(t, pp_rank, target.pp, ep) for t in ranks]
         with contextlib.ExitStack() as stack:
@@ -207,6 +209,7 @@ def write_layout(
     optimizer: Callable[[int, int, list[list[Slot]]], dict[str, Any] | None] | None = None,
     progress: Callable[[str], None] | None = None,
     extra_files: Callable[[Path], object] | None = None,
+    split: WorkSplit = SINGLE,
 ) -> Path:
     """Write ``source`` at layout ``target`` into the new directory ``save``; returns ``save``.
 
@@ -216,6 +219,9 @@ def write_layout(
     ``optimizer(tp_rank, pp_rank, slots_per_chunk)`` may supply each rank file's ``optimizer``
     entry. ``progress`` is called with each rank directory name after it is written;
     ``extra_files(tmp_dir)`` may add files (e.g. the tokenizer) before the directory is renamed.
+
+    ``split``: under torchrun each process writes its own rank files (:func:`_file_owners`) into
+    one temporary directory, and rank 0 the tracker and ``extra_files`` once all are written.
     """
     plan = LayoutPlan.for_parallel(source.spec, target)
     cfg = source.spec.cfg
@@ -225,12 +231,16 @@ def write_layout(
     meta = _target_metadata(source, target, options)
     args = to_args(meta, iteration=options.iteration)
     save = Path(save)
-    with atomic_directory(save) as tmp:
+    stages = [[plan.slots(pp_rank, c) for c in range(target.vp)] for pp_rank in range(target.pp)]
+    owners = iter(_file_owners(source, stages, target, split))
+    with split.directory(save) as tmp:
         it_dir = iteration_dir(tmp, options.iteration)
         last = _LastTensor(source, padded)
-        for pp_rank in range(target.pp):
-            stage = [plan.slots(pp_rank, c) for c in range(target.vp)]
+        for pp_rank, stage in enumerate(stages):
             for ep_rank in range(target.ep):  # the expert-free layout's files when EP == 1
+                mine = [t for t in range(target.tp) if next(owners) == split.rank]
+                if not mine:
+                    continue
                 slots = [slots_of_ep_rank(x, ep_rank=ep_rank, per_rank=per_rank) for x in stage]
 
                 def state(
@@ -249,9 +259,30 @@ def write_layout(
                     )
 
                 ep = ep_rank if target.ep > 1 else None
-                _write_rank_files(it_dir, target, pp_rank, ep, state, lockstep=optimizer is None, progress=progress,
-                                  done=last.clear)  # fmt: skip
-        write_tracker(tmp, options.iteration)
-        if extra_files is not None:
-            extra_files(tmp)
+                _write_rank_files(it_dir, target, pp_rank, ep, state, tp_ranks=mine, lockstep=optimizer is None,
+                                  progress=progress, done=last.clear)  # fmt: skip
+        split.agree()  # every rank file is written
+        if split.leader:
+            write_tracker(tmp, options.iteration)
+            if extra_files is not None:
+                extra_files(tmp)
     return save
+
+
+def _file_owners(
+    source: TensorSource, stages: list[list[list[Slot]]], target: ParallelConfig, split: WorkSplit
+) -> list[int]:
+    """The rank writing each target rank file, in writing order (stage, EP rank, TP rank), balanced
+    by the model bytes of the files: whole stages where they are many, TP ranks of one otherwise."""
+    if not split.parallel:
+        return [0] * (len(stages) * target.ep * target.tp)
+    per_rank = experts_per_rank(source.spec.cfg, target.ep)
+    sizes = []
+    for stage in stages:
+        for ep_rank in range(target.ep):
+            slots = [
+                s for chunk in stage for s in slots_of_ep_rank(chunk, ep_rank=ep_rank, per_rank=per_rank)
+            ]
+            nbytes = sum(math.prod(s.shape) * tensor_meta(source, s.canonical).dtype.itemsize for s in slots)
+            sizes += [nbytes] * target.tp
+    return split.owners(sizes)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 import re
 import warnings
 from collections.abc import Callable
@@ -50,10 +51,11 @@ from pretrain.checkpoint.torch_dist.optimizer import optimizer_common, optimizer
 from pretrain.checkpoint.types import TensorSource
 from pretrain.checkpoint.upstream.expert_names import to_dist_expert
 from pretrain.checkpoint.upstream.names import MCORE_BLOCK, to_mcore_key
+from pretrain.checkpoint.work_split import SINGLE, WorkSplit
 from pretrain.config import ModelConfig
 from pretrain.parallel.config import ParallelConfig
 from pretrain.tensor_parallel.vocab import padded_vocab_size
-from pretrain.utils.atomic import atomic_directory, atomic_open
+from pretrain.utils.atomic import atomic_open
 from pretrain.utils.errors import UserError
 
 METADATA_JSON = {
@@ -173,16 +175,21 @@ def _extra_state_keys(entries: list[_Entry]) -> list[str]:
 class _StreamingPlanner(DefaultSavePlanner):
     """Save plan built from the entries; each chunk is fetched from the source when written."""
 
-    def __init__(self, entries: list[_Entry], fetch: Callable[[_Entry, str], torch.Tensor]) -> None:
+    def __init__(
+        self, entries: list[_Entry], fetch: Callable[[_Entry, str], torch.Tensor], split: WorkSplit = SINGLE
+    ) -> None:
         super().__init__()
-        self.entries, self.fetch = entries, fetch
+        self.entries, self.fetch, self.split = entries, fetch, split
         self.chunk_of: dict[tuple[str, tuple[int, ...]], tuple[str, _Entry]] = {}
 
     def create_local_plan(self) -> SavePlan:
         items: list[WriteItem] = []
+        mine = iter(self.split.mine([_chunk_bytes(e) for e in self.entries for _ in e.parts]))
         for e in self.entries:
             props = TensorProperties(dtype=e.dtype)
             for name, index in e.parts:
+                if not next(mine):  # another process writes this chunk
+                    continue
                 offsets = (*index, *(0,) * (len(e.shape) - len(index)))
                 sizes = (*(1,) * len(index), *e.shape[len(index) :])
                 chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
@@ -191,7 +198,7 @@ class _StreamingPlanner(DefaultSavePlanner):
                 items.append(WriteItem(index=mindex, type=WriteItemType.SHARD,
                                        tensor_data=TensorWriteData(chunk=chunk, properties=props,
                                                                    size=torch.Size(e.shape))))  # fmt: skip
-        for key in _extra_state_keys(self.entries):
+        for key in _extra_state_keys(self.entries) if self.split.leader else []:
             items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
         self.plan = SavePlan(items, planner_data={})
         return self.plan
@@ -206,6 +213,11 @@ class _StreamingPlanner(DefaultSavePlanner):
         name, entry = self.chunk_of[(key, offsets)]
         t = self.fetch(entry, name).to(entry.dtype).contiguous()
         return t.reshape((1,) * len(entry.lead) + tuple(t.shape))  # its chunk of the leading axes
+
+
+def _chunk_bytes(e: _Entry) -> int:
+    """Bytes of one chunk of ``e`` (one layer / expert, or the whole tensor)."""
+    return math.prod(e.shape[len(e.lead) :]) * e.dtype.itemsize
 
 
 def _optimizer_entries(entries: list[_Entry], params_dtype: str, *, distributed: bool) -> list[_Entry]:
@@ -249,6 +261,7 @@ def write_torch_dist(
     extra_files: Callable[[Path], object] | None = None,
     optimizer: OptimizerSource | None = None,
     distributed_optimizer: bool = False,
+    split: WorkSplit = SINGLE,
 ) -> Path:
     """Write ``source`` as a ``torch_dist`` checkpoint for layout ``target`` into the new ``save``.
 
@@ -257,6 +270,11 @@ def write_torch_dist(
     is written as megatron-core's non-distributed optimizer saves it, or with
     ``distributed_optimizer`` as its ``DistributedOptimizer`` saves the ``fully_reshardable``
     format (see :mod:`pretrain.checkpoint.torch_dist.optimizer`), with the LR schedule.
+
+    ``split``: under torchrun each process writes the chunks :meth:`WorkSplit.mine` gives it, as
+    one distributed ``dcp.save`` over the gloo group (its own ``__R_0.distcp``; rank 0 the
+    ``.metadata`` of them all), and rank 0 ``common.pt``, ``metadata.json``, the tracker and
+    ``extra_files``: the file set differs from one process's, the tensors read back do not.
     """
     source.spec.cfg.check_tensor_parallel(target.tp)
     check_expert_layout(source.spec.cfg, target, legacy=False)  # EP/ETP: recorded in args only
@@ -271,14 +289,18 @@ def write_torch_dist(
     args: Any = to_args(meta, iteration=options.iteration)
     args.ckpt_format = "torch_dist"
     save = Path(save)
-    with atomic_directory(save) as tmp:
+    with split.directory(save) as tmp:
         it_dir = iteration_dir(tmp, options.iteration)
-        it_dir.mkdir(parents=True)
+        it_dir.mkdir(parents=True, exist_ok=True)
         written = dcp_failures(lambda exc: f"{save}: cannot write the torch_dist data ({first_line(exc)})")
         with written, warnings.catch_warnings():  # "assuming ... a single process": intended
             warnings.simplefilter("ignore", UserWarning)
             dcp.save({}, storage_writer=FileSystemWriter(str(it_dir), thread_count=1),
-                     planner=_StreamingPlanner(entries, _fetcher(source, optimizer)), no_dist=True)  # fmt: skip
+                     planner=_StreamingPlanner(entries, _fetcher(source, optimizer), split),
+                     no_dist=not split.parallel)  # fmt: skip
+        split.agree()  # (dcp.save already failed on every rank together, or on none)
+        if not split.leader:
+            return save
         common.update(args=args, iteration=options.iteration, checkpoint_version=CHECKPOINT_VERSION)
         with atomic_open(it_dir / "common.pt", "wb") as fh:
             torch.save(common, fh)
