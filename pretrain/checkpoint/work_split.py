@@ -128,10 +128,23 @@ class WorkSplit:
         try:
             yield
         except BaseException as exc:
-            if self.parallel and not self.state.failed:
+            if self.parallel:
                 with contextlib.suppress(BaseException):
-                    self.agree(exc)
+                    if not self.state.failed:
+                        self.agree(exc)
+                    self._end_together()
             raise
+
+    def _end_together(self) -> None:
+        """After an agreed failure: wait until every rank got here (rank 0 has removed the temporary
+        directory), then let none be cut short by torchrun's SIGTERM, which it sends the others
+        when the first ends: each finishes printing and exits 2 itself, a moment later."""
+        import signal
+
+        import torch.distributed as dist
+
+        dist.barrier()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
     @contextlib.contextmanager
     def directory(self, save: Path) -> Iterator[Path]:
