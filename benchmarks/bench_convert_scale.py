@@ -17,8 +17,12 @@ run), ``cpu_s`` (user + system seconds of its processes: comparable on a loaded 
 ``anon_slope_gb_per_b_params`` is the least-squares slope of peak anonymous memory against
 parameters (billions), per conversion (goal about 0). The last line is one JSON object.
 
+With ``--nproc N`` (N > 1) every conversion runs as ``torchrun --nproc-per-node N`` (the output
+files split among the processes); ``peak_anon_gb`` is then the sum over the launcher and its N
+processes.
+
 Usage: ``python -m benchmarks.bench_convert_scale [--quick | --large] [--sizes 0.5b,1b] [--workdir DIR]
-[--plot docs/convert_scale.svg]``. Disk: about 4 copies of the largest model at once (3B: 24 GB).
+[--nproc N] [--plot docs/convert_scale.svg]``. Disk: about 4 copies of the largest model at once (3B: 24 GB).
 """
 
 from __future__ import annotations
@@ -118,11 +122,18 @@ def _cp_seconds(src: Path, dst: Path) -> float:
 
 
 REPO = Path(__file__).parents[1]
+NPROC = 1  # processes per conversion (--nproc): more than 1 runs it under torchrun
+
+
+def convert_command(argv: list[str], nproc: int) -> list[str]:
+    """``python -m tools.convert_cli ARGV``, under ``torchrun --nproc-per-node NPROC`` when NPROC > 1."""
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
+    return [sys.executable, *launch, "-m", "tools.convert_cli", *argv]
 
 
 def _convert(name: str, argv: list[str], source: Path, cp_s: float) -> dict[str, float]:
     """Run ``python -m tools.convert_cli ARGV`` from :data:`REPO` (``--repo``), measured."""
-    cmd = [sys.executable, "-m", "tools.convert_cli", *argv]
+    cmd = convert_command(argv, NPROC)
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     m = run_measured(cmd, cwd=REPO, env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
     if m.returncode != 0:
@@ -216,12 +227,16 @@ def main() -> None:
     p.add_argument("--workdir", type=Path, default=None, help="where checkpoints are generated (a temp dir)")
     p.add_argument("--conversions", default=",".join(CONVERSIONS), help="which to run (to_hf always runs)")
     p.add_argument("--plot", type=Path, default=None, help="write the curve here (.svg)")
+    p.add_argument("--nproc", type=int, default=1, help="run each conversion as torchrun --nproc-per-node N")
     p.add_argument("--repo", type=Path, default=None,
                    help="run the conversions from this checkout (e.g. main, for a before/after)")  # fmt: skip
     a = p.parse_args()
+    global REPO, NPROC
     if a.repo is not None:
-        global REPO
         REPO = a.repo.resolve()
+    if a.nproc < 1:
+        p.error(f"--nproc {a.nproc}: must be at least 1")
+    NPROC = a.nproc
     sizes = QUICK if a.quick else LARGE if a.large else tuple(a.sizes.split(",")) if a.sizes else DEFAULT
     work = Path(tempfile.mkdtemp(dir=a.workdir, prefix="bench_convert_scale."))
     points = []
@@ -236,7 +251,8 @@ def main() -> None:
         from benchmarks.convert_scale_plot import write_svg
 
         write_svg(points, a.plot)
-    print(json.dumps({"benchmark": "convert_scale", "repo": str(REPO), "sizes": points, **summarise(points)}))
+    print(json.dumps({"benchmark": "convert_scale", "repo": str(REPO), "nproc": NPROC, "sizes": points,
+                      **summarise(points)}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -116,22 +116,33 @@ def sources(tiny_gpt2_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> di
     """The tiny GPT-2 as HF, as a legacy tp2 pp2 checkpoint and as ``torch_dist`` (with its tokenizer)."""
     root = tmp_path_factory.mktemp("split-sources")
     legacy, dist = root / "legacy", root / "dist"
-    assert main(["from-hf", "--load", str(tiny_gpt2_dir), "--save", str(legacy), "--tp", "2", "--pp", "2"]) == 0
+    assert (
+        main(["from-hf", "--load", str(tiny_gpt2_dir), "--save", str(legacy), "--tp", "2", "--pp", "2"]) == 0
+    )
     argv = ["from-hf", "--load", str(tiny_gpt2_dir), "--save", str(dist), "--ckpt-format", "torch_dist"]
     assert main(argv) == 0
-    return {"hf": tiny_gpt2_dir, "legacy": legacy, "dist": dist}
+    from tests.moe_hf_fixtures import save_hf
+
+    moe_hf, moe = root / "moe_hf", root / "moe"
+    save_hf("mixtral", moe_hf)  # 6 experts, 2 layers
+    argv = ["from-hf", "--load", str(moe_hf), "--save", str(moe), "--weights-only", "--pp", "2", "--ep", "2"]
+    assert main(argv) == 0
+    return {"hf": tiny_gpt2_dir, "legacy": legacy, "dist": dist, "moe_hf": moe_hf, "moe": moe}
 
 
 CONVERSIONS: dict[str, tuple[str, list[str]]] = {
     "to-hf": ("legacy", ["to-hf", "--max-shard-size", "40KB"]),
     "to-hf verified": ("legacy", ["to-hf", "--max-shard-size", "40KB", "--verify", "full"]),
-    "reshard tp2pp2->tp1pp4": ("legacy", ["reshard", "--target-tp", "1", "--target-pp", "4"]),
-    "reshard tp2pp2->tp4pp1 --verify": ("legacy", ["reshard", "--target-tp", "4", "--target-pp", "1", "--verify"]),
+    "reshard tp2pp2->tp1pp2": ("legacy", ["reshard", "--target-tp", "1", "--target-pp", "2"]),
+    "reshard tp2pp2->tp2pp1 --verify": ("legacy", ["reshard", "--target-tp", "2", "--target-pp", "1", "--verify"]),
     "legacy->torch_dist": ("legacy", ["reshard", "--target-tp", "1", "--target-pp", "1", "--ckpt-format", "torch_dist"]),
     "torch_dist->legacy": ("dist", ["reshard", "--target-tp", "2", "--target-pp", "2"]),
     "torch_dist->hf": ("dist", ["to-hf", "--max-shard-size", "40KB", "--no-verify"]),
     "from-hf": ("hf", ["from-hf", "--tp", "2", "--pp", "2"]),
     "from-hf torch_dist": ("hf", ["from-hf", "--tp", "2", "--ckpt-format", "torch_dist"]),
+    "moe from-hf ep2": ("moe_hf", ["from-hf", "--weights-only", "--tp", "2", "--ep", "2"]),
+    "moe reshard ep2->tp2": ("moe", ["reshard", "--target-tp", "2", "--target-pp", "1"]),
+    "moe to-hf": ("moe", ["to-hf", "--weights-only", "--max-shard-size", "30KB"]),
 }  # fmt: skip
 
 
@@ -152,7 +163,9 @@ def test_n_processes_write_the_one_process_output(
 
 
 @pytest.mark.slow
-def test_one_failing_rank_stops_all_with_one_line_and_leaves_nothing(sources: dict[str, Path], tmp_path: Path) -> None:
+def test_one_failing_rank_stops_all_with_one_line_and_leaves_nothing(
+    sources: dict[str, Path], tmp_path: Path
+) -> None:
     """The last item of the ``torch_dist`` data file (the final LayerNorm's bias) cannot be read:
     only the last stage's rank reads it and fails; every rank exits 2, the error is printed once
     (no traceback of ours: the one left is the launcher's summary), nothing is left at ``--save``."""
@@ -168,6 +181,31 @@ def test_one_failing_rank_stops_all_with_one_line_and_leaves_nothing(sources: di
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "cannot read tensor decoder.final_layernorm" in errors[0], proc.stderr[-3000:]
-    assert proc.stderr.count("exitcode  : 2") == 2, proc.stderr[-3000:]  # both ranks, in the launcher's summary
+    assert proc.stderr.count("exitcode  : 2") == 2, proc.stderr[
+        -3000:
+    ]  # both ranks, in the launcher's summary
     assert f'File "{REPO}' not in proc.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]  # no --save, no temporary
+
+
+def test_bench_runs_conversions_under_torchrun_with_nproc() -> None:
+    from benchmarks.bench_convert_scale import convert_command
+
+    assert convert_command(["to-hf"], 1)[1:] == ["-m", "tools.convert_cli", "to-hf"]
+    assert convert_command(["to-hf"], 2)[1:] == ["-m", "torch.distributed.run", "--standalone",
+                                                 "--nproc-per-node=2", "-m", "tools.convert_cli", "to-hf"]  # fmt: skip
+
+
+@pytest.mark.slow  # about 30 s: one tiny model, two conversions under torchrun
+def test_bench_convert_scale_nproc_smoke(tmp_path: Path) -> None:
+    import json
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "benchmarks.bench_convert_scale", "--sizes", "tiny", "--nproc", "2",
+           "--conversions", "to_hf,reshard", "--workdir", str(tmp_path)]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, cwd=REPO)
+    rec = json.loads(out.stdout.strip().splitlines()[-1])
+    assert rec["nproc"] == 2 and rec["sizes"][0]["to_hf"]["mb_per_s"] > 0
+    assert rec["sizes"][0]["reshard"]["mb_per_s"] > 0
+    assert list(tmp_path.iterdir()) == []
