@@ -137,7 +137,7 @@ def weights_fingerprint(
         names = [n for n, keep in zip(names, mine, strict=True) if keep]
     digests = tensor_digests(((n, source.tensor(n)) for n in names), vocab_size=vocab, skip_prefixes=fresh)
     if split.parallel:
-        digests = {k: v for part in split.agree(payload=digests) for k, v in part.items()}
+        digests = {k: v for part in split.gather(digests) for k, v in part.items()}
     return combine_digests(digests)
 
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TypeVar
 
 from pretrain.utils.atomic import atomic_directory, replace_directory, temporary_directory_for
 from pretrain.utils.errors import UserError
@@ -30,6 +30,7 @@ from pretrain.utils.errors import UserError
 # A rank may wait at a collective while another still writes its (larger) files; a process that
 # dies is ended by torchrun, which stops the others, so the wait needs no short limit.
 _TIMEOUT = timedelta(hours=24)
+T = TypeVar("T")
 
 
 def split_by_bytes(sizes: Sequence[int], world: int) -> list[int]:
@@ -98,12 +99,16 @@ class WorkSplit:
         """Whether this rank writes each output."""
         return [r == self.rank for r in self.owners(sizes)]
 
-    def agree(self, error: BaseException | None = None, payload: Any = None) -> list[Any]:
+    def agree(self, error: BaseException | None = None) -> None:
+        """Collective: returns once every rank got here without failing (:meth:`gather`)."""
+        self.gather(None, error)
+
+    def gather(self, payload: T, error: BaseException | None = None) -> list[T]:
         """Collective: every rank's ``payload`` in rank order, once no rank failed.
 
         ``error``: this rank failed (it is raised again here). When another rank failed, raises
-        :class:`UserError` with its message; after a failure is agreed no rank calls another
-        collective (:meth:`guard`)."""
+        :class:`UserError` with its message (the same line on every rank, printed once); after a
+        failure is agreed no rank calls another collective (:meth:`guard`)."""
         if not self.parallel:
             if error is not None:
                 raise error
@@ -111,14 +116,14 @@ class WorkSplit:
         import torch.distributed as dist
 
         message = None if error is None else _message(error)
-        gathered: list[Any] = [None] * self.world
+        gathered: list[tuple[str | None, T]] = [(None, payload)] * self.world
         dist.all_gather_object(gathered, (message, payload))
-        failed = [(r, m) for r, (m, _) in enumerate(gathered) if m is not None]
+        failed = [m for m, _ in gathered if m is not None]
         if failed:
             self.state.failed = True
             if error is not None:
                 raise error
-            raise UserError(failed[0][1])
+            raise UserError(failed[0])
         return [p for _, p in gathered]
 
     @contextlib.contextmanager
@@ -158,7 +163,7 @@ class WorkSplit:
         tmp: Path | None = None
         try:
             made = str(temporary_directory_for(save)) if self.leader else None
-            tmp = Path(self.agree(payload=made)[0])
+            tmp = Path(str(self.gather(made)[0]))
             yield tmp
             self.agree()  # every rank's files are written
         except BaseException as exc:

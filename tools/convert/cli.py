@@ -177,7 +177,7 @@ def _checked_convert(args: argparse.Namespace, split: WorkSplit) -> int:
         print(announced.getvalue(), end="")
         return rc
     rc = _verify(args) if split.leader else 0
-    rc = max(split.agree(payload=rc))  # the other ranks wait for rank 0's verdict
+    rc = max(split.gather(rc))  # the other ranks wait for rank 0's verdict
     if rc != 0:  # a conversion that fails its check is not kept
         if split.leader:
             shutil.rmtree(args.save, ignore_errors=True)
