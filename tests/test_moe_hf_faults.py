@@ -173,8 +173,8 @@ def _plant(monkeypatch: pytest.MonkeyPatch, change) -> None:  # type: ignore[no-
 
     convert = convert_cli._convert
 
-    def faulty(args):  # type: ignore[no-untyped-def]
-        rc = convert(args)
+    def faulty(args, *rest):  # type: ignore[no-untyped-def]
+        rc = convert(args, *rest)
         path = next(Path(args.save).glob("*/mp_rank_00/model_optim_rng.pt"))
         state = torch.load(path, weights_only=False)
         change(state["model"])
