@@ -30,8 +30,9 @@ from pathlib import Path
 from typing import Any
 
 from finetune.builtin import resolve_data_dir
+from finetune.hyper import Hyperparameters, hyperparameters_from_args
 from finetune.init_from import Pretrained, load_pretrained, tokenizer_from_dir
-from finetune.presets import SIZES, TASK_NAMES, get_preset
+from finetune.presets import SIZES, TASK_NAMES
 from finetune.task_data import check_task_files, load_task_data
 from finetune.tasks import FinetuneTask, TaskData, predict_all, train_iterations
 from finetune.tokenization import PairEncoder
@@ -103,50 +104,6 @@ def build_parser() -> OneLineParser:
     o.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --save")
     add_parallel_args(p)
     return p
-
-
-@dataclass(frozen=True, kw_only=True)
-class Hyperparameters:
-    """A finetuning run's hyperparameters: the ``--preset``'s values with the flags given on top."""
-
-    epochs: float
-    global_batch_size: int
-    lr: float
-    seq_length: int
-    warmup: float  # fraction of the iterations
-    weight_decay: float
-
-    def check(self, seeds: int) -> None:
-        """Each value in its range, named by its flag (one line, exit 2)."""
-        for flag, value, ok, rule in (
-            ("--epochs", self.epochs, self.epochs > 0, "> 0"),
-            ("--seeds", seeds, seeds >= 1, ">= 1"),
-            ("--lr-warmup-fraction", self.warmup, 0.0 <= self.warmup < 1.0, "in [0, 1)"),
-            ("--global-batch-size", self.global_batch_size, self.global_batch_size >= 1, ">= 1"),
-            ("--seq-length", self.seq_length, self.seq_length >= 1, ">= 1"),
-            ("--lr", self.lr, self.lr >= 0, ">= 0"),
-        ):
-            if not ok:
-                raise UserError(f"{flag} must be {rule}, got {value}")
-
-
-def _hyper(args: argparse.Namespace) -> Hyperparameters:
-    """Preset values with the flags that were given on top, checked."""
-    preset = get_preset(args.task, args.preset)
-
-    def given(value: Any, default: Any) -> Any:
-        return default if value is None else value
-
-    h = Hyperparameters(
-        epochs=given(args.epochs, preset.epochs),
-        global_batch_size=given(args.global_batch_size, preset.global_batch_size),
-        lr=given(args.lr, preset.lr),
-        seq_length=given(args.seq_length, preset.seq_length),
-        warmup=given(args.lr_warmup_fraction, preset.warmup_fraction),
-        weight_decay=given(args.weight_decay, preset.weight_decay),
-    )
-    h.check(args.seeds)
-    return h
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -340,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.eval_only:
         pre = _eval_only_source(args)
         args = _with_saved_hyperparameters(args, args.saved_argv)
-    h = _hyper(args)
+    h = hyperparameters_from_args(args)
     if not args.eval_only:
         pre = load_pretrained(
             ckpt=args.ckpt, hf_model=args.hf_model, tokenizer_dir=args.tokenizer_dir, vocab_file=args.vocab_file,

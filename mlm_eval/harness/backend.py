@@ -37,6 +37,27 @@ from pretrain.tokenizer.factory import TokenizerConfig
 from pretrain.utils.errors import UserError
 
 
+def _load_engine(
+    ckpt: str | None, *, parallel: ParallelConfig, device: str, dtype: str, batch_size: int,
+    tokenizer: TokenizerConfig | None,
+) -> HarnessEngine:  # fmt: skip
+    """The engine of ``--model_args ckpt=DIR`` (closed at exit)."""
+    if not ckpt:
+        raise UserError("--model mlm needs --model_args ckpt=DIR")
+    engine = HarnessEngine.load(
+        EngineConfig(
+            ckpt=str(ckpt),
+            parallel=parallel,
+            device=device,
+            dtype=dtype,
+            batch_size=batch_size,
+            tokenizer=tokenizer,
+        )  # fmt: skip
+    )
+    atexit.register(engine.close)
+    return engine
+
+
 @register_model("mlm", "mlm-toolkit")
 class MLMHarnessLM(TemplateLM):
     """``loglikelihood``, ``loglikelihood_rolling`` and ``generate_until`` on an mlm-toolkit checkpoint."""
@@ -75,25 +96,14 @@ class MLMHarnessLM(TemplateLM):
             None if chat_template is None else read_template_file(chat_template, flag="chat_template")
         )
         if engine is None:
-            if not ckpt:
-                raise UserError("--model mlm needs --model_args ckpt=DIR")
             tok = None
             if tokenizer_type is not None:
                 tok = TokenizerConfig(tokenizer_type=tokenizer_type, vocab_file=vocab_file, merge_file=merge_file,
                                       model_path=tokenizer_model)  # fmt: skip
-            engine = HarnessEngine.load(
-                EngineConfig(
-                    ckpt=str(ckpt),
-                    parallel=_layout(
-                        tp=int(tp), pp=int(pp), ep=int(ep), etp=None if etp is None else int(etp)
-                    ),
-                    device=device or "cpu",
-                    dtype=str(dtype),
-                    batch_size=size,
-                    tokenizer=tok,
-                )  # fmt: skip
+            parallel = _layout(tp=int(tp), pp=int(pp), ep=int(ep), etp=None if etp is None else int(etp))
+            engine = _load_engine(
+                ckpt, parallel=parallel, device=device, dtype=str(dtype), batch_size=size, tokenizer=tok
             )
-            atexit.register(engine.close)
         self.engine = engine
         self.tok = self.engine.tokenizer
         self._max_length = int(max_length) if max_length else self.engine.max_length
