@@ -196,8 +196,6 @@ def export_hf(
     (optional; ``to-hf`` verifies the export with it) runs on the complete directory before it is
     renamed to ``save``: when it raises, nothing is left at ``save``. ``split``: under torchrun
     each process writes its share of the shard files, rank 0 the rest and runs ``check``."""
-    from transformers import GenerationConfig
-
     from tools.hf_shards import ShardWriter, parse_shard_size, plan_hf_tensors, stream_hf_tensors
 
     check_exportable(spec)
@@ -211,20 +209,7 @@ def export_hf(
     fam = export_family_of(spec, family)  # resolved once: the per-layer conversion maps tensors only
     config = _hf_config(fam, spec, tokenizer)
 
-    def convert(chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        # no defensive copies: each output is written out and dropped
-        return fam.module().export_tensors(
-            chunk, spec.cfg, fresh_heads=spec.fresh_heads, family=fam, copy=False
-        )
-
-    def layer_convert(layer: int) -> Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None:
-        cfg = one_layer_config(spec.cfg, layer)
-        if cfg is None:
-            return None
-        return lambda chunk: fam.module().export_tensors(
-            chunk, cfg, fresh_heads=spec.fresh_heads, family=fam, copy=False
-        )
-
+    convert, layer_convert = _export_converters(fam, spec)
     hf_metas = convert(dict(metas))
     config.dtype = _weights_dtype(hf_metas)  # as save_pretrained records the model's dtype
     written = progress(len(hf_metas)) if progress is not None and split.leader else None
@@ -243,14 +228,47 @@ def export_hf(
             writer.close()
         split.agree()  # every shard is written
         if split.leader:
-            config.save_pretrained(str(tmp))
-            if spec.model_kind.causal_lm:
-                GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
-            if hf_tok is not None:
-                hf_tok.save_pretrained(str(tmp))  # tokenizer.json + tokenizer_config.json
+            _write_configs(tmp, config, spec, hf_tok)
             if check is not None:
                 check(tmp)
     return save
+
+
+TensorMap = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def _export_converters(fam: Family, spec: ModelSpec) -> tuple[TensorMap, Callable[[int], TensorMap | None]]:
+    """The family's canonical -> HF tensor mapping of the whole model, and of layer ``i`` alone as a
+    one-layer model (``None`` where that is not the whole model's mapping). No defensive copies:
+    each output is written out and dropped."""
+
+    def convert(chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return fam.module().export_tensors(
+            chunk, spec.cfg, fresh_heads=spec.fresh_heads, family=fam, copy=False
+        )
+
+    def layer_convert(layer: int) -> TensorMap | None:
+        cfg = one_layer_config(spec.cfg, layer)
+        if cfg is None:
+            return None
+        return lambda chunk: fam.module().export_tensors(
+            chunk, cfg, fresh_heads=spec.fresh_heads, family=fam, copy=False
+        )
+
+    return convert, layer_convert
+
+
+def _write_configs(
+    tmp: Path, config: PretrainedConfig, spec: ModelSpec, hf_tok: PreTrainedTokenizerBase | None
+) -> None:
+    """``config.json``, ``generation_config.json`` (decoders) and the tokenizer's files."""
+    from transformers import GenerationConfig
+
+    config.save_pretrained(str(tmp))
+    if spec.model_kind.causal_lm:
+        GenerationConfig.from_model_config(config).save_pretrained(str(tmp))
+    if hf_tok is not None:
+        hf_tok.save_pretrained(str(tmp))  # tokenizer.json + tokenizer_config.json
 
 
 def _weights_dtype(hf_metas: dict[str, torch.Tensor]) -> torch.dtype | None:
