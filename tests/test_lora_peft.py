@@ -154,7 +154,9 @@ def test_moe_mlp_targets_adapt_the_experts_and_dropout_there_is_refused() -> Non
 
     cfg = llama_config(num_experts=4, moe_router_topk=2)
     model = GPTModel(cfg, ParallelState.single())
-    with pytest.raises(UserError, match="--lora-dropout 0.1 with --lora-targets fc1,fc2 on a mixture-of-experts"):
+    with pytest.raises(
+        UserError, match="--lora-dropout 0.1 with --lora-targets fc1,fc2 on a mixture-of-experts"
+    ):
         add_lora(model, LoraConfig(rank=2, alpha=2.0, dropout=0.1), seed=0)
     add_lora(model, LoraConfig(rank=2, alpha=2.0), seed=0)
     names = [n for n, p in model.named_parameters() if p.requires_grad]
