@@ -192,14 +192,15 @@ def combine_digests(digests: Mapping[str, bytes]) -> str:
 
 def weights_fingerprint(
     source: TensorSource | Mapping[str, torch.Tensor], *, vocab_size: int | None = None,
-    split: WorkSplit = SINGLE,
+    split: WorkSplit = SINGLE, stop: threading.Event | None = None,
 ) -> str:  # fmt: skip
     """The fingerprint of a canonical source (``names()``/``tensor(name)``/``spec``: a checkpoint
     reader, ``DictSource``, ``import_hf``) or of a ``{canonical name: full tensor}`` mapping.
 
     A source's true vocabulary (``spec.cfg.vocab_size``) and fresh heads (``spec.fresh_heads``) are
     used unless ``vocab_size`` is given; tensors are read one at a time. ``split`` (torchrun): each
-    process digests its share of the tensors and the digests are gathered (collective)."""
+    process digests its share of the tensors and the digests are gathered (collective). ``stop``:
+    when set, reading ends with ``UserError`` (a background fingerprint whose conversion failed)."""
     if isinstance(source, Mapping):
         return fingerprint_tensors(source.items(), vocab_size=vocab_size)
     spec = getattr(source, "spec", None)
@@ -213,10 +214,19 @@ def weights_fingerprint(
         metas = [tensor_meta(source, n) for n in names]
         mine = split.mine([m.numel() * m.dtype.itemsize for m in metas])
         names = [n for n, keep in zip(names, mine, strict=True) if keep]
-    digests = tensor_digests(((n, source.tensor(n)) for n in names), vocab_size=vocab, skip_prefixes=fresh)
+    digests = tensor_digests(
+        ((n, source.tensor(n)) for n in _until(names, stop)), vocab_size=vocab, skip_prefixes=fresh
+    )
     if split.parallel:
         digests = {k: v for part in split.gather(digests) for k, v in part.items()}
     return combine_digests(digests)
+
+
+def _until(names: Iterable[str], stop: threading.Event | None) -> Iterator[str]:
+    for name in names:
+        if stop is not None and stop.is_set():
+            raise UserError("the weights fingerprint was cancelled")
+        yield name
 
 
 def short_fingerprint(fingerprint: str) -> str:
