@@ -57,7 +57,9 @@ class DeferredFingerprint:
 
     def _run(self, open_source: Callable[[], TensorSource]) -> None:
         try:
-            self._value = weights_fingerprint(open_source(), stop=self._stop)
+            # one digest thread: the writer holds the other core, and one tensor in flight keeps the
+            # writer's memory bound (2 x the largest tensor + 0.5 GB) with room to spare
+            self._value = weights_fingerprint(open_source(), stop=self._stop, workers=1)
         except BaseException as exc:  # noqa: BLE001 - raised again by result() in the writing thread
             self._error = exc
 

@@ -192,7 +192,7 @@ def combine_digests(digests: Mapping[str, bytes]) -> str:
 
 def weights_fingerprint(
     source: TensorSource | Mapping[str, torch.Tensor], *, vocab_size: int | None = None,
-    split: WorkSplit = SINGLE, stop: threading.Event | None = None,
+    split: WorkSplit = SINGLE, stop: threading.Event | None = None, workers: int | None = None,
 ) -> str:  # fmt: skip
     """The fingerprint of a canonical source (``names()``/``tensor(name)``/``spec``: a checkpoint
     reader, ``DictSource``, ``import_hf``) or of a ``{canonical name: full tensor}`` mapping.
@@ -200,7 +200,8 @@ def weights_fingerprint(
     A source's true vocabulary (``spec.cfg.vocab_size``) and fresh heads (``spec.fresh_heads``) are
     used unless ``vocab_size`` is given; tensors are read one at a time. ``split`` (torchrun): each
     process digests its share of the tensors and the digests are gathered (collective). ``stop``:
-    when set, reading ends with ``UserError`` (a background fingerprint whose conversion failed)."""
+    when set, reading ends with ``UserError`` (a background fingerprint whose conversion failed).
+    ``workers``: digest threads (:func:`tensor_digests`)."""
     if isinstance(source, Mapping):
         return fingerprint_tensors(source.items(), vocab_size=vocab_size)
     spec = getattr(source, "spec", None)
@@ -215,7 +216,10 @@ def weights_fingerprint(
         mine = split.mine([m.numel() * m.dtype.itemsize for m in metas])
         names = [n for n, keep in zip(names, mine, strict=True) if keep]
     digests = tensor_digests(
-        ((n, source.tensor(n)) for n in _until(names, stop)), vocab_size=vocab, skip_prefixes=fresh
+        ((n, source.tensor(n)) for n in _until(names, stop)),
+        vocab_size=vocab,
+        skip_prefixes=fresh,
+        workers=workers,
     )
     if split.parallel:
         digests = {k: v for part in split.gather(digests) for k, v in part.items()}
