@@ -80,7 +80,9 @@ def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_b
     )
     with (
         bar,
-        fingerprint_while_writing(source, again, tokenizer_files(tok), split=split) as (fingerprint, extra),
+        fingerprint_while_writing(
+            source, again, tokenizer_files(tok), ckpt_format=ckpt_format, split=split
+        ) as (fingerprint, extra),
     ):
         options = WriteOptions(
             iteration="release",

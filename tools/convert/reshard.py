@@ -35,7 +35,7 @@ def _carried_rng(reader: CheckpointReader, target: ParallelConfig) -> Any:
 
 @contextlib.contextmanager
 def _fingerprint(reader: CheckpointReader, source: SourceOptions, given: Given | None, options: WriteOptions,
-                 extra: Callable[[Path], object] | None, *, split: WorkSplit) -> Iterator[tuple[WriteOptions, Callable[[Path], object] | None]]:  # fmt: skip
+                 extra: Callable[[Path], object] | None, *, ckpt_format: str, split: WorkSplit) -> Iterator[tuple[WriteOptions, Callable[[Path], object] | None]]:  # fmt: skip
     """The options with the weights fingerprint (resharding keeps the weights: a recorded one
     holds; else computed from a second reader of the source while the output is written) and the
     ``extra_files`` hook that patches it in (:func:`fingerprint_while_writing`). Under torchrun
@@ -51,7 +51,10 @@ def _fingerprint(reader: CheckpointReader, source: SourceOptions, given: Given |
         again = open_checkpoint(source.load, iteration=source.iteration, vocab_size=source.vocab_size)
         return again if given is None else again.with_vocab(given[0].vocab_size, source=given[1])
 
-    with fingerprint_while_writing(reader, reopen, extra, split=split) as (value, hook):
+    with fingerprint_while_writing(reader, reopen, extra, ckpt_format=ckpt_format, split=split) as (
+        value,
+        hook,
+    ):
         yield (
             dataclasses.replace(options, provenance=dataclasses.replace(prov, weights_fingerprint=value)),
             hook,
@@ -98,7 +101,13 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
     )
     extra = tokenizer_files(tok)
     bar = progress_bar(target.tp * target.pp * target.ep, "reshard", shown=split.leader)
-    with bar, _fingerprint(reader, source, given, options, extra, split=split) as (options, extra):
+    with (
+        bar,
+        _fingerprint(reader, source, given, options, extra, ckpt_format=ckpt_format, split=split) as (
+            options,
+            extra,
+        ),
+    ):
         write_checkpoint(ckpt_format, reader, save, target, options=options, optimizer=optimizer, optimizer_state=opt,
                distributed_optimizer=dist_optimizer,
                progress=lambda _name: bar.update(1), extra_files=extra, split=split)  # fmt: skip

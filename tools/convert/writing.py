@@ -54,10 +54,11 @@ def fingerprint_while_writing(
     open_source: Callable[[], TensorSource] | None,
     extra_files: Callable[[Path], object] | None,
     *,
+    ckpt_format: str,
     split: WorkSplit = SINGLE,
 ) -> Iterator[tuple[str, Callable[[Path], object] | None]]:
-    """``(fingerprint, extra_files)`` for a writer of ``source``: with the overlap on (the
-    default), the placeholder and a hook that patches the value in once the background digest of
+    """``(fingerprint, extra_files)`` for a writer of ``source`` in ``ckpt_format``: with the
+    overlap on (:func:`~pretrain.checkpoint.deferred_fingerprint.overlap_enabled`), the placeholder and a hook that patches the value in once the background digest of
     a fresh ``open_source()`` is done (:mod:`pretrain.checkpoint.deferred_fingerprint`);
     otherwise (with no ``open_source``, or under torchrun: ``split``'s processes digest their shares
     in a collective, which a background thread must not interleave with the writers') ``source``'s
@@ -65,7 +66,7 @@ def fingerprint_while_writing(
     from pretrain.checkpoint.deferred_fingerprint import PLACEHOLDER, deferred_fingerprint, overlap_enabled
     from pretrain.checkpoint.fingerprint import weights_fingerprint
 
-    if open_source is None or split.parallel or not overlap_enabled():
+    if open_source is None or split.parallel or not overlap_enabled(ckpt_format):
         yield weights_fingerprint(source, split=split), extra_files
         return
     with deferred_fingerprint(open_source) as job:
