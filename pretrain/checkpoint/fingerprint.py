@@ -23,8 +23,11 @@ scheme so a later change of rule can never be mistaken for different weights.
 from __future__ import annotations
 
 import hashlib
+import os
 import struct
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -85,21 +88,96 @@ def tensor_digests(
     *,
     vocab_size: int | None = None,
     skip_prefixes: tuple[str, ...] = (),
+    workers: int | None = None,
 ) -> dict[str, bytes]:
     """Each tensor's :func:`tensor_digest` by name (see :func:`fingerprint_tensors`): processes that
-    each read part of a model (expert-parallel ranks) combine theirs with :func:`combine_digests`."""
+    each read part of a model (expert-parallel ranks) combine theirs with :func:`combine_digests`.
+
+    Digests run on ``workers`` threads (default :func:`digest_workers`): sha256 and the float32
+    widening release the GIL, so they overlap each other and the reading of the next tensor. At
+    most ``workers`` tensors are held at once (the one being read included), so memory stays
+    within ``workers`` x the largest tensor plus one 64 MiB buffer per thread."""
+    n = digest_workers() if workers is None else max(1, workers)
     digests: dict[str, bytes] = {}
-    for name, tensor in tensors:
-        if any(name.startswith(p + ".") for p in skip_prefixes):
-            continue
-        if name in digests:
-            raise UserError(f"tensor {name}: given twice to the weights fingerprint")
-        if vocab_size is not None and is_vocab_tensor(name):
-            if tensor.shape[0] < vocab_size:
-                raise UserError(f"tensor {name}: {tensor.shape[0]} vocabulary rows, fewer than {vocab_size}")
-            tensor = tensor[:vocab_size]
-        digests[name] = tensor_digest(name, tensor)
+    seen: set[str] = set()
+    slots = threading.BoundedSemaphore(n)
+    pending: list[tuple[str, Future[bytes]]] = []
+
+    def digest(name: str, tensor: torch.Tensor) -> bytes:
+        try:
+            return tensor_digest(name, tensor)
+        finally:
+            slots.release()  # the tensor is dropped with this frame: the next one may be read
+
+    with ThreadPoolExecutor(max_workers=n, thread_name_prefix="fingerprint") as pool:
+        try:
+            for name, tensor in _kept(tensors, vocab_size=vocab_size, skip_prefixes=skip_prefixes, seen=seen,
+                                      slots=slots):  # fmt: skip
+                pending.append((name, pool.submit(digest, name, tensor)))
+                del tensor
+            for name, future in pending:
+                digests[name] = future.result()
+        finally:
+            for _, future in pending:
+                future.cancel()
     return digests
+
+
+def _kept(
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    *,
+    vocab_size: int | None,
+    skip_prefixes: tuple[str, ...],
+    seen: set[str],
+    slots: threading.BoundedSemaphore,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The ``(name, tensor)`` pairs to digest (skipped prefixes left out, vocabulary rows cut); a
+    slot is taken before each tensor is read, so a reader never runs ahead of the digests."""
+    it = iter(tensors)
+    while True:
+        slots.acquire()
+        try:
+            name, tensor = next(it)
+        except StopIteration:
+            slots.release()
+            return
+        except BaseException:
+            slots.release()
+            raise
+        if any(name.startswith(p + ".") for p in skip_prefixes):
+            slots.release()
+            continue
+        try:
+            if name in seen:
+                raise UserError(f"tensor {name}: given twice to the weights fingerprint")
+            seen.add(name)
+            if vocab_size is not None and is_vocab_tensor(name):
+                if tensor.shape[0] < vocab_size:
+                    raise UserError(
+                        f"tensor {name}: {tensor.shape[0]} vocabulary rows, fewer than {vocab_size}"
+                    )
+                tensor = tensor[:vocab_size]
+        except BaseException:
+            slots.release()
+            raise
+        yield name, tensor
+        del tensor  # held by a digest thread now; not kept here while the next slot is awaited
+
+
+def digest_workers() -> int:
+    """Threads for :func:`tensor_digests`: ``MLM_FINGERPRINT_THREADS`` or the usable cores (at most 4:
+    past that the reader, not the hashing, is the limit)."""
+    env = os.environ.get("MLM_FINGERPRINT_THREADS")
+    if env:
+        try:
+            return max(1, int(env))
+        except ValueError:
+            raise UserError(f"MLM_FINGERPRINT_THREADS={env!r} is not a whole number") from None
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
 
 
 def combine_digests(digests: Mapping[str, bytes]) -> str:
@@ -114,14 +192,16 @@ def combine_digests(digests: Mapping[str, bytes]) -> str:
 
 def weights_fingerprint(
     source: TensorSource | Mapping[str, torch.Tensor], *, vocab_size: int | None = None,
-    split: WorkSplit = SINGLE,
+    split: WorkSplit = SINGLE, stop: threading.Event | None = None, workers: int | None = None,
 ) -> str:  # fmt: skip
     """The fingerprint of a canonical source (``names()``/``tensor(name)``/``spec``: a checkpoint
     reader, ``DictSource``, ``import_hf``) or of a ``{canonical name: full tensor}`` mapping.
 
     A source's true vocabulary (``spec.cfg.vocab_size``) and fresh heads (``spec.fresh_heads``) are
     used unless ``vocab_size`` is given; tensors are read one at a time. ``split`` (torchrun): each
-    process digests its share of the tensors and the digests are gathered (collective)."""
+    process digests its share of the tensors and the digests are gathered (collective). ``stop``:
+    when set, reading ends with ``UserError`` (a background fingerprint whose conversion failed).
+    ``workers``: digest threads (:func:`tensor_digests`)."""
     if isinstance(source, Mapping):
         return fingerprint_tensors(source.items(), vocab_size=vocab_size)
     spec = getattr(source, "spec", None)
@@ -135,10 +215,22 @@ def weights_fingerprint(
         metas = [tensor_meta(source, n) for n in names]
         mine = split.mine([m.numel() * m.dtype.itemsize for m in metas])
         names = [n for n, keep in zip(names, mine, strict=True) if keep]
-    digests = tensor_digests(((n, source.tensor(n)) for n in names), vocab_size=vocab, skip_prefixes=fresh)
+    digests = tensor_digests(
+        ((n, source.tensor(n)) for n in _until(names, stop)),
+        vocab_size=vocab,
+        skip_prefixes=fresh,
+        workers=workers,
+    )
     if split.parallel:
         digests = {k: v for part in split.gather(digests) for k, v in part.items()}
     return combine_digests(digests)
+
+
+def _until(names: Iterable[str], stop: threading.Event | None) -> Iterator[str]:
+    for name in names:
+        if stop is not None and stop.is_set():
+            raise UserError("the weights fingerprint was cancelled")
+        yield name
 
 
 def short_fingerprint(fingerprint: str) -> str:

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING
 
 from pretrain.checkpoint.work_split import SINGLE, WorkSplit
 from pretrain.utils.errors import UserError
-from tools.convert.writing import progress_bar, tokenizer_files, write_checkpoint
+from tools.convert.writing import fingerprint_while_writing, progress_bar, tokenizer_files, write_checkpoint
 
 if TYPE_CHECKING:
     from pathlib import Path
@@ -54,7 +54,6 @@ def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_b
     """Import ``hf_dir``; with ``adapter`` (a PEFT LoRA directory) merge it (``adapter_as``
     ``merged``) or write it as our LoRA checkpoint naming ``hf_dir`` as its base (``lora``).
     ``split`` (torchrun): this process's share of the target files."""
-    from pretrain.checkpoint.fingerprint import weights_fingerprint
     from pretrain.checkpoint.legacy.writer import WriteOptions, check_output_dir
     from pretrain.checkpoint.types import Provenance
     from tools.hf_io import open_hf
@@ -74,19 +73,29 @@ def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_b
     tok = _hf_tokenizer(hf_dir, tokenizer_dir, rows=source.spec.cfg.vocab_size, weights_only=weights_only,
                         divisible_by=divisible_by, force=force_tokenizer)  # fmt: skip
     bar = progress_bar(target.tp * target.pp * target.ep, "from-hf", shown=split.leader)
-    options = WriteOptions(
-        iteration="release",
-        tokenizer=None if tok is None else tok.record,
-        provenance=Provenance(
-            converted_from=str(hf_dir),
-            source_model_type=_hf_model_type(hf_dir),
-            weights_fingerprint=weights_fingerprint(source, split=split),
-        ),
-        module_names=module_names,
+    # a fresh reader of the HF files digests them while the output is written (an adapter-merged
+    # source is digested first, as before: a second one would merge the adapter twice)
+    again = (
+        None if adapter is not None else (lambda: open_hf(hf_dir, make_vocab_size_divisible_by=divisible_by))
     )
-    with bar:
+    with (
+        bar,
+        fingerprint_while_writing(
+            source, again, tokenizer_files(tok), ckpt_format=ckpt_format, split=split
+        ) as (fingerprint, extra),
+    ):
+        options = WriteOptions(
+            iteration="release",
+            tokenizer=None if tok is None else tok.record,
+            provenance=Provenance(
+                converted_from=str(hf_dir),
+                source_model_type=_hf_model_type(hf_dir),
+                weights_fingerprint=fingerprint,
+            ),
+            module_names=module_names,
+        )
         write_checkpoint(ckpt_format, source, save, target, options=options, progress=lambda _name: bar.update(1),
-               extra_files=tokenizer_files(tok), split=split)  # fmt: skip
+               extra_files=extra, split=split)  # fmt: skip
     if not split.leader:
         return 0
     print(

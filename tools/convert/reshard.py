@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 from pretrain.checkpoint.work_split import SINGLE, WorkSplit
-from tools.convert.writing import progress_bar, tokenizer_files, write_checkpoint
+from tools.convert.writing import fingerprint_while_writing, progress_bar, tokenizer_files, write_checkpoint
 
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from pretrain.checkpoint.legacy.writer import WriteOptions
     from pretrain.checkpoint.types import CheckpointReader
     from pretrain.parallel.config import ParallelConfig
-    from tools.convert.source import SourceOptions
+    from tools.convert.source import Given, SourceOptions
 
 
 def _carried_rng(reader: CheckpointReader, target: ParallelConfig) -> Any:
@@ -30,12 +33,39 @@ def _carried_rng(reader: CheckpointReader, target: ParallelConfig) -> Any:
     return rng
 
 
+@contextlib.contextmanager
+def _fingerprint(reader: CheckpointReader, source: SourceOptions, given: Given | None, options: WriteOptions,
+                 extra: Callable[[Path], object] | None, *, ckpt_format: str, split: WorkSplit) -> Iterator[tuple[WriteOptions, Callable[[Path], object] | None]]:  # fmt: skip
+    """The options with the weights fingerprint (resharding keeps the weights: a recorded one
+    holds; else computed from a second reader of the source while the output is written) and the
+    ``extra_files`` hook that patches it in (:func:`fingerprint_while_writing`). Under torchrun
+    (``split``) the processes digest their shares first, as before (a collective)."""
+    prov = options.provenance
+    if prov is None or prov.weights_fingerprint is not None:
+        yield options, extra
+        return
+
+    from pretrain.checkpoint.opener import open_checkpoint
+
+    def reopen() -> CheckpointReader:
+        again = open_checkpoint(source.load, iteration=source.iteration, vocab_size=source.vocab_size)
+        return again if given is None else again.with_vocab(given[0].vocab_size, source=given[1])
+
+    with fingerprint_while_writing(reader, reopen, extra, ckpt_format=ckpt_format, split=split) as (
+        value,
+        hook,
+    ):
+        yield (
+            dataclasses.replace(options, provenance=dataclasses.replace(prov, weights_fingerprint=value)),
+            hook,
+        )
+
+
 def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, with_optimizer: bool,
                 ckpt_format: str = "torch", module_names: str | None = None,
                 dist_optimizer: bool = False, split: WorkSplit = SINGLE) -> int:  # fmt: skip
     """``split`` (torchrun): this process's share of the target files (:mod:`~pretrain.checkpoint.work_split`)."""
     from pretrain.checkpoint.expert_layout import check_routers
-    from pretrain.checkpoint.fingerprint import weights_fingerprint
     from pretrain.checkpoint.legacy.writer import WriteOptions, check_output_dir
     from pretrain.checkpoint.types import Provenance
 
@@ -60,8 +90,6 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
     prov = meta.provenance if meta is not None else Provenance(iteration=reader.info.iteration)
     if prov.global_batch_size is None and opt is not None and opt.global_batch_size:
         prov = dataclasses.replace(prov, global_batch_size=opt.global_batch_size)  # the schedule's unit
-    if prov.weights_fingerprint is None:  # resharding keeps the weights: the source's fingerprint holds
-        prov = dataclasses.replace(prov, weights_fingerprint=weights_fingerprint(reader, split=split))
     options = WriteOptions(
         iteration=reader.info.iteration if reader.info.iteration is not None else "release",
         opt_param_scheduler=scheduler if isinstance(scheduler, dict) else None,
@@ -71,11 +99,18 @@ def run_reshard(source: SourceOptions, save: Path, target: ParallelConfig, *, wi
         rng_state=_carried_rng(reader, target),
         module_names=module_names,
     )
+    extra = tokenizer_files(tok)
     bar = progress_bar(target.tp * target.pp * target.ep, "reshard", shown=split.leader)
-    with bar:
+    with (
+        bar,
+        _fingerprint(reader, source, given, options, extra, ckpt_format=ckpt_format, split=split) as (
+            options,
+            extra,
+        ),
+    ):
         write_checkpoint(ckpt_format, reader, save, target, options=options, optimizer=optimizer, optimizer_state=opt,
                distributed_optimizer=dist_optimizer,
-               progress=lambda _name: bar.update(1), extra_files=tokenizer_files(tok), split=split)  # fmt: skip
+               progress=lambda _name: bar.update(1), extra_files=extra, split=split)  # fmt: skip
     if not split.leader:
         return 0
     experts = f", ep={target.ep}, etp={target.expert_tp}" if target.ep > 1 or target.etp is not None else ""
