@@ -184,7 +184,8 @@ def test_one_failing_rank_stops_all_with_one_line_and_leaves_nothing(
     assert proc.stderr.count("exitcode  : 2") == 2, proc.stderr[
         -3000:
     ]  # both ranks, in the launcher's summary
-    assert f'File "{REPO}' not in proc.stderr
+    ours = [line for line in proc.stderr.splitlines() if f'File "{REPO}/' in line and "/.venv/" not in line]
+    assert not ours, ours  # the launcher's own traceback (torch, in a venv that may sit in the repo) aside
     assert sorted(p.name for p in tmp_path.iterdir()) == ["broken"]  # no --save, no temporary
 
 

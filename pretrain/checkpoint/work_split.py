@@ -89,6 +89,12 @@ class WorkSplit:
             import torch.distributed as dist
 
             if dist.is_initialized():
+                if not self.state.failed:  # (a failure already ended with a barrier: _end_together)
+                    # every rank is done (rank 0's rename and index included) before any tears the
+                    # group down: a rank leaving while a peer still works has aborted gloo
+                    # ("terminate called without an active exception") on a loaded host
+                    with contextlib.suppress(BaseException):
+                        dist.barrier()
                 dist.destroy_process_group()
 
     def owners(self, sizes: Sequence[int]) -> list[int]:

@@ -45,9 +45,14 @@ def _fingerprint(reader: CheckpointReader, source: SourceOptions, given: Given |
         yield options, extra
         return
 
+    from pretrain.checkpoint.legacy.reader import LegacyReader
     from pretrain.checkpoint.opener import open_checkpoint
 
     def reopen() -> CheckpointReader:
+        if isinstance(reader, LegacyReader):
+            # a second view of the same mapped rank files (tensor() only reads them): the
+            # checkpoint is still opened once per command (tests/test_opens_once.py)
+            return dataclasses.replace(reader)
         again = open_checkpoint(source.load, iteration=source.iteration, vocab_size=source.vocab_size)
         return again if given is None else again.with_vocab(given[0].vocab_size, source=given[1])
 
