@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from pretrain.checkpoint.fingerprint import fingerprint_tensors
-from pretrain.checkpoint.types import TensorSource
+from pretrain.checkpoint.types import SourceTensors, TensorSource
 from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
 from pretrain.models.sharding import load_full_state_dict
@@ -38,28 +38,12 @@ TRUNK_PREFIX = "language_model."
 POOLER_PREFIX = "language_model.pooler."
 
 
-class TrunkTensors(Mapping[str, torch.Tensor]):
-    """Canonical ``language_model.*`` tensors of a reader (``names()``/``tensor(name)``), materialised
-    on access: a BERT trunk, or every tensor of a GPT (SFT)."""
+class TrunkTensors(SourceTensors):
+    """Canonical ``language_model.*`` tensors of a reader, read on access: a BERT trunk, or every
+    tensor of a GPT (SFT)."""
 
     def __init__(self, reader: TensorSource) -> None:
-        self._reader = reader
-        self._names = [n for n in reader.names() if n.startswith(TRUNK_PREFIX)]
-        self._set = set(self._names)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._set:
-            raise KeyError(name)
-        return self._reader.tensor(name)
-
-    def __contains__(self, name: object) -> bool:
-        return name in self._set
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
+        super().__init__(reader, [n for n in reader.names() if n.startswith(TRUNK_PREFIX)])
 
 
 @dataclass(frozen=True, kw_only=True)

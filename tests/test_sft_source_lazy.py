@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from finetune.sft.source import load_decoder
-from mlm_eval.scoring.megatron import SourceTensors, read_gpt_checkpoint
+from mlm_eval.scoring.megatron import read_gpt_checkpoint
+from pretrain.checkpoint.types import SourceTensors
 
 
 def test_lazy_read_equals_the_eager_read(trained_gpt: dict[str, str]) -> None:

@@ -10,7 +10,7 @@ or the files upstream ``args`` name); tokenizer flags are checked against it.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
@@ -22,7 +22,7 @@ from mlm_eval.scoring.vocab import score_hidden, scored_hidden
 from pretrain.checkpoint.expert_layout import ExpertShare
 from pretrain.checkpoint.fingerprint import combine_digests, tensor_digests
 from pretrain.checkpoint.opener import open_checkpoint
-from pretrain.checkpoint.types import CheckpointReader, TensorSource
+from pretrain.checkpoint.types import CheckpointReader, SourceTensors
 from pretrain.config import DTypeName, ModelConfig
 from pretrain.models.gpt import GPTModel
 from pretrain.models.sharding import load_full_state_dict
@@ -160,24 +160,6 @@ def _open_with_tokenizer(
                              model_source=f"--ckpt {ckpt}", force=choice.force,
                              divisible_by=reader.spec.cfg.make_vocab_size_divisible_by)  # fmt: skip
     return reader, ResolvedTokenizer(tokenizer=tok, source=what, record=record_of(tok), forced=tuple(forced))
-
-
-class SourceTensors(Mapping[str, torch.Tensor]):
-    """``names`` of a tensor source as a read-only mapping; each access reads the tensor anew."""
-
-    def __init__(self, reader: TensorSource, names: list[str]) -> None:
-        self._reader, self._names, self._set = reader, list(names), set(names)
-
-    def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self._set:
-            raise KeyError(name)
-        return self._reader.tensor(name)
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._names)
-
-    def __len__(self) -> int:
-        return len(self._names)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -16,7 +16,7 @@ This module imports nothing from the readers or writers, so every one of them ca
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, Self, runtime_checkable
 
@@ -223,3 +223,26 @@ class LazySource:
 
         makers = {n: cut(m) if is_vocab_tensor(n) else m for n, m in self.makers.items()}
         return LazySource(_spec_with_vocab(self.spec, vocab_size), makers, after=self.after)
+
+
+class SourceTensors(Mapping[str, torch.Tensor]):
+    """``names`` of a :class:`TensorSource` as a read-only mapping whose tensors are read from the
+    source on each access (no copy of the weights is held: a caller that keeps it for a whole run
+    holds nothing beside the model's parameters)."""
+
+    def __init__(self, reader: TensorSource, names: list[str]) -> None:
+        self._reader, self._names, self._set = reader, list(names), set(names)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self._set:
+            raise KeyError(name)
+        return self._reader.tensor(name)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._set
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
