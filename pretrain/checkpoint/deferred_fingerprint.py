@@ -3,7 +3,8 @@
 A conversion records the weights fingerprint (:mod:`pretrain.checkpoint.fingerprint`) in every
 output rank file's ``args`` (and a ``torch_dist`` checkpoint's ``common.pt``). Computing it first
 is a full pass over the source before anything is written; instead :class:`DeferredFingerprint`
-digests the source on a background thread (its own reader: no state shared with the writer)
+digests the source on a background thread (a second reader, or for a legacy source a second
+view of the same mapped rank files, whose ``tensor()`` only reads them)
 while the files are written with :data:`PLACEHOLDER`, a string of the same length, and
 :func:`patch_fingerprint` then writes the value over it in place, before the output directory is
 renamed into place. The files end byte for byte as if the value had been known from the start:
