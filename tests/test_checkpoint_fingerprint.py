@@ -11,6 +11,7 @@ import torch
 from pretrain.checkpoint.fingerprint import (
     fingerprint_tensors,
     is_fingerprint,
+    scheme_of,
     short_fingerprint,
     weights_fingerprint,
 )
@@ -35,7 +36,7 @@ def full() -> dict[str, torch.Tensor]:
 
 def test_layouts_reshard_and_hf_export_share_one_fingerprint(tmp_path: Path, full) -> None:
     expected = weights_fingerprint(full)
-    assert is_fingerprint(expected) and expected.startswith("w1:")
+    assert is_fingerprint(expected) and expected.startswith("w2:")
     src = write_ours(tmp_path / "tp2pp2", CFG, full, tp=2, pp=2)
     assert convert_main(["reshard", "--load", str(src), "--save", str(tmp_path / "tp1"),
                          "--target-tp", "1", "--target-pp", "1"]) == 0  # fmt: skip
@@ -51,6 +52,12 @@ def test_storage_dtype_and_padding_rows_do_not_count_but_values_do(full) -> None
     half = {k: v.half() for k, v in full.items()}
     # fp16 values widen exactly: the same numbers stored in fp16 or fp32 are the same weights.
     assert weights_fingerprint({k: v.float() for k, v in half.items()}) == weights_fingerprint(half)
+    # bf16 numbers too, and w2 hashes them narrowed whatever they are stored in: bf16, fp32, fp16
+    small = {k: (v * 64).round() / 64 for k, v in full.items()}  # fp16 and bf16 hold these exactly
+    stored = [{k: v.to(d) for k, v in small.items()} for d in (torch.bfloat16, torch.float32, torch.float16)]
+    assert len({weights_fingerprint(s) for s in stored}) == 1
+    assert len({weights_fingerprint(s, scheme="w1") for s in stored}) == 1
+    assert weights_fingerprint(stored[0]) != weights_fingerprint(stored[0], scheme="w1")
     # Rounding to bf16 changes the weights, and so the fingerprint.
     assert weights_fingerprint({k: v.bfloat16() for k, v in full.items()}) != expected
     padded = dict(full)
@@ -80,7 +87,8 @@ def test_fresh_heads_are_left_out_and_bad_input_is_named(full) -> None:
         fingerprint_tensors([("a", torch.ones(1)), ("a", torch.ones(1))])
     fp = weights_fingerprint(full)
     assert short_fingerprint(fp) == fp[:15] and len(short_fingerprint(fp)) == 15
-    assert not is_fingerprint("w1:xyz") and not is_fingerprint(None)
+    assert not is_fingerprint("w1:xyz") and not is_fingerprint(None) and not is_fingerprint("w9:" + "0" * 64)
+    assert is_fingerprint("w1:" + "0" * 64) and scheme_of("w1:" + "0" * 64) == "w1" and scheme_of(fp) == "w2"
 
 
 @pytest.mark.parametrize("case", ["gpt2", "llama3", "mistral"])

@@ -68,7 +68,7 @@ def test_save_overwrite_eval_only_and_record(
     assert hyper["seq_length"] == 32 and hyper["global_batch_size"] == 8 and hyper["lr"] == 1e-3
     assert a["units"] == {"accuracy": "percent"} and a["sample_data"] is True and a["dtype"] == "float32"
     # the re-evaluation is the same model's row: its name, weights fingerprint and parameter count
-    assert a["model"]["name"] == tiny_bert_dir.name and a["model"]["fingerprint"].startswith("w1:")
+    assert a["model"]["name"] == tiny_bert_dir.name and a["model"]["fingerprint"].startswith("w2:")
     assert {k: b["model"][k] for k in ("name", "fingerprint", "parameters")} == {
         k: a["model"][k] for k in ("name", "fingerprint", "parameters")
     }

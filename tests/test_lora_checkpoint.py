@@ -83,7 +83,7 @@ def test_adapter_checkpoint_round_trip_and_bitwise_resume(tmp_path: Path) -> Non
     assert all(want[k].any() for k in want)  # trained: B moved off zero
     check_base(adapter, weights_fingerprint(weights), where="--load")
     other = dict(weights, **{"language_model.encoder.final_layernorm.weight": torch.zeros(48)})
-    with pytest.raises(UserError, match=r"--load: the base weights \(fingerprint w1:.*\) are not the ones"):
+    with pytest.raises(UserError, match=r"--load: the base weights \(fingerprint w2:.*\) are not the ones"):
         check_base(adapter, weights_fingerprint(other), where="--load")
 
     # resume: base weights from the base, adapter + optimizer + scheduler + RNG from the checkpoint

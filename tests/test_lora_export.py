@@ -13,6 +13,7 @@ from safetensors.torch import load_file
 from pretrain.checkpoint.fingerprint import weights_fingerprint
 from pretrain.checkpoint.lora_adapter import LoraAdapter, LoraBase, read_adapter, write_adapter_checkpoint
 from pretrain.checkpoint.opener import open_checkpoint
+from pretrain.utils.errors import UserError
 from tests.cli_helpers import one_line_error
 from tests.lora_fixtures import LORA, ours_from_hf, randomise_adapters, tiny_hf
 from tools.convert_cli import main
@@ -169,3 +170,39 @@ def test_open_checkpoint_reads_a_lora_checkpoint_as_its_merged_model(exported, t
                  "--target-pp", "1"]) == 0  # fmt: skip
     resharded = open_checkpoint(tmp_path / "r1")
     assert all(torch.equal(resharded.tensor(n), want[n]) for n in want)
+
+
+def test_an_adapter_recording_its_base_under_w1_still_loads(exported, tmp_path: Path, capsys) -> None:
+    """Adapters written before the w2 fingerprint record their base as ``w1:``: every reader
+    hashes the base under w1 to check it (never under w2, which could not match), and another
+    base is still refused."""
+    from finetune.sft.source import _rehash
+    from pretrain.checkpoint.lora_adapter import check_base
+
+    root = exported["root"]
+    adapter = read_adapter(root / "lora")
+    assert adapter.base.fingerprint.startswith("w2:")
+    w1 = weights_fingerprint(open_checkpoint(root / "ck"), scheme="w1")
+    old = LoraAdapter(lora=adapter.lora, base=LoraBase(path=str(root / "ck"), fingerprint=w1),
+                      iteration=5, tensors=adapter.tensors)  # fmt: skip
+    write_adapter_checkpoint(tmp_path / "old", old)
+    merged = open_checkpoint(root / "lora")
+    reader = open_checkpoint(tmp_path / "old")  # open_lora
+    assert all(torch.equal(reader.tensor(n), merged.tensor(n)) for n in merged.names())
+    assert main(["to-hf", "--load", str(tmp_path / "old"), "--save", str(tmp_path / "hf"), "--lora-as",
+                 "adapter", "--weights-only"]) == 0  # fmt: skip
+    assert (
+        load_file(tmp_path / "hf" / "adapter_model.safetensors").keys()
+        == load_file(root / "adapter" / "adapter_model.safetensors").keys()
+    )
+    # SFT from a LoRA checkpoint holds its base's w2 value: it re-hashes the base under w1
+    w2 = weights_fingerprint(open_checkpoint(root / "ck"))
+    check_base(old, w2, where="--ckpt", recompute=lambda scheme: _rehash(str(root / "ck"), False, scheme))
+    with pytest.raises(UserError, match="records its base under fingerprint scheme w1"):
+        check_base(old, w2, where="--ckpt")
+    wrong = LoraAdapter(lora=adapter.lora, base=LoraBase(path=str(root / "ck"), fingerprint="w1:" + "0" * 64),
+                        iteration=5, tensors=adapter.tensors)  # fmt: skip
+    write_adapter_checkpoint(tmp_path / "wrong", wrong)
+    err = one_line_error(main, ["to-hf", "--load", str(tmp_path / "wrong"), "--save", str(tmp_path / "x"),
+                                "--weights-only"], capsys)  # fmt: skip
+    assert "(fingerprint w1:" in err and "are not the ones this LoRA adapter was trained on" in err

@@ -85,6 +85,20 @@ def _from_hf(path: str, tokenizer_dir: str | None, force: bool) -> Decoder:
                    fingerprint=weights_fingerprint(source), source_model_type=model_type)  # fmt: skip
 
 
+def _rehash(path: str, hf: bool, scheme: str) -> str:
+    """The fingerprint under ``scheme`` of the base at ``path`` (a LoRA adapter recorded its base
+    under an earlier scheme than the one its weights were just hashed with)."""
+    from pretrain.checkpoint.fingerprint import weights_fingerprint
+
+    if hf:
+        from tools.hf_io import open_hf
+
+        return weights_fingerprint(open_hf(Path(path)), scheme=scheme)
+    from pretrain.checkpoint.opener import open_checkpoint
+
+    return weights_fingerprint(open_checkpoint(path), scheme=scheme)
+
+
 def load_decoder(*, ckpt: str | None, hf_model: str | None, tokenizer_dir: str | None = None,
                  force_tokenizer: bool = False) -> Decoder:  # fmt: skip
     """The decoder of exactly one of ``ckpt`` / ``hf_model`` and its checked tokenizer."""
@@ -112,7 +126,9 @@ def _from_lora(ckpt: str, tokenizer_dir: str | None, force: bool) -> Decoder:
         raise UserError(f"--ckpt {ckpt}: the LoRA adapter's base {path} is not a directory (moved?)")
     hf = (Path(path) / "config.json").is_file()
     base = _from_hf(path, tokenizer_dir, force) if hf else _from_ckpt(path, tokenizer_dir, force)
-    check_base(adapter, base.fingerprint, where=f"--ckpt {ckpt}")
+    check_base(
+        adapter, base.fingerprint, where=f"--ckpt {ckpt}", recompute=lambda scheme: _rehash(path, hf, scheme)
+    )
     return dataclasses.replace(
         base, source=ckpt, lora=adapter.lora, adapter=adapter.tensors, base=adapter.base
     )

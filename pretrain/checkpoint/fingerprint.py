@@ -8,16 +8,25 @@ leaderboard shows them as one model. What is hashed, per canonical tensor name (
   converted: exactly what a :class:`~pretrain.checkpoint.types.TensorSource` yields);
 * vocabulary tensors cut to the true vocabulary (``vocab_size`` rows): padding rows are a layout
   detail (``make_vocab_size_divisible_by`` x TP) and never enter the hash;
-* floating-point values normalised to little-endian float32 (fp16 and bf16 widen exactly, so a
-  half-precision checkpoint and its float32 export agree; weights *rounded* to bf16 differ from the
-  float32 originals, as they should); integer tensors as little-endian int64;
+* floating-point values as float32 numbers (fp16 and bf16 widen exactly, so a half-precision
+  checkpoint and its float32 export agree; weights *rounded* to bf16 differ from the float32
+  originals, as they should); integer tensors as little-endian int64;
 * heads initialised on import because the source had none (``ModelSpec.fresh_heads``, e.g. the
   LM head of a bare HF ``BertModel``) are left out: they are not the source's weights.
 
-Each tensor is digested on its own (``sha256`` of name, shape and values, read in chunks), and the
-fingerprint is the ``sha256`` of the sorted (name, digest) pairs, so tensors may arrive in any order
-and only one is in memory at a time. The result reads ``w1:`` + 64 hex digits; ``w1`` names this
-scheme so a later change of rule can never be mistaken for different weights.
+Each tensor is digested on its own (a hash of name, shape and values, read in chunks), and the
+fingerprint is the ``sha256`` of the scheme and the sorted (name, digest) pairs, so tensors may
+arrive in any order and only one is in memory at a time. The result reads ``w2:`` + 64 hex digits;
+the scheme names the rule, so a later change of rule can never be mistaken for different weights:
+
+* ``w2`` (written now): each tensor's values are hashed with BLAKE3 in their *narrowest exact*
+  form: bf16 bit patterns (little-endian uint16) when every float32 value's low 16 bits are zero,
+  which is exactly when it is a bf16 number, else float32. A bf16 checkpoint is hashed where its
+  bytes lie (no widening, no copy), and the same numbers stored as float32 give the same bytes.
+  About 10x faster than ``w1`` on a CPU without SHA extensions (4.5 GB/s against 0.2 GB/s of bf16
+  source per core), which made the fingerprint most of a conversion's time.
+* ``w1`` (written before): every float tensor widened to float32 and hashed with ``sha256``.
+  Still computed where a recorded ``w1`` value is checked (a LoRA adapter's base).
 """
 
 from __future__ import annotations
@@ -28,8 +37,9 @@ import struct
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
+import blake3
 import numpy as np
 import torch
 
@@ -41,32 +51,111 @@ from pretrain.utils.errors import UserError
 if TYPE_CHECKING:
     from pretrain.models.families.converter import HFConfig
 
-SCHEME = "w1"
+SCHEME = "w2"  # what new fingerprints are computed with
+SCHEMES = ("w1", "w2")  # every scheme a fingerprint may carry (and be recomputed in)
 SHORT_HEX = 12
 _CHUNK_ELEMENTS = 1 << 22  # 16 MiB of float32 per hashing step
+_BF16_BLOCK = 1 << 25  # bf16 elements per BLAKE3 update (64 MiB, read where they lie)
 
 
-def tensor_digest(name: str, tensor: torch.Tensor) -> bytes:
-    """``sha256`` of ``name``, the shape and the values (float32 or int64, little-endian); no copy
-    of the whole tensor is made (``tensor`` is read ``_CHUNK_ELEMENTS`` at a time)."""
-    h = hashlib.sha256()
-    kind = "f" if tensor.is_floating_point() else "i"
+def tensor_digest(name: str, tensor: torch.Tensor, *, scheme: str = SCHEME) -> bytes:
+    """The digest of ``name``, the shape and the values under ``scheme`` (module docstring); no
+    copy of the whole tensor is made of a contiguous tensor (it is read in chunks)."""
     if tensor.is_complex():
         raise UserError(f"tensor {name}: complex weights cannot be fingerprinted")
-    h.update(struct.pack("<I", len(name.encode())) + name.encode())
-    h.update(
-        kind.encode() + struct.pack("<I", tensor.dim()) + struct.pack(f"<{tensor.dim()}q", *tensor.shape)
-    )
     flat = tensor.detach().reshape(-1)
-    target, np_type = (torch.float32, "<f4") if kind == "f" else (torch.int64, "<i8")
-    # one buffer for every chunk (a fresh 64 MiB allocation per chunk costs its page faults), and
-    # the bytes hashed where they lie (no copy when the host is little-endian)
+    if scheme == "w1":
+        return _digest_w1(name, tensor.shape, flat)
+    if scheme != "w2":
+        raise ValueError(f"unknown fingerprint scheme {scheme!r}")
+    h = blake3.blake3()
+    if not flat.is_floating_point():
+        _header(h, name, "i", tensor.shape)
+        _update_int64(h, flat)
+    elif flat.dtype == torch.bfloat16 or not _has_low_bits(flat):
+        _header(h, name, "b", tensor.shape)  # every value is a bf16 number: its 16 bits
+        _update_bf16(h, flat)
+    else:
+        _header(h, name, "f", tensor.shape)
+        _update_float32(h, flat)
+    return h.digest()
+
+
+class _Hasher(Protocol):  # the part of hashlib's / blake3's hash objects used here
+    def update(self, data: bytes | memoryview, /) -> object: ...
+
+
+def _header(h: _Hasher, name: str, kind: str, shape: torch.Size) -> None:
+    h.update(struct.pack("<I", len(name.encode())) + name.encode())
+    h.update(kind.encode() + struct.pack("<I", len(shape)) + struct.pack(f"<{len(shape)}q", *shape))
+
+
+def _le_bytes(t: torch.Tensor, np_type: str) -> memoryview:
+    """The bytes of a contiguous CPU tensor in little-endian ``np_type`` (no copy on such hosts)."""
+    return np.ascontiguousarray(t.numpy(), dtype=np_type).data.cast("B")
+
+
+def _has_low_bits(flat: torch.Tensor) -> bool:
+    """Whether some value of a 1-D float tensor, as float32, has a non-zero low half (is not a
+    bf16 number). fp32 is checked where it lies; other dtypes are widened a chunk at a time."""
+    buf = None if flat.dtype == torch.float32 else torch.empty(min(flat.numel(), _CHUNK_ELEMENTS))
+    for start in range(0, flat.numel(), _CHUNK_ELEMENTS):
+        chunk = flat[start : start + _CHUNK_ELEMENTS]
+        if buf is not None:
+            chunk = buf[: chunk.numel()].copy_(chunk)
+        if bool((chunk.view(torch.int32) & 0xFFFF).any()):
+            return True
+    return False
+
+
+def _update_bf16(h: _Hasher, flat: torch.Tensor) -> None:
+    """Hash a 1-D float tensor whose values are all bf16 numbers as bf16 bit patterns."""
+    if flat.dtype == torch.bfloat16:  # where the bytes lie: a mapped checkpoint is never copied
+        for start in range(0, flat.numel(), _BF16_BLOCK):
+            h.update(_le_bytes(flat[start : start + _BF16_BLOCK].view(torch.int16), "<i2"))
+        return
+    buf = torch.empty(min(flat.numel(), _CHUNK_ELEMENTS), dtype=torch.bfloat16)
+    for start in range(0, flat.numel(), _CHUNK_ELEMENTS):
+        chunk = flat[start : start + _CHUNK_ELEMENTS]
+        part = buf[: chunk.numel()]
+        part.copy_(chunk)  # exact: the values are bf16 numbers (float32 -> bf16 drops zero bits)
+        h.update(_le_bytes(part.view(torch.int16), "<i2"))
+
+
+def _update_float32(h: _Hasher, flat: torch.Tensor) -> None:
+    _update_widened(h, flat, torch.float32, "<f4")
+
+
+def _update_int64(h: _Hasher, flat: torch.Tensor) -> None:
+    _update_widened(h, flat, torch.int64, "<i8")
+
+
+def _update_widened(h: _Hasher, flat: torch.Tensor, target: torch.dtype, np_type: str) -> None:
+    """Hash ``flat`` as ``target`` values: where they lie when already so, else a chunk at a time
+    through one buffer (a fresh 64 MiB allocation per chunk costs its page faults)."""
+    if flat.dtype == target:
+        h.update(_le_bytes(flat, np_type))
+        return
     buf = torch.empty(min(flat.numel(), _CHUNK_ELEMENTS), dtype=target)
     for start in range(0, flat.numel(), _CHUNK_ELEMENTS):
         chunk = flat[start : start + _CHUNK_ELEMENTS]
         part = buf[: chunk.numel()]
         part.copy_(chunk)
-        h.update(np.ascontiguousarray(part.numpy(), dtype=np_type).data.cast("B"))
+        h.update(_le_bytes(part, np_type))
+
+
+def _digest_w1(name: str, shape: torch.Size, flat: torch.Tensor) -> bytes:
+    """``w1``: ``sha256`` of ``name``, the shape and the values widened to float32 (int64)."""
+    h = hashlib.sha256()
+    kind = "f" if flat.is_floating_point() else "i"
+    _header(h, name, kind, shape)
+    target, np_type = (torch.float32, "<f4") if kind == "f" else (torch.int64, "<i8")
+    buf = torch.empty(min(flat.numel(), _CHUNK_ELEMENTS), dtype=target)  # always copied, as w1 was
+    for start in range(0, flat.numel(), _CHUNK_ELEMENTS):
+        chunk = flat[start : start + _CHUNK_ELEMENTS]
+        part = buf[: chunk.numel()]
+        part.copy_(chunk)
+        h.update(_le_bytes(part, np_type))
     return h.digest()
 
 
@@ -75,12 +164,14 @@ def fingerprint_tensors(
     *,
     vocab_size: int | None = None,
     skip_prefixes: tuple[str, ...] = (),
+    scheme: str = SCHEME,
 ) -> str:
     """The fingerprint of ``(canonical name, full tensor)`` pairs, in any order, one at a time.
 
     ``vocab_size``: rows kept of vocabulary tensors (``None``: as given). ``skip_prefixes``: names
-    starting with one of these (followed by ``.``) are left out."""
-    return combine_digests(tensor_digests(tensors, vocab_size=vocab_size, skip_prefixes=skip_prefixes))
+    starting with one of these (followed by ``.``) are left out. ``scheme``: :data:`SCHEMES`."""
+    digests = tensor_digests(tensors, vocab_size=vocab_size, skip_prefixes=skip_prefixes, scheme=scheme)
+    return combine_digests(digests, scheme=scheme)
 
 
 def tensor_digests(
@@ -89,11 +180,12 @@ def tensor_digests(
     vocab_size: int | None = None,
     skip_prefixes: tuple[str, ...] = (),
     workers: int | None = None,
+    scheme: str = SCHEME,
 ) -> dict[str, bytes]:
     """Each tensor's :func:`tensor_digest` by name (see :func:`fingerprint_tensors`): processes that
     each read part of a model (expert-parallel ranks) combine theirs with :func:`combine_digests`.
 
-    Digests run on ``workers`` threads (default :func:`digest_workers`): sha256 and the float32
+    Digests run on ``workers`` threads (default :func:`digest_workers`): the hashes and the float32
     widening release the GIL, so they overlap each other and the reading of the next tensor. At
     most ``workers`` tensors are held at once (the one being read included), so memory stays
     within ``workers`` x the largest tensor plus one 64 MiB buffer per thread."""
@@ -105,7 +197,7 @@ def tensor_digests(
 
     def digest(name: str, tensor: torch.Tensor) -> bytes:
         try:
-            return tensor_digest(name, tensor)
+            return tensor_digest(name, tensor, scheme=scheme)
         finally:
             slots.release()  # the tensor is dropped with this frame: the next one may be read
 
@@ -180,19 +272,21 @@ def digest_workers() -> int:
     return max(1, min(4, cores))
 
 
-def combine_digests(digests: Mapping[str, bytes]) -> str:
-    """The fingerprint of every tensor's digest (``sha256`` of the name-sorted pairs)."""
+def combine_digests(digests: Mapping[str, bytes], *, scheme: str = SCHEME) -> str:
+    """The fingerprint of every tensor's ``scheme`` digest (``sha256`` of the scheme and the
+    name-sorted pairs)."""
     if not digests:
         raise UserError("the weights fingerprint needs at least one tensor")
-    total = hashlib.sha256(SCHEME.encode())
+    total = hashlib.sha256(scheme.encode())
     for name in sorted(digests):
         total.update(struct.pack("<I", len(name.encode())) + name.encode() + digests[name])
-    return f"{SCHEME}:{total.hexdigest()}"
+    return f"{scheme}:{total.hexdigest()}"
 
 
 def weights_fingerprint(
     source: TensorSource | Mapping[str, torch.Tensor], *, vocab_size: int | None = None,
     split: WorkSplit = SINGLE, stop: threading.Event | None = None, workers: int | None = None,
+    scheme: str = SCHEME,
 ) -> str:  # fmt: skip
     """The fingerprint of a canonical source (``names()``/``tensor(name)``/``spec``: a checkpoint
     reader, ``DictSource``, ``import_hf``) or of a ``{canonical name: full tensor}`` mapping.
@@ -201,9 +295,10 @@ def weights_fingerprint(
     used unless ``vocab_size`` is given; tensors are read one at a time. ``split`` (torchrun): each
     process digests its share of the tensors and the digests are gathered (collective). ``stop``:
     when set, reading ends with ``UserError`` (a background fingerprint whose conversion failed).
-    ``workers``: digest threads (:func:`tensor_digests`)."""
+    ``workers``: digest threads (:func:`tensor_digests`). ``scheme``: :data:`SCHEMES` (the scheme
+    of a recorded value to check: :func:`scheme_of`)."""
     if isinstance(source, Mapping):
-        return fingerprint_tensors(source.items(), vocab_size=vocab_size)
+        return fingerprint_tensors(source.items(), vocab_size=vocab_size, scheme=scheme)
     spec = getattr(source, "spec", None)
     cfg = getattr(spec, "cfg", None)
     vocab = vocab_size if vocab_size is not None else getattr(cfg, "vocab_size", None)
@@ -220,10 +315,11 @@ def weights_fingerprint(
         vocab_size=vocab,
         skip_prefixes=fresh,
         workers=workers,
+        scheme=scheme,
     )
     if split.parallel:
         digests = {k: v for part in split.gather(digests) for k, v in part.items()}
-    return combine_digests(digests)
+    return combine_digests(digests, scheme=scheme)
 
 
 def _until(names: Iterable[str], stop: threading.Event | None) -> Iterator[str]:
@@ -234,17 +330,26 @@ def _until(names: Iterable[str], stop: threading.Event | None) -> Iterator[str]:
 
 
 def short_fingerprint(fingerprint: str) -> str:
-    """The first :data:`SHORT_HEX` hex digits, for display (``w1:3fa9c2d07b1e``)."""
+    """The first :data:`SHORT_HEX` hex digits, for display (``w2:3fa9c2d07b1e``)."""
     scheme, _, digest = fingerprint.partition(":")
     return f"{scheme}:{digest[:SHORT_HEX]}" if digest else fingerprint[:SHORT_HEX]
 
 
 def is_fingerprint(value: object) -> bool:
-    """Whether ``value`` is a fingerprint string of a known scheme (``w1:`` + 64 hex digits)."""
-    if not isinstance(value, str) or not value.startswith(SCHEME + ":"):
+    """Whether ``value`` is a fingerprint string of a known scheme (``w2:`` + 64 hex digits)."""
+    if not isinstance(value, str):
         return False
-    digest = value[len(SCHEME) + 1 :]
-    return len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)
+    scheme, sep, digest = value.partition(":")
+    return (
+        bool(sep) and scheme in SCHEMES and len(digest) == 64 and all(c in "0123456789abcdef" for c in digest)
+    )
+
+
+def scheme_of(fingerprint: str) -> str:
+    """The scheme a fingerprint string was computed with (``ValueError`` for a string that is none)."""
+    if not is_fingerprint(fingerprint):
+        raise ValueError(f"{fingerprint!r} is not a weights fingerprint")
+    return fingerprint.partition(":")[0]
 
 
 def hf_weights_fingerprint(state: Mapping[str, torch.Tensor], hf_config: HFConfig) -> str:

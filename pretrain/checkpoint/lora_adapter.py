@@ -19,7 +19,7 @@ is never applied to other weights. ``mlm-convert from-hf --adapter`` writes the 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from pretrain.checkpoint.fingerprint import is_fingerprint, short_fingerprint
+from pretrain.checkpoint.fingerprint import is_fingerprint, scheme_of, short_fingerprint
 from pretrain.checkpoint.legacy.layout import iteration_dir, rank_dir_name, resolve_iteration, write_tracker
 from pretrain.models.base import ShardedModule
 from pretrain.models.lora import LoraConfig, is_lora_name
@@ -151,8 +151,21 @@ def read_adapter(root: str | Path, iteration: int | str | None = None) -> LoraAd
     return LoraAdapter(lora=lora, base=base, iteration=state.get("iteration", "release"), tensors=tensors)
 
 
-def check_base(adapter: LoraAdapter, fingerprint: str, *, where: str) -> None:
-    """``UserError`` (one line) unless the base weights at hand are the adapter's base."""
+def check_base(
+    adapter: LoraAdapter, fingerprint: str, *, where: str, recompute: Callable[[str], str] | None = None
+) -> None:
+    """``UserError`` (one line) unless the base weights at hand (``fingerprint``) are the adapter's
+    base. A base recorded under another scheme (``w1`` before ``w2``) is compared with
+    ``recompute(scheme)``, the weights at hand hashed under it; without ``recompute`` that is
+    refused, naming the scheme."""
+    recorded = scheme_of(adapter.base.fingerprint)
+    if scheme_of(fingerprint) != recorded:
+        if recompute is None:
+            raise UserError(
+                f"{where}: the LoRA adapter records its base under fingerprint scheme {recorded}, "
+                f"these weights were hashed under {scheme_of(fingerprint)}"
+            )
+        fingerprint = recompute(recorded)
     if fingerprint != adapter.base.fingerprint:
         raise UserError(
             f"{where}: the base weights (fingerprint {short_fingerprint(fingerprint)}) are not the ones "

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from pretrain.checkpoint.fingerprint import weights_fingerprint
+from pretrain.checkpoint.fingerprint import scheme_of, weights_fingerprint
 from pretrain.checkpoint.lora_adapter import LoraAdapter, check_base, read_adapter
 from pretrain.checkpoint.plan import ModelSpec
 from pretrain.checkpoint.types import CheckpointInfo, CheckpointMetadata, CheckpointReader
@@ -83,5 +83,8 @@ def open_lora(
         raise UserError(f"{path}: the LoRA adapter's base {base} does not exist")
     reader = open_base(base, vocab_size=vocab_size, tokenizer_size=tokenizer_size,
                              tokenizer_source=tokenizer_source)  # fmt: skip
-    check_base(adapter, weights_fingerprint(reader), where=str(path))
+    # hashed under the scheme the adapter recorded its base with (w1 adapters stay loadable)
+    check_base(
+        adapter, weights_fingerprint(reader, scheme=scheme_of(adapter.base.fingerprint)), where=str(path)
+    )
     return MergedLoraReader(reader, adapter)

@@ -59,7 +59,7 @@ class OpenedBase:
 def open_base(adapter: LoraAdapter, source: SourceOptions, *, weights_only: bool) -> OpenedBase:
     """Open the base the adapter names (a Megatron checkpoint or a Hugging Face directory) and check
     its weights fingerprint (one line on a mismatch or a missing base)."""
-    from pretrain.checkpoint.fingerprint import weights_fingerprint
+    from pretrain.checkpoint.fingerprint import scheme_of, weights_fingerprint
     from pretrain.checkpoint.lora_adapter import check_base
 
     path = Path(adapter.base.path)
@@ -75,7 +75,9 @@ def open_base(adapter: LoraAdapter, source: SourceOptions, *, weights_only: bool
         meta = reader.metadata
         family = None if meta is None else meta.provenance.source_model_type
         opened = OpenedBase(source=reader, tokenizer=None if tok is None else tok.tokenizer, family=family)
-    check_base(adapter, weights_fingerprint(opened.source), where=where)
+    check_base(
+        adapter, weights_fingerprint(opened.source, scheme=scheme_of(adapter.base.fingerprint)), where=where
+    )
     return opened
 
 
