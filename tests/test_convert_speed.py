@@ -51,7 +51,7 @@ def test_to_hf_runs_the_whole_model_mapping_a_fixed_number_of_times(
     """Before: the whole-model mapping (every layer's placeholders) ran for every canonical tensor
     in the plan and again in the stream, so its cost grew as layers x tensors."""
     import tools.hf_io as hf_io
-    import tools.hf_shards as hs
+    import tools.hf_plan as hs
 
     cfg, full = _model(overrides)
     ck = write_ours(tmp_path / "ck", cfg, full, tp=2, pp=1)
@@ -99,7 +99,7 @@ def test_a_one_layer_group_that_differs_from_the_whole_model_is_converted_whole(
     """A one-layer model whose mapping makes other names than the whole model's (here: a mapping
     that numbers its outputs by layer count) is not used: the group is converted with the
     whole-model mapping, and the plan still holds every output once."""
-    from tools.hf_shards import plan_hf_tensors
+    from tools.hf_plan import plan_hf_tensors
 
     names = [f"m.layers.{i}.w" for i in range(3)] + ["m.embed"]
     metas = {n: torch.empty(2, 2, device="meta") for n in names}
@@ -142,3 +142,44 @@ def test_shard_tensor_without_copy_is_a_view_with_the_same_values() -> None:
             assert torch.equal(a, b) and a.untyped_storage().data_ptr() != full.untyped_storage().data_ptr()
     plain = shard_tensor(full, dim=0, tp_rank=1, tp=2, copy=False)
     assert plain.untyped_storage().data_ptr() == full.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("overrides", [{}, LLAMA], ids=["gpt2", "llama"])
+def test_alike_layers_share_one_dry_run_and_the_plan_is_the_same(overrides: dict[str, object]) -> None:
+    """Planning traces one layer of each kind (the one-layer mapping is one object per config) and
+    renames it for the others: the same plan as tracing every layer, and a number of one-layer
+    dry runs that does not grow with the layers."""
+    from pretrain.checkpoint.plan import ModelSpec
+    from pretrain.checkpoint.tensor_meta import meta_like
+    from tools.hf_io import _export_converters, export_family_of
+    from tools.hf_plan import plan_hf_tensors
+
+    def planned(layers: int, shared: bool) -> tuple[object, int]:
+        cfg = tiny_config(num_layers=layers, **overrides)  # type: ignore[arg-type]
+        spec = ModelSpec(kind="gpt", cfg=cfg)
+        convert, layer_convert = _export_converters(export_family_of(spec), spec)
+        calls = [0]
+
+        def counted(layer: int):  # noqa: ANN202
+            inner = layer_convert(layer)
+            assert inner is not None
+
+            def run(chunk):  # noqa: ANN001, ANN202
+                calls[0] += 1
+                return inner(chunk)
+
+            return run
+
+        cached = {}
+        metas = {n: meta_like(t) for n, t in full_weights(cfg).items()}
+        plan = plan_hf_tensors(list(metas), metas, convert,
+                               lambda i: cached.setdefault(0, counted(i)) if shared else counted(i))  # fmt: skip
+        assert plan is not None and all(lg is not None for lg in plan.local)
+        return (plan.tensors, plan.groups, [lg.outputs for lg in plan.local]), calls[0]
+
+    for layers in (2, 6):
+        shared, traced_once = planned(layers, shared=True)
+        every, traced_each = planned(layers, shared=False)
+        assert shared == every
+        assert traced_each > traced_once
+    assert planned(2, shared=True)[1] == planned(6, shared=True)[1]  # flat in the number of layers

@@ -21,7 +21,8 @@ from pretrain.checkpoint.opener import open_checkpoint
 from pretrain.checkpoint.work_split import split_by_bytes
 from tests.distributed import REPO, torchrun
 from tools.convert_cli import main
-from tools.hf_shards import Planned, ShardWriter, split_shards, stream_hf_tensors, write_planned_shards
+from tools.hf_plan import Planned, stream_hf_tensors
+from tools.hf_shards import ShardWriter, split_shards, write_planned_shards
 
 
 def test_split_by_bytes_gives_contiguous_balanced_runs() -> None:
@@ -46,7 +47,7 @@ def test_shares_of_a_planned_export_are_the_one_writer_bytes(tmp_path: Path) -> 
     full["head"] = torch.randn(16, 8, generator=gen)
     names = list(full)
     metas = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in full.items()}
-    from tools.hf_shards import plan_hf_tensors
+    from tools.hf_plan import plan_hf_tensors
 
     def convert(chunk: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return {f"hf.{k}": v for k, v in chunk.items()}

@@ -48,7 +48,7 @@ def test_ckpt_equals_exported_hf_model(trained: dict[str, str], task: str) -> No
         record = json.loads(out.read_text())
         outs[name], fingerprints[name] = record["metrics"], record["model"]["fingerprint"]
     # One set of weights in three layouts/formats: one fingerprint (the leaderboard's row key).
-    assert len(set(fingerprints.values())) == 1 and fingerprints["ckpt"].startswith("w1:")
+    assert len(set(fingerprints.values())) == 1 and fingerprints["ckpt"].startswith("w2:")
     key = "adjusted_ppl" if task == "wikitext103" else "ppl"
     assert outs["ckpt"][key] == pytest.approx(outs["hf"][key], rel=1e-5)
     assert outs["pp2"][key] == pytest.approx(outs["ckpt"][key], rel=1e-6)

@@ -86,6 +86,7 @@ def _walk(prefix: str, value: object, out: list[tuple[str, torch.Tensor]]) -> No
 
 def checkpoint_digest(ckpt: Path) -> str:
     """sha256 of the tensors of every rank file (by path) and the recorded weights fingerprint."""
+    from pretrain.checkpoint.fingerprint import weights_fingerprint
     from pretrain.checkpoint.opener import open_checkpoint
 
     h = hashlib.sha256()
@@ -97,9 +98,12 @@ def checkpoint_digest(ckpt: Path) -> str:
             t = t.contiguous()
             h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    meta = open_checkpoint(ckpt).metadata
-    assert meta is not None
-    h.update(str(meta.provenance.weights_fingerprint).encode())
+    reader = open_checkpoint(ckpt)
+    assert reader.metadata is not None
+    # the recorded fingerprint is the written weights' (w2); the digest takes their w1 value, the
+    # one recorded when the goldens were made (the rule changed, not the weights)
+    assert reader.metadata.provenance.weights_fingerprint == weights_fingerprint(reader)
+    h.update(weights_fingerprint(reader, scheme="w1").encode())
     return h.hexdigest()
 
 

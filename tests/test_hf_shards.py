@@ -15,7 +15,8 @@ from pretrain.utils.errors import UserError
 from tests.gpt_fixtures import full_weights, tiny_config
 from tools.convert_cli import main as convert_main
 from tools.hf_io import export_hf
-from tools.hf_shards import ShardWriter, layer_groups, parse_shard_size
+from tools.hf_plan import layer_groups
+from tools.hf_shards import ShardWriter, parse_shard_size
 
 
 def _export(tmp_path: Path, max_shard_size: str) -> tuple[Path, dict[str, torch.Tensor]]:

@@ -97,6 +97,7 @@ def test_planned_safetensors_are_the_unplanned_bytes_written_once(
     copied in afterwards, as before), and the files are byte for byte the unplanned writer's."""
     from safetensors.torch import load_file
 
+    import tools.hf_plan as hp
     import tools.hf_shards as hs
 
     cfg = tiny_config(num_layers=3, **overrides)  # type: ignore[arg-type]
@@ -109,7 +110,7 @@ def test_planned_safetensors_are_the_unplanned_bytes_written_once(
         assert copies == [], "every byte written once"
         with monkeypatch.context() as m:
             m.setattr(
-                hs, "plan_hf_tensors", lambda *a: None
+                hp, "plan_hf_tensors", lambda *a: None
             )  # the writer as it was: data, then header + copy
             unplanned = _export(tmp_path, f"unplanned_{shard}", ck, shard)
         assert copies
@@ -255,7 +256,7 @@ def test_to_hf_converts_one_canonical_tensor_at_a_time(tmp_path: Path, overrides
     """Every HF tensor comes from one canonical tensor, so a layer is never whole in memory: the
     plan names each output's source, and the stream reads each canonical tensor once."""
     from tools.hf_io import export_family_of
-    from tools.hf_shards import _one_source_each, plan_hf_tensors, stream_hf_tensors
+    from tools.hf_plan import _one_source_each, plan_hf_tensors, stream_hf_tensors
 
     cfg = tiny_config(num_layers=2, **overrides)  # type: ignore[arg-type]
     reader = open_checkpoint(write_ours(tmp_path / "ck", cfg, full_weights(cfg), tp=2, pp=1), vocab_size=1003)

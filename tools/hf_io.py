@@ -15,6 +15,7 @@ the same source streamed from the memory-mapped weight files, one canonical tens
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -37,7 +38,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
     from pretrain.config import ModelConfig
-    from tools.hf_shards import HFPlan
+    from tools.hf_plan import HFPlan
 
 __all__ = ["check_exportable", "export_hf", "hf_tokenizer_of", "import_hf", "open_hf", "read_hf_state"]
 
@@ -145,6 +146,12 @@ def _hf_config(fam: Family, spec: ModelSpec, tokenizer: Tokenizer | None) -> Pre
     return AutoConfig.for_model(fam.model_type, **kw)
 
 
+def _hf_config_and_tokenizer(
+    fam: Family, spec: ModelSpec, tokenizer: Tokenizer | None
+) -> tuple[PretrainedConfig, PreTrainedTokenizerBase | None]:
+    return _hf_config(fam, spec, tokenizer), None if tokenizer is None else hf_tokenizer_of(tokenizer)
+
+
 def _tensor_access(
     tensors: Iterable[tuple[str, torch.Tensor]] | TensorSource,
 ) -> tuple[list[str], Callable[[str], torch.Tensor], dict[str, torch.Tensor]]:
@@ -196,7 +203,8 @@ def export_hf(
     (optional; ``to-hf`` verifies the export with it) runs on the complete directory before it is
     renamed to ``save``: when it raises, nothing is left at ``save``. ``split``: under torchrun
     each process writes its share of the shard files, rank 0 the rest and runs ``check``."""
-    from tools.hf_shards import ShardWriter, parse_shard_size, plan_hf_tensors, stream_hf_tensors
+    from tools.hf_plan import plan_hf_tensors, stream_hf_tensors
+    from tools.hf_shards import ShardWriter, parse_shard_size
 
     check_exportable(spec)
     if tokenizer is not None and tokenizer.vocab_size > spec.cfg.vocab_size:
@@ -204,14 +212,22 @@ def export_hf(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint only {spec.cfg.vocab_size}"
         )
     max_bytes = parse_shard_size(max_shard_size)
-    hf_tok = hf_tokenizer_of(tokenizer) if tokenizer is not None else None
     names, get, metas = _tensor_access(tensors)
     fam = export_family_of(spec, family)  # resolved once: the per-layer conversion maps tensors only
-    config = _hf_config(fam, spec, tokenizer)
+    fam.module().check_exportable(spec.cfg, family=fam)  # refused before any work
+    # transformers' config and tokenizer objects (seconds of imports) are made while the weights
+    # are written: the writer's copies and writes run outside the GIL
+    # (rank 0 alone writes them under torchrun)
+    hf_files = (
+        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-config").submit(
+            _hf_config_and_tokenizer, fam, spec, tokenizer
+        )
+        if split.leader
+        else None
+    )
 
     convert, layer_convert = _export_converters(fam, spec)
     hf_metas = convert(dict(metas))
-    config.dtype = _weights_dtype(hf_metas)  # as save_pretrained records the model's dtype
     written = progress(len(hf_metas)) if progress is not None and split.leader else None
     # each shard's header from the tensors' dtypes and shapes, so every byte is written once
     plan = plan_hf_tensors(names, metas, convert, layer_convert)
@@ -228,6 +244,9 @@ def export_hf(
             writer.close()
         split.agree()  # every shard is written
         if split.leader:
+            assert hf_files is not None
+            config, hf_tok = hf_files.result()
+            config.dtype = _weights_dtype(hf_metas)  # as save_pretrained records the model's dtype
             _write_configs(tmp, config, spec, hf_tok)
             if check is not None:
                 check(tmp)
@@ -247,13 +266,15 @@ def _export_converters(fam: Family, spec: ModelSpec) -> tuple[TensorMap, Callabl
             chunk, spec.cfg, fresh_heads=spec.fresh_heads, family=fam, copy=False
         )
 
-    def layer_convert(layer: int) -> TensorMap | None:
-        cfg = one_layer_config(spec.cfg, layer)
-        if cfg is None:
-            return None
+    @functools.cache  # one mapping object per one-layer config: alike layers share the plan's dry run
+    def of_config(cfg: ModelConfig) -> TensorMap:
         return lambda chunk: fam.module().export_tensors(
             chunk, cfg, fresh_heads=spec.fresh_heads, family=fam, copy=False
         )
+
+    def layer_convert(layer: int) -> TensorMap | None:
+        cfg = one_layer_config(spec.cfg, layer)
+        return None if cfg is None else of_config(cfg)
 
     return convert, layer_convert
 

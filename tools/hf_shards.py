@@ -1,13 +1,7 @@
 """Streaming Hugging Face export: sharded safetensors written tensor by tensor, never the whole model.
 
-:func:`stream_hf_tensors` turns a source of canonical tensors (``names()`` + ``tensor(name)``, e.g. a
-memory-mapped checkpoint reader) into Hugging Face tensors one transformer layer at a time: the
-model-specific mapping (``canonical -> HF``, a function of a whole state dict) is called with the
-layer's real tensors and every other tensor as a ``meta`` placeholder (shape only, no memory), and
-the outputs that came out real are the layer's HF tensors. So one mapping table serves every family
-(GPT-2, Llama/Mistral/Qwen, BERT) and at most one layer is converted at a time.
-
-:class:`ShardWriter` writes them as ``save_pretrained`` does: ``model.safetensors`` when everything
+The tensors come one layer at a time from :func:`tools.hf_plan.stream_hf_tensors`, in the order
+its plan announced. :class:`ShardWriter` writes them as ``save_pretrained`` does: ``model.safetensors`` when everything
 fits in ``max_shard_size``, else ``model-0000i-of-0000n.safetensors`` plus
 ``model.safetensors.index.json`` (``{"metadata": {"total_size"}, "weight_map"}``). Each tensor's
 bytes go straight to the shard's data file; the shard is closed by writing its safetensors header
@@ -17,14 +11,12 @@ about one layer.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
 import shutil
 import struct
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -32,8 +24,9 @@ import torch
 
 from pretrain.checkpoint.tensor_meta import meta_like
 from pretrain.utils.errors import UserError
+from tools.hf_plan import Planned
 
-__all__ = ["HFPlan", "ShardWriter", "meta_like", "plan_hf_tensors", "stream_hf_tensors"]
+__all__ = ["Planned", "ShardWriter", "meta_like", "split_shards", "write_planned_shards"]
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 INDEX_FILE = "model.safetensors.index.json"
@@ -44,7 +37,6 @@ SAFETENSORS_DTYPES = {
 }  # fmt: skip
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
           "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
-_LAYER = re.compile(r"\.layers\.(\d+)\.")
 
 
 def parse_shard_size(text: str | int) -> int:
@@ -59,219 +51,6 @@ def parse_shard_size(text: str | int) -> int:
     if value < 1:
         raise UserError(f"--max-shard-size {text}: must be at least 1 byte")
     return value
-
-
-def layer_groups(names: Sequence[str]) -> list[list[str]]:
-    """Canonical names grouped by transformer layer (in order), then the rest (embeddings, heads)."""
-    groups: dict[int, list[str]] = {}
-    rest = []
-    for n in names:
-        m = _LAYER.search(n)
-        if m is None:
-            rest.append(n)
-        else:
-            groups.setdefault(int(m.group(1)), []).append(n)
-    return [*(groups[i] for i in sorted(groups)), *([rest] if rest else [])]
-
-
-Convert = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
-
-
-@dataclass(frozen=True)
-class Planned:
-    """One tensor as a safetensors header announces it."""
-
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return int(torch.Size(self.shape).numel()) * self.dtype.itemsize
-
-
-@dataclass(frozen=True)
-class HFPlan:
-    """What :func:`stream_hf_tensors` yields, in order (``tensors``), per layer group each output
-    with the one canonical tensor it is made from (``None``: it needs several), and per group how
-    to convert it alone (:class:`LocalGroup`; ``None``: with every other tensor as a placeholder)."""
-
-    tensors: list[Planned]
-    groups: list[list[tuple[str, str | None]]]
-    local: list[LocalGroup | None] = field(default_factory=list)
-    outputs: frozenset[str] = frozenset()  # every HF name (empty: not known)
-
-
-LayerConvert = Callable[[int], Convert | None]  # layer i -> the mapping of a one-layer model like it
-
-
-@dataclass(frozen=True)
-class LocalGroup:
-    """One layer group converted as the only layer of a one-layer model: the whole-model mapping
-    called once per canonical tensor costs each call every other layer's placeholders (seconds per
-    model), this costs one layer's. Checked against the whole-model mapping on placeholders when
-    planned (same outputs, names, dtypes and shapes), so the tensors and their order are the same."""
-
-    convert: Convert
-    metas: dict[str, torch.Tensor]  # the one-layer model's placeholders
-    names: dict[str, str]  # this group's canonical name -> its name in the one-layer model
-    outputs: dict[str, str]  # the one-layer model's HF name -> the HF name it stands for
-
-    def run(self, real: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``_real_outputs`` of the whole-model mapping for ``real`` (tensors of this group)."""
-        made = _real_outputs(self.convert, self.metas, {self.names[n]: t for n, t in real.items()})
-        out = {self.outputs[k]: t for k, t in made.items()}
-        return {k: out[k] for k in self.outputs.values() if k in out}  # the whole-model order
-
-
-def _real_outputs(
-    convert: Convert, metas: dict[str, torch.Tensor], real: dict[str, torch.Tensor]
-) -> dict[str, torch.Tensor]:
-    mapping = dict(metas)
-    mapping.update(real)
-    return {k: t for k, t in convert(mapping).items() if t.device.type != "meta"}
-
-
-def _one_source_each(group: list[tuple[str, str | None]]) -> bool:
-    """Every output has one source tensor, and each source's outputs come one after another."""
-    sources = [src for _, src in group]
-    runs = [s for i, s in enumerate(sources) if i == 0 or s != sources[i - 1]]
-    return None not in sources and len(runs) == len(set(runs))
-
-
-def stream_hf_tensors(
-    names: Sequence[str], get: Callable[[str], torch.Tensor], convert: Convert,
-    metas: dict[str, torch.Tensor] | None = None, plan: HFPlan | None = None,
-    wanted: set[str] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
-    """``(hf_name, tensor)`` for every output of ``convert`` (canonical dict -> HF dict), computed one
-    layer group at a time; ``metas``: each canonical tensor's dtype and shape on the ``meta`` device
-    (default: ``meta_like(get(name))``, reading every tensor once more). With ``plan``, a group whose
-    outputs each come from one canonical tensor is converted one tensor at a time, in the same order
-    (memory: one canonical tensor and its outputs, not the layer's), and a group the plan can
-    convert alone (:class:`LocalGroup`) is. ``wanted`` (with ``plan``): only these outputs, in the
-    same order; a group with none of them is not read."""
-    if metas is None:
-        metas = {n: meta_like(get(n)) for n in names}
-    expected = set(plan.outputs) if plan is not None and plan.outputs else set(convert(dict(metas)))
-    seen: set[str] = set()
-    if wanted is not None:
-        assert plan is not None, "wanted needs the plan"
-        expected &= wanted
-    for i, group in enumerate(layer_groups(names)):
-        if plan is not None and wanted is not None and not any(hf in wanted for hf, _ in plan.groups[i]):
-            continue
-        local = plan.local[i] if plan is not None and i < len(plan.local) else None
-        run = local.run if local is not None else functools.partial(_real_outputs, convert, metas)
-        if plan is not None and _one_source_each(plan.groups[i]):
-            source: str | None = None
-            made: dict[str, torch.Tensor] = {}
-            for hf_name, src in plan.groups[i]:
-                assert src is not None
-                if wanted is not None and hf_name not in wanted:
-                    continue
-                if src != source:
-                    made = {}  # the previous tensor's outputs go before the next is read
-                    made, source = run({src: get(src)}), src
-                seen.add(hf_name)
-                yield hf_name, made.pop(hf_name)
-            continue
-        try:
-            out = run({n: get(n) for n in group})
-        except (RuntimeError, NotImplementedError) as exc:  # an output mixing layers: cannot stream
-            raise RuntimeError(f"the HF mapping combines tensors of several layers ({exc})") from exc
-        for hf_name, t in out.items():
-            if hf_name not in seen and (wanted is None or hf_name in wanted):
-                seen.add(hf_name)
-                yield hf_name, t
-        del out
-    if seen != expected:
-        raise RuntimeError(f"HF tensors not produced by any single layer: {sorted(expected - seen)[:5]}")
-
-
-Run = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
-
-
-def _sources(run: Run, group: list[str], outputs: list[str],
-             fake: Callable[[str], torch.Tensor]) -> list[tuple[str, str | None]]:  # fmt: skip
-    """Each of a group's ``outputs`` with the one tensor of ``group`` that alone makes it real."""
-    source: dict[str, str] = {}
-    for n in group:
-        try:
-            made = run({n: fake(n)})
-        except Exception:  # noqa: BLE001  # e.g. meta mixed with a real tensor: not alone
-            continue
-        for hf_name in made:
-            source.setdefault(hf_name, n)
-    return [(hf_name, source.get(hf_name)) for hf_name in outputs]
-
-
-def _global_name(local_name: str, layer: int) -> str:
-    """A one-layer model's HF name as layer ``layer``'s: the first index in it is the layer's
-    (``model.layers.0.mlp.experts.3.w1``, ``transformer.h.0.attn``, ``bert.encoder.layer.0.output``)."""
-    return local_name.replace(".0.", f".{layer}.", 1)
-
-
-def _local_group(group: list[str], metas: dict[str, torch.Tensor], hf_metas: dict[str, torch.Tensor],
-                 layer_convert: LayerConvert, fake: Callable[[str], torch.Tensor]) -> LocalGroup | None:  # fmt: skip
-    """Layer group ``group`` as the only layer of a one-layer model, or ``None`` when that model's
-    mapping does not make the same tensors (names, dtypes, shapes) as the whole model's."""
-    layers = {int(m.group(1)) if m is not None else None for m in map(_LAYER.search, group)}
-    if len(layers) != 1:
-        return None
-    layer = layers.pop()  # None: the embeddings, final norm and heads, converted beside layer 0
-    convert = layer_convert(layer or 0)
-    if convert is None:
-        return None
-    names = {n: _LAYER.sub(".layers.0.", n, count=1) for n in group}
-    local = {n: t for n, t in metas.items() if (m := _LAYER.search(n)) is None or int(m.group(1)) == 0}
-    local.update({names[n]: metas[n] for n in group})
-    made = _real_outputs(convert, local, {names[n]: fake(n) for n in group})
-    outputs = {k: k if layer is None else _global_name(k, layer) for k in made}
-    for k, g in outputs.items():
-        if g not in hf_metas or (hf_metas[g].dtype, hf_metas[g].shape) != (made[k].dtype, made[k].shape):
-            return None
-    if len(set(outputs.values())) != len(outputs):
-        return None
-    order = {g: j for j, g in enumerate(hf_metas)}
-    outputs = dict(sorted(outputs.items(), key=lambda kv: order[kv[1]]))
-    return LocalGroup(convert, local, names, outputs)
-
-
-def plan_hf_tensors(names: Sequence[str], metas: dict[str, torch.Tensor], convert: Convert,
-                    layer_convert: LayerConvert | None = None) -> HFPlan | None:  # fmt: skip
-    """What :func:`stream_hf_tensors` will yield, in order, from a dry run on fake tensors (shapes
-    only: no data read, no memory); ``None`` when the mapping cannot run on them. With
-    ``layer_convert`` each layer group is, where it checks out, converted alone (:class:`LocalGroup`)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    try:
-        hf_metas = convert(dict(metas))  # on placeholders alone: cheaper outside the fake mode
-        with FakeTensorMode(allow_non_fake_inputs=True):
-
-            def fake(name: str) -> torch.Tensor:
-                return torch.empty(metas[name].shape, dtype=metas[name].dtype)
-
-            groups, local, seen = [], [], set()
-            for group in layer_groups(names):
-                lg = (
-                    None
-                    if layer_convert is None
-                    else _local_group(group, metas, hf_metas, layer_convert, fake)
-                )
-                run = lg.run if lg is not None else functools.partial(_real_outputs, convert, metas)
-                outs = [n for n in run({n: fake(n) for n in group}) if n not in seen]
-                seen.update(outs)
-                groups.append(_sources(run, group, outs, fake))
-                local.append(lg)
-    except Exception:  # noqa: BLE001  # e.g. a data-dependent step: write without a plan
-        return None
-    if seen != set(hf_metas):
-        return None
-    # the order the stream yields, with the placeholders' dtypes and shapes (a real tensor unlike its
-    # placeholder only costs the writer a header rewrite: ShardWriter checks every add)
-    tensors = [Planned(n, hf_metas[n].dtype, tuple(hf_metas[n].shape)) for g in groups for n, _ in g]
-    return HFPlan(tensors, groups, local, frozenset(hf_metas))
 
 
 def split_shards(tensors: Sequence[Planned], max_bytes: int) -> list[list[Planned]]:

@@ -195,6 +195,8 @@ class LazySource:
     spec: ModelSpec
     makers: dict[str, Callable[[], torch.Tensor]]
     after: Callable[[], None] | None = None
+    # each tensor's dtype and shape once known (pretrain.checkpoint.tensor_meta), as a meta tensor
+    meta_cache: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     def names(self) -> list[str]:
         return list(self.makers)
