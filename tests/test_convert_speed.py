@@ -43,8 +43,8 @@ def _to_hf(ck: Path, save: Path, vocab: int) -> Path:
     return save
 
 
-# (a mixture-of-experts export is not planned: its router check reads data, so it goes layer by layer)
-@pytest.mark.parametrize("overrides", [{}, LLAMA], ids=["gpt2", "llama"])
+# (a mixture-of-experts export is planned too: its router check skips the dry run's shape probes)
+@pytest.mark.parametrize("overrides", [{}, LLAMA, QWEN2_MOE], ids=["gpt2", "llama", "qwen2-moe"])
 def test_to_hf_runs_the_whole_model_mapping_a_fixed_number_of_times(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: dict[str, object]
 ) -> None:

@@ -8,7 +8,8 @@ the outputs that came out real are the layer's HF tensors. So one mapping table 
 (GPT-2, Llama/Mistral/Qwen, MoE, BERT) and at most one layer is converted at a time.
 
 :func:`plan_hf_tensors` finds, before any data is read, what that stream yields (names, dtypes,
-shapes, in order: a safetensors header is written before its data) from a dry run on fake tensors.
+shapes, in order: a safetensors header is written before its data) from a dry run on shapes alone
+(:mod:`~pretrain.utils.shape_probe`).
 Layers whose groups are alike (the same one-layer mapping, names, dtypes and shapes) share one dry
 run, renamed per layer: planning costs one layer of each kind, not every layer.
 """
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pretrain.checkpoint.tensor_meta import meta_like
+from pretrain.utils.shape_probe import ShapeProbeMode
 
 __all__ = ["HFPlan", "LocalGroup", "Planned", "layer_groups", "plan_hf_tensors", "stream_hf_tensors"]
 
@@ -255,11 +257,9 @@ def plan_hf_tensors(names: Sequence[str], metas: dict[str, torch.Tensor], conver
     only: no data read, no memory); ``None`` when the mapping cannot run on them. With
     ``layer_convert`` each layer group is, where it checks out, converted alone (:class:`LocalGroup`);
     ``layer_convert`` giving the same mapping object for alike layers lets them share a dry run."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     try:
-        hf_metas = convert(dict(metas))  # on placeholders alone: cheaper outside the fake mode
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        hf_metas = convert(dict(metas))  # on placeholders alone: cheaper outside the probe mode
+        with ShapeProbeMode():  # fakes are probes: what comes out as one was made from them alone
 
             def fake(name: str) -> torch.Tensor:
                 return torch.empty(metas[name].shape, dtype=metas[name].dtype)

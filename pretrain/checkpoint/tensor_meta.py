@@ -3,21 +3,17 @@
 Streaming writers announce every tensor before its bytes (a safetensors header, a rank file's
 pickle), so they ask for each tensor's dtype and shape first. Readers answer from what they
 already hold (``tensor_meta(name)``: the mmap'd rank files' tensors, ``torch_dist``'s
-``.metadata``); any other source's ``tensor(name)`` is run on fake tensors (shapes only, no data
-read) and, should that fail (a data-dependent check), read for real.
+``.metadata``); any other source's ``tensor(name)`` is run on shapes alone
+(:mod:`~pretrain.utils.shape_probe`: no data read) and, should that fail (a data-dependent
+check), read for real.
 """
 
 from __future__ import annotations
 
-import functools
-from typing import TYPE_CHECKING
-
 import torch
 
 from pretrain.checkpoint.types import DictSource, LazySource, TensorSource
-
-if TYPE_CHECKING:
-    from torch._subclasses.fake_tensor import FakeTensorMode
+from pretrain.utils.shape_probe import shape_of
 
 
 def meta_like(t: torch.Tensor) -> torch.Tensor:
@@ -38,21 +34,9 @@ def tensor_meta(source: TensorSource, name: str) -> torch.Tensor:
     if cache is not None and name in cache:  # writers ask once per rank file: the dry run once
         return cache[name]
     try:
-        with _fake_mode():
-            fake = source.tensor(name)
-        meta = torch.empty(fake.shape, dtype=fake.dtype, device="meta")
+        meta = shape_of(lambda: source.tensor(name))
     except Exception:  # noqa: BLE001  # a data-dependent step: read it
         meta = meta_like(source.tensor(name))
     if cache is not None:
         cache[name] = meta
     return meta
-
-
-@functools.cache
-def _fake_mode() -> FakeTensorMode:
-    """One fake mode for every dry run: making one costs more than a tensor's dry run (about 4 ms,
-    tens of thousands of calls in a large checkpoint's conversion); it keeps no state between runs
-    that changes their results (its memo of converted inputs is weakly keyed)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    return FakeTensorMode(allow_non_fake_inputs=True)

@@ -23,6 +23,7 @@ from pretrain.models.norms import DTYPES
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.layers import mark_partition
 from pretrain.utils.errors import UserError
+from pretrain.utils.shape_probe import has_values
 
 
 @dataclass(frozen=True)
@@ -99,8 +100,9 @@ class TopKRouter(nn.Module):
 def check_router_weight(name: str, weight: torch.Tensor) -> None:
     """Refuse an all-zero router weight ``[E, h]`` (``name`` says where): every token's top-k would
     be a tie, so it is a lost or never-written router (Megatron-Bridge #1883's zero export), never
-    a model. Placeholders on the ``meta`` device are not checked."""
-    if weight.device.type != "meta" and weight.numel() and not bool(weight.any()):
+    a model. Placeholders and shape probes (dry runs: :mod:`pretrain.utils.shape_probe`) are not
+    checked."""
+    if has_values(weight) and weight.numel() and not bool(weight.any()):
         raise UserError(
             f"{name} is all zeros: every token's top-k would be a tie (an untrained or lost router)"
         )
