@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pretrain.checkpoint.tensor_meta import meta_like
+from pretrain.utils.errors import UserError
 from pretrain.utils.shape_probe import ShapeProbeMode
 
 __all__ = ["HFPlan", "LocalGroup", "Planned", "layer_groups", "plan_hf_tensors", "stream_hf_tensors"]
@@ -88,8 +89,16 @@ class LocalGroup:
     outputs: dict[str, str]  # the one-layer model's HF name -> the HF name it stands for
 
     def run(self, real: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``_real_outputs`` of the whole-model mapping for ``real`` (tensors of this group)."""
-        made = _real_outputs(self.convert, self.metas, {self.names[n]: t for n, t in real.items()})
+        """``_real_outputs`` of the whole-model mapping for ``real`` (tensors of this group); a
+        refusal (e.g. an all-zero router) names the tensor as the checkpoint does, not the one-layer
+        model's name for it."""
+        try:
+            made = _real_outputs(self.convert, self.metas, {self.names[n]: t for n, t in real.items()})
+        except UserError as exc:
+            message = str(exc)
+            for name in sorted(self.names, key=lambda n: len(self.names[n]), reverse=True):
+                message = message.replace(self.names[name], name)
+            raise UserError(message) from None
         out = {self.outputs[k]: t for k, t in made.items()}
         return {k: out[k] for k in self.outputs.values() if k in out}  # the whole-model order
 

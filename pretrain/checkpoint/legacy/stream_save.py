@@ -100,10 +100,9 @@ def _write_tensor(zf: torch._C.PyTorchFileWriter, name: str, lazy: LazyTensor) -
         )
     t = t.detach().to("cpu").contiguous()
     nbytes = t.numel() * t.element_size()
-    storage = t.untyped_storage()
-    if t.storage_offset() or storage.nbytes() != nbytes:  # a view of a larger storage: its bytes alone
-        storage = t.clone().untyped_storage()
-    zf.write_record(name, storage, nbytes)  # type: ignore[arg-type]  # torch's stub names only Storage
+    # its bytes where they lie (a view of a larger storage, e.g. a TP shard cut from the full
+    # tensor, is not copied first); ``t`` is alive for the call
+    zf.write_record(name, t.data_ptr() if nbytes else b"", nbytes)
 
 
 def _begin(
