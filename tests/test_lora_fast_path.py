@@ -1,0 +1,98 @@
+"""The fused LoRA linear (:mod:`pretrain.models.lora_linear`) computes the plain formula: values
+and gradients equal autograd over ``x W^T + b + s z (block-diagonal B)^T`` within fp32 rounding,
+alone and inside a model (against the plain path it replaces), and it is only taken where it
+applies (frozen fp32 base, no dropout while training)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pretrain.models import lora_linear
+from pretrain.models.lora import is_lora_name
+from pretrain.models.lora_linear import fast_path_ok, lora_linear as fused, slice_ranges
+from pretrain.models.lora_ops import block_diagonal_b, slice_mask
+from tests.lora_fixtures import ours_from_hf, randomise_adapters, tiny_hf
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _plain(x, w, bias, a, b, mask, s):
+    return F.linear(x, w, bias) + s * F.linear(F.linear(x, a), block_diagonal_b(b, mask))
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [torch.arange(40)],  # one slice (proj, fc2)
+        list(torch.arange(40).chunk(2)),  # SwiGLU fc1: gate, up
+        [
+            torch.tensor([0, 1, 2, 3, 12, 13, 14, 15]),
+            torch.tensor([4, 5, 16, 17]),
+            torch.tensor([6, 7, 18, 19]),
+        ]
+        + [torch.tensor([8, 9, 10, 11])],  # QKV-like interleaved runs, a fourth slice
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_equals_plain_formula(rows: list[torch.Tensor], bias: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    out = int(sum(len(r) for r in rows))
+    n, r, s = len(rows), 3, 2.5
+    x = torch.randn(2, 5, 16, generator=gen, requires_grad=True)
+    w, bb = torch.randn(out, 16, generator=gen), torch.randn(out, generator=gen) if bias else None
+    a = torch.randn(n * r, 16, generator=gen, requires_grad=True)
+    b = torch.randn(out, r, generator=gen, requires_grad=True)
+    mask = slice_mask(rows, out, x.device)
+    ranges = slice_ranges(mask)
+    assert sum(hi - lo for lo, hi, _ in ranges) == out
+    got = fused(x, w, bb, a, b, ranges=ranges, scaling=s, group=None, column=True)
+    want = _plain(x, w, bb, a, b, mask, s)
+    torch.testing.assert_close(got, want, **TOL)
+    g = torch.randn(got.shape, generator=gen)
+    grads = torch.autograd.grad(got, (x, a, b), g)
+    ref = torch.autograd.grad(want, (x, a, b), g)
+    for u, v in zip(grads, ref, strict=True):
+        torch.testing.assert_close(u, v, **TOL)
+
+
+def test_no_input_gradient_when_the_input_needs_none() -> None:
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    a, b = torch.randn(2, 8, requires_grad=True), torch.randn(6, 2, requires_grad=True)
+    y = fused(x, w, None, a, b, ranges=((0, 6, 0),), scaling=1.0, group=None, column=False)
+    y.sum().backward()
+    assert a.grad is not None and b.grad is not None
+
+
+def test_fast_path_only_where_it_applies() -> None:
+    x, w, a = torch.randn(2, 4), torch.randn(3, 4), torch.randn(1, 4)
+    assert fast_path_ok(x, w, None, a, 0.0, True) and fast_path_ok(x, w, None, a, 0.1, False)
+    assert not fast_path_ok(x, w, None, a, 0.1, True)  # dropout while training
+    assert not fast_path_ok(x, w.requires_grad_(), None, a, 0.0, True)  # a trainable base
+    assert not fast_path_ok(x.bfloat16(), w.detach().bfloat16(), None, a, 0.0, True)
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if is_lora_name(n)}
+
+
+@pytest.mark.parametrize("case", ["llama3", "qwen2"])  # qwen2: QKV bias
+def test_model_step_equals_the_plain_path(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = ours_from_hf(tiny_hf(case)).train()
+    randomise_adapters(model)
+    ids = torch.randint(0, 301, (2, 25), generator=torch.Generator().manual_seed(1))
+    calls = []
+    monkeypatch.setattr(lora_linear, "lora_linear", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    loss, grads = _loss_and_grads(model, ids)
+    assert len(calls) == 2 * 4  # every adapted linear of both layers took the fast path
+    monkeypatch.setattr(lora_linear, "fast_path_ok", lambda *_: False)
+    ref_loss, ref_grads = _loss_and_grads(model, ids)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 4 * 2
+    for name, g in ref_grads.items():
+        assert g.abs().sum() > 0, name
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
