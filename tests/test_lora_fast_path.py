@@ -11,7 +11,8 @@ import torch.nn.functional as F
 
 from pretrain.models import lora_linear
 from pretrain.models.lora import is_lora_name
-from pretrain.models.lora_linear import fast_path_ok, lora_linear as fused, slice_ranges
+from pretrain.models.lora_linear import fast_path_ok, slice_ranges
+from pretrain.models.lora_linear import lora_linear as fused
 from pretrain.models.lora_ops import block_diagonal_b, slice_mask
 from tests.lora_fixtures import ours_from_hf, randomise_adapters, tiny_hf
 
