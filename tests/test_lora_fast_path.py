@@ -1,4 +1,5 @@
-"""The fused LoRA linear (:mod:`pretrain.models.lora_linear`) computes the plain formula: values
+"""The fused LoRA linear (:mod:`pretrain.models.lora_linear`) and the fused output layer + cross
+entropy (:mod:`pretrain.models.lm_loss`) compute the plain formulas: values
 and gradients equal autograd over ``x W^T + b + s z (block-diagonal B)^T`` within fp32 rounding,
 alone and inside a model (against the plain path it replaces), and it is only taken where it
 applies (frozen fp32 base, no dropout while training)."""
@@ -9,7 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pretrain.models import lora_linear
+from pretrain.models import gpt, lm_loss, lora_linear
+from pretrain.models.lm_loss import lm_head_cross_entropy
 from pretrain.models.lora import is_lora_name
 from pretrain.models.lora_linear import fast_path_ok, slice_ranges
 from pretrain.models.lora_linear import lora_linear as fused
@@ -88,12 +90,34 @@ def test_model_step_equals_the_plain_path(case: str, monkeypatch: pytest.MonkeyP
     ids = torch.randint(0, 301, (2, 25), generator=torch.Generator().manual_seed(1))
     calls = []
     monkeypatch.setattr(lora_linear, "lora_linear", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    monkeypatch.setattr(gpt, "lm_head_cross_entropy", lambda *a: calls.append(2) or lm_head_cross_entropy(*a))
     loss, grads = _loss_and_grads(model, ids)
-    assert len(calls) == 2 * 4  # every adapted linear of both layers took the fast path
+    assert calls == [1] * 2 * 4 + [
+        2
+    ]  # every adapted linear of both layers, then the head, took the fast path
     monkeypatch.setattr(lora_linear, "fast_path_ok", lambda *_: False)
+    monkeypatch.setattr(gpt, "fused_loss_ok", lambda *_: False)
     ref_loss, ref_grads = _loss_and_grads(model, ids)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
     assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 4 * 2
     for name, g in ref_grads.items():
         assert g.abs().sum() > 0, name
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("block", [1 << 23, 3 * 50])  # one block; blocks of 3 rows (the last short)
+def test_lm_head_cross_entropy_equals_plain(block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lm_loss, "_BLOCK_ELEMENTS", block)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 7, 16, generator=gen, requires_grad=True)
+    w = torch.randn(50, 16, generator=gen)
+    t = torch.randint(0, 50, (2, 7), generator=gen)
+    got = lm_head_cross_entropy(x, w, t)
+    want = F.cross_entropy(F.linear(x, w).flatten(0, 1), t.flatten(), reduction="none").view(2, 7)
+    torch.testing.assert_close(got, want, **TOL)
+    g = torch.rand(2, 7, generator=gen)  # any per-token weights (a loss mask, a mean)
+    (gx,) = torch.autograd.grad(got, x, g)
+    (ref,) = torch.autograd.grad(want, x, g)
+    torch.testing.assert_close(gx, ref, **TOL)
+    with torch.no_grad():
+        torch.testing.assert_close(lm_head_cross_entropy(x, w, t), want, **TOL)
