@@ -1,5 +1,6 @@
 """The fused LoRA linear (:mod:`pretrain.models.lora_linear`) and the fused output layer + cross
-entropy (:mod:`pretrain.models.lm_loss`) compute the plain formulas: values
+entropy (:mod:`pretrain.models.lm_loss`) and the split-and-rotate of QKV
+(:func:`pretrain.models.rotary.split_rotate_qkv`) compute the plain formulas: values
 and gradients equal autograd over ``x W^T + b + s z (block-diagonal B)^T`` within fp32 rounding,
 alone and inside a model (against the plain path it replaces), and it is only taken where it
 applies (frozen fp32 base, no dropout while training)."""
@@ -16,6 +17,7 @@ from pretrain.models.lora import is_lora_name
 from pretrain.models.lora_linear import fast_path_ok, slice_ranges
 from pretrain.models.lora_linear import lora_linear as fused
 from pretrain.models.lora_ops import block_diagonal_b, slice_mask
+from pretrain.models.rotary import apply_rotary, split_rotate_qkv
 from tests.lora_fixtures import ours_from_hf, randomise_adapters, tiny_hf
 
 TOL = {"rtol": 1e-5, "atol": 1e-5}
@@ -121,3 +123,21 @@ def test_lm_head_cross_entropy_equals_plain(block: int, monkeypatch: pytest.Monk
     torch.testing.assert_close(gx, ref, **TOL)
     with torch.no_grad():
         torch.testing.assert_close(lm_head_cross_entropy(x, w, t), want, **TOL)
+
+
+@pytest.mark.parametrize("parts", [(0, 1, 2), (0, 2), (1,)])  # every part, or some without a gradient
+def test_split_rotate_qkv_equals_slicing_and_apply_rotary(parts: tuple[int, ...]) -> None:
+    b, s, g, qpg, d = 2, 7, 3, 2, 8
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(b, s, g, qpg + 2, d, generator=gen, requires_grad=True)
+    angle = torch.rand(1, s, d, generator=gen) * 6  # halves differ: the transpose must pair them right
+    cos, sin = angle.cos(), angle.sin()
+    got = split_rotate_qkv(qkv, cos, sin)
+    q = apply_rotary(qkv[:, :, :, :qpg].reshape(b, s, g * qpg, d), cos, sin)
+    want = (q, apply_rotary(qkv[:, :, :, qpg], cos, sin), qkv[:, :, :, qpg + 1])
+    for u, v in zip(got, want, strict=True):
+        torch.testing.assert_close(u, v, rtol=1e-6, atol=1e-6)
+    grads = [torch.randn(want[i].shape, generator=gen) for i in parts]
+    (gx,) = torch.autograd.grad([got[i] for i in parts], qkv, grads)
+    (ref,) = torch.autograd.grad([want[i] for i in parts], qkv, grads)
+    torch.testing.assert_close(gx, ref, rtol=1e-6, atol=1e-6)
