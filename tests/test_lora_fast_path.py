@@ -1,9 +1,9 @@
-"""The fused LoRA linear (:mod:`pretrain.models.lora_linear`) and the fused output layer + cross
-entropy (:mod:`pretrain.models.lm_loss`) and the split-and-rotate of QKV
-(:func:`pretrain.models.rotary.split_rotate_qkv`) compute the plain formulas: values
-and gradients equal autograd over ``x W^T + b + s z (block-diagonal B)^T`` within fp32 rounding,
-alone and inside a model (against the plain path it replaces), and it is only taken where it
-applies (frozen fp32 base, no dropout while training)."""
+"""The fast paths of a LoRA step compute the plain formulas (values and gradients of autograd over
+the plain ops, within fp32 rounding): the fused adapted linear (:mod:`pretrain.models.lora_linear`,
+``x W^T + b + s z (block-diagonal B)^T``, alone and inside a model against the plain path it
+replaces, taken only where it applies: frozen fp32 base, no dropout while training), the fused
+output layer + cross entropy (:mod:`pretrain.models.lm_loss`), the split-and-rotate of QKV
+(:func:`pretrain.models.rotary.split_rotate_qkv`) and the frozen RMSNorm's backward."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pretrain.models.lora import is_lora_name
 from pretrain.models.lora_linear import fast_path_ok, slice_ranges
 from pretrain.models.lora_linear import lora_linear as fused
 from pretrain.models.lora_ops import block_diagonal_b, slice_mask
+from pretrain.models.norms import RMSNorm
 from pretrain.models.rotary import apply_rotary, split_rotate_qkv
 from tests.lora_fixtures import ours_from_hf, randomise_adapters, tiny_hf
 
@@ -141,3 +142,20 @@ def test_split_rotate_qkv_equals_slicing_and_apply_rotary(parts: tuple[int, ...]
     (gx,) = torch.autograd.grad([got[i] for i in parts], qkv, grads)
     (ref,) = torch.autograd.grad([want[i] for i in parts], qkv, grads)
     torch.testing.assert_close(gx, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_frozen_rms_norm_equals_the_plain_ops() -> None:
+    gen = torch.Generator().manual_seed(4)
+    norm = RMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16, generator=gen))
+    x = (3 * torch.randn(2, 5, 16, generator=gen)).requires_grad_()
+    want = norm.weight.detach() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    norm.weight.requires_grad_(False)
+    got = norm(x)
+    assert got.grad_fn is not None and "FrozenRMSNorm" in type(got.grad_fn).__name__
+    assert torch.equal(got, want)  # the same forward ops
+    g = torch.randn(got.shape, generator=gen)
+    (gx,) = torch.autograd.grad(got, x, g)
+    (ref,) = torch.autograd.grad(want, x, g)
+    torch.testing.assert_close(gx, ref, rtol=1e-5, atol=1e-6)
