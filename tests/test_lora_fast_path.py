@@ -135,8 +135,9 @@ def test_split_rotate_qkv_equals_slicing_and_apply_rotary(parts: tuple[int, ...]
     cos, sin = angle.cos(), angle.sin()
     got = split_rotate_qkv(qkv, cos, sin)
     q = apply_rotary(qkv[:, :, :, :qpg].reshape(b, s, g * qpg, d), cos, sin)
-    want = (q, apply_rotary(qkv[:, :, :, qpg], cos, sin), qkv[:, :, :, qpg + 1])
+    want = [t.transpose(1, 2) for t in (q, apply_rotary(qkv[:, :, :, qpg], cos, sin), qkv[:, :, :, qpg + 1])]
     for u, v in zip(got, want, strict=True):
+        assert u.is_contiguous()
         torch.testing.assert_close(u, v, rtol=1e-6, atol=1e-6)
     grads = [torch.randn(want[i].shape, generator=gen) for i in parts]
     (gx,) = torch.autograd.grad([got[i] for i in parts], qkv, grads)

@@ -105,13 +105,15 @@ class _SplitRotateQKV(torch.autograd.Function):
         ctx: Any, qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
         b, s, g, slots, d = qkv.shape
-        cos, sin = cos.view(cos.shape[0], s, 1, 1, d), sin.view(sin.shape[0], s, 1, 1, d)
-        q, k = qkv.new_empty(b, s, g, slots - 2, d), qkv.new_empty(b, s, g, 1, d)
-        _rotate_into(q, qkv[:, :, :, :-2], cos, sin, transpose=False)
-        _rotate_into(k, qkv[:, :, :, -2:-1], cos, sin, transpose=False)
+        heads_first = qkv.permute(0, 2, 3, 1, 4)  # [b, g, q + 2, s, d], a view
+        cos, sin = cos.view(cos.shape[0], 1, 1, s, d), sin.view(sin.shape[0], 1, 1, s, d)
+        q, k = qkv.new_empty(b, g, slots - 2, s, d), qkv.new_empty(b, g, 1, s, d)
+        _rotate_into(q, heads_first[:, :, :-2], cos, sin, transpose=False)
+        _rotate_into(k, heads_first[:, :, -2:-1], cos, sin, transpose=False)
+        v = heads_first[:, :, -1].clone(memory_format=torch.contiguous_format)
         ctx.save_for_backward(cos, sin)
         ctx.shape = qkv.shape
-        return q.view(b, s, g * (slots - 2), d), k.view(b, s, g, d), qkv[:, :, :, -1].clone()
+        return q.view(b, g * (slots - 2), s, d), k.view(b, g, s, d), v
 
     @staticmethod
     @once_differentiable
@@ -119,21 +121,23 @@ class _SplitRotateQKV(torch.autograd.Function):
         cos, sin = ctx.saved_tensors
         b, s, g, _, d = ctx.shape
         grad = cos.new_empty(ctx.shape)
+        heads_first = grad.permute(0, 2, 3, 1, 4)
         for part, rows in zip(grads, (slice(0, -2), slice(-2, -1), slice(-1, None)), strict=True):
-            dst = grad[:, :, :, rows]
+            dst = heads_first[:, :, rows]
             if part is None:
                 dst.zero_()
             elif rows.stop is None:  # v: not rotated
-                dst.copy_(part.view(b, s, g, 1, d))
+                dst.copy_(part.view(b, g, 1, s, d))
             else:
-                _rotate_into(dst, part.view(b, s, g, -1, d), cos, sin, transpose=True)
+                _rotate_into(dst, part.view(b, g, -1, s, d), cos, sin, transpose=True)
         return grad, None, None
 
 
 def split_rotate_qkv(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The fused QKV output ``[b, s, g, q + 2, d]`` (per group: q heads, k, v) split into q
-    ``[b, s, g q, d]`` and k ``[b, s, g, d]`` rotated by ``cos``/``sin [b|1, s, d]`` (RoPE over the
-    whole head) and v ``[b, s, g, d]``, each a new tensor: the values of the slicing and
-    :func:`apply_rotary`, but backward writes each part's gradient once into one
-    ``[b, s, g, q + 2, d]`` tensor (autograd zero-fills a full-size tensor per part and sums them)."""
+    ``[b, g q, s, d]`` and k ``[b, g, s, d]`` rotated by ``cos``/``sin [b|1, s, d]`` (RoPE over the
+    whole head) and v ``[b, g, s, d]``: new contiguous heads-first tensors (the layout the CPU
+    attention kernel reads fastest), the values of the slicing and :func:`apply_rotary`. Backward
+    writes each part's gradient once into one ``[b, s, g, q + 2, d]`` tensor (autograd zero-fills
+    a full-size tensor per part and sums them)."""
     return _SplitRotateQKV.apply(qkv, cos, sin)  # type: ignore[no-any-return]

@@ -127,8 +127,7 @@ class ParallelAttention(nn.Module):
         b, s, _ = qkv.shape
         qkv = qkv.view(b, s, self.groups, self.q_per_group + 2, self.head_dim)
         if self._whole_head_rope_only(rotary):  # split and rotate in one node (one gradient tensor)
-            q, k, v = split_rotate_qkv(qkv, *rotary)  # type: ignore[misc]
-            return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            return split_rotate_qkv(qkv, *rotary)  # type: ignore[misc]
         q = qkv[:, :, :, : self.q_per_group].reshape(b, s, self.heads, self.head_dim)
         k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
         return self._norm_and_rotate(q, k, v, rotary, rotary)
