@@ -14,6 +14,7 @@ from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
 from pretrain.models.forward_context import ForwardContext
 from pretrain.models.language_model import LanguageModel, gather_vocab_logits, parallel_lm_logits
+from pretrain.models.lm_loss import fused_loss_ok, lm_head_cross_entropy
 from pretrain.models.transformer import DTYPES
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -100,9 +101,15 @@ class GPTModel(ShardedModule):
         x = self.trunk(input_ids, hidden_states=hidden_states, ctx=ctx)
         if not self.post_process:
             return x
+        weight = self.output_weight()
+        if labels is not None and fused_loss_ok(x, weight, self.ps.tp_size):  # a frozen head (LoRA)
+            valid = min(weight.shape[0], self.cfg.vocab_size)  # no padded rows, as parallel_lm_logits
+            # out-of-range targets (masked out by the caller) get the loss of class 0, as below
+            safe = labels.masked_fill((labels < 0) | (labels >= valid), 0)
+            return lm_head_cross_entropy(x, weight[:valid], safe)
         logits = parallel_lm_logits(
             x,
-            self.output_weight(),
+            weight,
             ps=self.ps,
             vocab_start=self.vocab_start,
             true_vocab=self.cfg.vocab_size,

@@ -36,27 +36,15 @@ from dataclasses import dataclass
 from typing import cast
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
 from pretrain.models.lora_experts import attach_expert_adapters
-from pretrain.models.lora_ops import (
-    LORA_A,
-    LORA_B,
-    LoraWeight,
-    adapter_names,
-    add_low_rank,
-    block_diagonal_b,
-    dropped,
-    init_adapter_a,
-    slice_mask,
-)
+from pretrain.models.lora_linear import LoraColumnParallelLinear, LoraRowParallelLinear, slice_ranges
+from pretrain.models.lora_ops import LORA_A, LORA_B, LoraWeight, adapter_names, init_adapter_a, slice_mask
 from pretrain.models.sharding import shard_tensor
-from pretrain.parallel.rng import RNGStatesTracker
 from pretrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
-from pretrain.tensor_parallel.mappings import copy_to_tp_region, reduce_from_tp_region
 from pretrain.utils.errors import UserError
 
 # target -> the module name (suffix) of the linear it adapts
@@ -196,51 +184,6 @@ def adapter_shapes(
     return (num_slices(target, cfg, routed=kind == "routed") * rank, inp), (out, rank)
 
 
-class LoraColumnParallelLinear(ColumnParallelLinear):
-    """A :class:`ColumnParallelLinear` with an adapter: ``lora_A`` ``[n r, in]`` (replicated),
-    ``lora_B`` ``[out/t, r]`` (this rank's base rows). ``x [..., in]`` -> ``[..., out/t]``."""
-
-    lora_A: LoraWeight
-    lora_B: LoraWeight
-    lora_slice_mask: torch.Tensor  # [out/t, n]: 1 where a local row belongs to slice j
-    lora_scaling: float
-    lora_dropout: float
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward(x)
-        a, b = self.lora_A.weight, self.lora_B.weight
-        n = self.lora_slice_mask.shape[1]
-        xf = x.to(a.dtype)
-        if self.lora_dropout > 0.0 and self.training:  # one mask per slice, as PEFT's per module
-            z = torch.cat([F.linear(dropped(xf, self.lora_dropout, True, None), aj) for aj in a.chunk(n)], -1)
-        else:
-            z = F.linear(xf, a)  # all slices in one GEMM: [..., n r]
-        # f: the replicated A sees the gradient of every rank's B rows
-        z = copy_to_tp_region(z, self.group)
-        # each B row reads only its slice's block of z: B spread block-diagonally [out/t, n r]
-        return add_low_rank(y, z, block_diagonal_b(b, self.lora_slice_mask), self.lora_scaling)
-
-
-class LoraRowParallelLinear(RowParallelLinear):
-    """A :class:`RowParallelLinear` with an adapter: ``lora_A`` ``[r, in/t]`` (split like the base
-    input), ``lora_B`` ``[out, r]`` (replicated). ``x [..., in/t]`` -> ``[..., out]``."""
-
-    lora_A: LoraWeight
-    lora_B: LoraWeight
-    lora_scaling: float
-    lora_dropout: float
-    lora_rng: RNGStatesTracker
-
-    def forward_no_bias(self, x: torch.Tensor) -> torch.Tensor:
-        y = super().forward_no_bias(x)
-        if not self.input_is_parallel:
-            raise NotImplementedError("LoRA on a row-parallel linear needs input_is_parallel=True")
-        a, b = self.lora_A.weight, self.lora_B.weight
-        xj = dropped(x.to(a.dtype), self.lora_dropout, self.training, self.lora_rng)
-        z = reduce_from_tp_region(F.linear(xj, a), self.group)
-        return add_low_rank(y, z, b, self.lora_scaling)
-
-
 def _targets(
     model: nn.Module, cfg: LoraConfig
 ) -> Iterator[tuple[str, str, ColumnParallelLinear | RowParallelLinear]]:
@@ -321,11 +264,13 @@ def _attach(
         mask = slice_mask(rows, weight.shape[0], weight.device)
         col.register_buffer("lora_slice_mask", mask, persistent=False)  # follows .to()
         col.lora_A, col.lora_B, col.lora_scaling, col.lora_dropout = lora_a, lora_b, cfg.scaling, cfg.dropout
+        col.lora_ranges = slice_ranges(mask)
     else:
         lin.__class__ = LoraRowParallelLinear
         row = cast(LoraRowParallelLinear, lin)
         row.lora_rng = ps.rng
         row.lora_A, row.lora_B, row.lora_scaling, row.lora_dropout = lora_a, lora_b, cfg.scaling, cfg.dropout
+        row.lora_ranges = ((0, weight.shape[0], 0),)
 
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:

@@ -4,7 +4,8 @@ Plain autograd keeps ``gate``/``up`` (a view of the fused input) *and* ``silu(ga
 for the product's backward; :func:`swiglu` recomputes ``silu(gate)`` in backward instead (as
 megatron-core's fused SwiGLU does), saving ``[..., f]`` per layer. Backward runs the same kernels
 autograd would (``mul``, ``silu_backward``; the split's ``cat`` becomes writes into one
-``[..., 2 f]`` tensor), so values and gradients are bitwise those of ``F.silu(gate) * up``.
+``[..., 2 f]`` tensor, and the temporaries are written in place there), so values and gradients
+are bitwise those of ``F.silu(gate) * up``.
 """
 
 from __future__ import annotations
@@ -30,8 +31,10 @@ class _SwiGLU(torch.autograd.Function):
         gate, up = y.chunk(2, dim=-1)
         out = torch.empty_like(y)
         grad_gate, grad_up = out.chunk(2, dim=-1)
-        torch.mul(grad, F.silu(gate), out=grad_up)
-        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=grad_gate)
+        # elementwise kernels: each output element reads only its own inputs, so out= may alias one
+        torch.mul(torch.ops.aten.silu.out(gate, out=grad_up), grad, out=grad_up)
+        torch.mul(grad, up, out=grad_gate)
+        torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
         return out
 
 

@@ -34,7 +34,7 @@ from pretrain.models.forward_context import (
 from pretrain.models.moe.layer import MoEMLP
 from pretrain.models.norms import DTYPES, full_width_norm, layer_norm
 from pretrain.models.recompute import layer_groups
-from pretrain.models.rotary import RotaryEmbedding, apply_rotary
+from pretrain.models.rotary import RotaryEmbedding, apply_rotary, split_rotate_qkv
 from pretrain.models.swiglu import swiglu
 from pretrain.parallel.rng import checkpointed
 from pretrain.parallel.state import ParallelState
@@ -126,9 +126,16 @@ class ParallelAttention(nn.Module):
         qkv = self.query_key_value(x)  # [b, s, rows]: the whole sequence under sequence parallelism
         b, s, _ = qkv.shape
         qkv = qkv.view(b, s, self.groups, self.q_per_group + 2, self.head_dim)
+        if self._whole_head_rope_only(rotary):  # split and rotate in one node (one gradient tensor)
+            return split_rotate_qkv(qkv, *rotary)  # type: ignore[misc]
         q = qkv[:, :, :, : self.q_per_group].reshape(b, s, self.heads, self.head_dim)
         k, v = qkv[:, :, :, self.q_per_group], qkv[:, :, :, self.q_per_group + 1]
         return self._norm_and_rotate(q, k, v, rotary, rotary)
+
+    def _whole_head_rope_only(self, rotary: Rotary | None) -> bool:
+        """RoPE over the whole head and no QK-norm: what :func:`split_rotate_qkv` computes."""
+        norms = hasattr(self, "q_layernorm") or hasattr(self, "q_full_layernorm")
+        return rotary is not None and not norms and rotary[0].shape[-1] == self.head_dim
 
     def _qkv_at(
         self, x: torch.Tensor, index: torch.Tensor, rotary: Rotary | None

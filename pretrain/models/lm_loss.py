@@ -1,0 +1,64 @@
+"""The output layer and the per-token cross entropy as one pass over row blocks (frozen head, one rank).
+
+With a frozen output weight the only gradient the head passes on is the hidden states'. Per
+token ``i`` that is ``dL_i/dx_i = (softmax(x_i W^T) - onehot(t_i)) W`` times the incoming
+``grad_loss_i``, a per-row scalar that factors out of the sum over the vocabulary. So forward
+computes, one block of rows at a time, the logits (into one reused ``[rows, V]`` buffer), their
+log-softmax in place, the loss, and ``(softmax - onehot) W`` ``[rows, h]``; backward only scales
+those rows by ``grad_loss``. The ``[n, V]`` logits and log-probabilities are never held whole,
+nothing of size ``V`` is kept for backward, and the GEMMs are those of the plain path (the input
+gradient GEMM just runs in forward). Values equal ``F.cross_entropy(F.linear(x, W), t,
+reduction="none")`` and its input gradient up to fp32 rounding.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.autograd.function import once_differentiable
+
+_BLOCK_ELEMENTS = 1 << 23  # elements of the reused logits block (32 MiB in fp32)
+
+
+class _LMHeadCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        n, v = x.shape[0], weight.shape[0]
+        rows = max(1, min(n, _BLOCK_ELEMENTS // max(v, 1)))
+        buf = x.new_empty(rows, v)
+        loss = x.new_empty(n)
+        grad_x = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
+        for start in range(0, n, rows):
+            stop = min(n, start + rows)
+            block, t = buf[: stop - start], target[start:stop].unsqueeze(-1)
+            torch.mm(x[start:stop], weight.t(), out=block)  # the logits of these rows
+            # row-wise kernel: each row is read whole before it is written, so out= may alias it
+            torch.ops.aten._log_softmax.out(block, -1, False, out=block)
+            torch.neg(block.gather(-1, t).squeeze(-1), out=loss[start:stop])
+            if grad_x is not None:  # d loss_i / d logits_i = softmax - onehot, times W
+                block.exp_().scatter_add_(-1, t, block.new_full(t.shape, -1.0))
+                torch.mm(block, weight, out=grad_x[start:stop])
+        ctx.save_for_backward(grad_x)
+        return loss
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        (grad_x,) = ctx.saved_tensors
+        return grad_x * grad_loss.unsqueeze(-1), None, None
+
+
+def lm_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Per-token loss ``[...]`` of ``hidden [..., h]`` under the output weight ``weight [V, h]``
+    (every row a real vocabulary entry) for targets ``target [...]`` in ``[0, V)``: float32, as
+    the plain path. Only the hidden states get a gradient (the caller keeps this to a frozen
+    ``weight``, fp32 tensors and one tensor-parallel rank)."""
+    loss = _LMHeadCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1))
+    return loss.view(target.shape)  # type: ignore[no-any-return]
+
+
+def fused_loss_ok(hidden: torch.Tensor, weight: torch.Tensor, tp_size: int) -> bool:
+    """Whether :func:`lm_head_cross_entropy` computes the loss: one tensor-parallel rank, a frozen
+    output weight and fp32 hidden states and weight."""
+    return tp_size == 1 and not weight.requires_grad and hidden.dtype == weight.dtype == torch.float32

@@ -1,0 +1,181 @@
+"""A whole LoRA-adapted linear of frozen fp32 base weights as one autograd node.
+
+``y = x W^T (+ b) + scaling * z B_j^T`` with ``z = x A^T`` ``[N, n r]``, where output row ``o``
+of slice ``j`` reads only its slice's block ``z[:, j r:(j+1) r]`` (fused QKV: q, k, v; SwiGLU
+fc1: gate, up). Autograd over the plain ops of :mod:`pretrain.models.lora_ops` spends time the
+frozen base does not need, and this node does not:
+
+* the B side runs per contiguous row range of one slice, not as one GEMM with the block-diagonal
+  ``[out, n r]`` spread of ``B`` (whose zero blocks cost 2x the fc1 and 3x the QKV B-side flops);
+* the low-rank update is added in place into the base GEMM's output (``addmm_`` with
+  ``alpha=scaling``): no copy of ``y``, no scaled copy of ``B``;
+* backward adds the adapter's input gradient into the base one in place (``gx.addmm_(gz, A)``)
+  instead of summing two ``[N, in]`` tensors, and skips the input gradient where the input needs
+  none (the first layer's QKV reads the frozen embedding);
+* the base weight gets no gradient (the caller only uses this node when it is frozen).
+
+Values equal the plain formula up to fp32 rounding (the same products, summed by the same GEMMs
+in a different grouping). Collectives, over ``group`` (None or one rank: none): column-parallel
+(``column=True``, ``x`` replicated, ``A`` replicated, ``W``/``B`` this rank's rows) all-reduces
+the base input gradient and ``dz`` in backward (f on the input and on ``z``, as the plain path);
+row-parallel (``x``, ``W`` and ``A`` split along the input, ``B`` replicated) all-reduces ``x W^T``
+and ``z`` in forward (g) and nothing in backward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+
+from pretrain.models.lora_ops import LoraWeight, add_low_rank, block_diagonal_b, dropped
+from pretrain.parallel.rng import RNGStatesTracker
+from pretrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from pretrain.tensor_parallel.mappings import (
+    ProcessGroup,
+    all_reduce,
+    copy_to_tp_region,
+    gather_from_tp_region,
+    reduce_from_tp_region,
+)
+
+Ranges = tuple[tuple[int, int, int], ...]  # (first row, end row, slice j) of the output rows
+
+
+def slice_ranges(slice_mask: torch.Tensor) -> Ranges:
+    """Runs of consecutive output rows of one slice, from ``slice_mask [out, n]`` (1 where row
+    ``o`` is in slice ``j``): e.g. fc1 ``((0, f, 0), (f, 2 f, 1))``, QKV with two groups six runs."""
+    owner = slice_mask.argmax(dim=1).tolist()
+    runs: list[tuple[int, int, int]] = []
+    start = 0
+    for i in range(1, len(owner) + 1):
+        if i == len(owner) or owner[i] != owner[start]:
+            runs.append((start, i, owner[start]))
+            start = i
+    return tuple(runs)
+
+
+class _LoraLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
+        b: torch.Tensor, ranges: Ranges, scaling: float, group: ProcessGroup | None, column: bool,
+    ) -> torch.Tensor:  # fmt: skip
+        y = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+        z = torch.mm(x, a.t())  # [N, n r]: every slice's A in one GEMM
+        if not column:  # g: the split input's partial products summed over the group
+            all_reduce(y, group)
+            all_reduce(z, group)
+        r = b.shape[1]
+        for lo, hi, j in ranges:  # y[:, rows of slice j] += scaling z_j B[rows]^T, in place
+            y[:, lo:hi].addmm_(z[:, j * r : (j + 1) * r], b[lo:hi].t(), alpha=scaling)
+        ctx.save_for_backward(x, weight, a, b, z)
+        ctx.ranges, ctx.scaling, ctx.group, ctx.column = ranges, scaling, group, column
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        x, weight, a, b, z = ctx.saved_tensors
+        r, s = b.shape[1], ctx.scaling
+        gz = torch.empty_like(z)  # [N, n r]
+        gb_t = b.new_empty(r, b.shape[0])  # [r, out]: z^T g reads g row-major (g^T z is slower)
+        started: set[int] = set()
+        for lo, hi, j in ctx.ranges:
+            g_rows, z_j, gz_j = g[:, lo:hi], z[:, j * r : (j + 1) * r], gz[:, j * r : (j + 1) * r]
+            gz_j.addmm_(g_rows, b[lo:hi], beta=0.0 if j not in started else 1.0, alpha=s)
+            gb_t[:, lo:hi].addmm_(z_j.t(), g_rows, beta=0.0, alpha=s)
+            started.add(j)
+        for j in range(gz.shape[1] // r):  # a slice with no local rows: no gradient from here
+            if j not in started:
+                gz[:, j * r : (j + 1) * r].zero_()
+        gx = None
+        if ctx.needs_input_grad[0]:
+            gx = torch.mm(g, weight)
+            if ctx.column:  # f on the input: the base rows of every rank
+                all_reduce(gx, ctx.group)
+        if ctx.column:  # f on z: the replicated A sees the gradient of every rank's B rows
+            all_reduce(gz, ctx.group)
+        ga = torch.mm(gz.t(), x)
+        if gx is not None:
+            gx.addmm_(gz, a)
+        return gx, None, None, ga, gb_t.t().contiguous(), None, None, None, None
+
+
+def lora_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, *,
+    ranges: Ranges, scaling: float, group: ProcessGroup | None, column: bool,
+) -> torch.Tensor:  # fmt: skip
+    """``x [..., in]`` -> ``[..., out]`` (see the module docstring): ``weight [out, in]``, ``bias
+    [out]`` or None (column-parallel only), ``a [n r, in]``, ``b [out, r]``, ``ranges`` the output
+    rows of each slice (:func:`slice_ranges`). Only for a frozen fp32 base and fp32 adapters."""
+    y = _LoraLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, a, b, ranges, scaling, group, column)
+    return y.view(*x.shape[:-1], y.shape[-1])  # type: ignore[no-any-return]
+
+
+def fast_path_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
+                 dropout: float, training: bool) -> bool:  # fmt: skip
+    """Whether :func:`lora_linear` computes this adapted linear: a frozen base (no weight or bias
+    gradient wanted), every tensor fp32, and no adapter dropout while training."""
+    frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
+    fp32 = x.dtype == weight.dtype == a.dtype == torch.float32
+    return frozen and fp32 and (dropout == 0.0 or not training)
+
+
+class LoraColumnParallelLinear(ColumnParallelLinear):
+    """A :class:`ColumnParallelLinear` with an adapter: ``lora_A`` ``[n r, in]`` (replicated),
+    ``lora_B`` ``[out/t, r]`` (this rank's base rows). ``x [..., in]`` -> ``[..., out/t]``."""
+
+    lora_A: LoraWeight
+    lora_B: LoraWeight
+    lora_slice_mask: torch.Tensor  # [out/t, n]: 1 where a local row belongs to slice j
+    lora_ranges: Ranges  # the same, as runs of rows
+    lora_scaling: float
+    lora_dropout: float
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self.lora_A.weight, self.lora_B.weight
+        if not self.sequence_parallel and fast_path_ok(x, self.weight, self.bias, a, self.lora_dropout,
+                                                       self.training):  # fmt: skip
+            y = lora_linear(x, self.weight, self.bias, a, b, ranges=self.lora_ranges, scaling=self.lora_scaling,
+                            group=self.group, column=True)  # fmt: skip
+            return gather_from_tp_region(y, self.group) if self.gather_output else y
+        y = super().forward(x)
+        n = self.lora_slice_mask.shape[1]
+        xf = x.to(a.dtype)
+        if self.lora_dropout > 0.0 and self.training:  # one mask per slice, as PEFT's per module
+            z = torch.cat([F.linear(dropped(xf, self.lora_dropout, True, None), aj) for aj in a.chunk(n)], -1)
+        else:
+            z = F.linear(xf, a)  # all slices in one GEMM: [..., n r]
+        # f: the replicated A sees the gradient of every rank's B rows
+        z = copy_to_tp_region(z, self.group)
+        # each B row reads only its slice's block of z: B spread block-diagonally [out/t, n r]
+        return add_low_rank(y, z, block_diagonal_b(b, self.lora_slice_mask), self.lora_scaling)
+
+
+class LoraRowParallelLinear(RowParallelLinear):
+    """A :class:`RowParallelLinear` with an adapter: ``lora_A`` ``[r, in/t]`` (split like the base
+    input), ``lora_B`` ``[out, r]`` (replicated). ``x [..., in/t]`` -> ``[..., out]``."""
+
+    lora_A: LoraWeight
+    lora_B: LoraWeight
+    lora_ranges: Ranges  # one run: every output row reads the one A
+    lora_scaling: float
+    lora_dropout: float
+    lora_rng: RNGStatesTracker
+
+    def forward_no_bias(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            raise NotImplementedError("LoRA on a row-parallel linear needs input_is_parallel=True")
+        a, b = self.lora_A.weight, self.lora_B.weight
+        if not self.sequence_parallel and fast_path_ok(
+            x, self.weight, None, a, self.lora_dropout, self.training
+        ):
+            return lora_linear(x, self.weight, None, a, b, ranges=self.lora_ranges, scaling=self.lora_scaling,
+                               group=self.group, column=False)  # fmt: skip
+        y = super().forward_no_bias(x)
+        xj = dropped(x.to(a.dtype), self.lora_dropout, self.training, self.lora_rng)
+        z = reduce_from_tp_region(F.linear(xj, a), self.group)
+        return add_low_rank(y, z, b, self.lora_scaling)

@@ -1,0 +1,162 @@
+"""The fast paths of a LoRA step compute the plain formulas (values and gradients of autograd over
+the plain ops, within fp32 rounding): the fused adapted linear (:mod:`pretrain.models.lora_linear`,
+``x W^T + b + s z (block-diagonal B)^T``, alone and inside a model against the plain path it
+replaces, taken only where it applies: frozen fp32 base, no dropout while training), the fused
+output layer + cross entropy (:mod:`pretrain.models.lm_loss`), the split-and-rotate of QKV
+(:func:`pretrain.models.rotary.split_rotate_qkv`) and the frozen RMSNorm's backward."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pretrain.models import gpt, lm_loss, lora_linear
+from pretrain.models.lm_loss import lm_head_cross_entropy
+from pretrain.models.lora import is_lora_name
+from pretrain.models.lora_linear import fast_path_ok, slice_ranges
+from pretrain.models.lora_linear import lora_linear as fused
+from pretrain.models.lora_ops import block_diagonal_b, slice_mask
+from pretrain.models.norms import RMSNorm
+from pretrain.models.rotary import apply_rotary, split_rotate_qkv
+from tests.lora_fixtures import ours_from_hf, randomise_adapters, tiny_hf
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}
+
+
+def _plain(x, w, bias, a, b, mask, s):
+    return F.linear(x, w, bias) + s * F.linear(F.linear(x, a), block_diagonal_b(b, mask))
+
+
+@pytest.mark.parametrize(
+    "rows",
+    [
+        [torch.arange(40)],  # one slice (proj, fc2)
+        list(torch.arange(40).chunk(2)),  # SwiGLU fc1: gate, up
+        [
+            torch.tensor([0, 1, 2, 3, 12, 13, 14, 15]),
+            torch.tensor([4, 5, 16, 17]),
+            torch.tensor([6, 7, 18, 19]),
+        ]
+        + [torch.tensor([8, 9, 10, 11])],  # QKV-like interleaved runs, a fourth slice
+    ],
+)
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_equals_plain_formula(rows: list[torch.Tensor], bias: bool) -> None:
+    gen = torch.Generator().manual_seed(0)
+    out = int(sum(len(r) for r in rows))
+    n, r, s = len(rows), 3, 2.5
+    x = torch.randn(2, 5, 16, generator=gen, requires_grad=True)
+    w, bb = torch.randn(out, 16, generator=gen), torch.randn(out, generator=gen) if bias else None
+    a = torch.randn(n * r, 16, generator=gen, requires_grad=True)
+    b = torch.randn(out, r, generator=gen, requires_grad=True)
+    mask = slice_mask(rows, out, x.device)
+    ranges = slice_ranges(mask)
+    assert sum(hi - lo for lo, hi, _ in ranges) == out
+    got = fused(x, w, bb, a, b, ranges=ranges, scaling=s, group=None, column=True)
+    want = _plain(x, w, bb, a, b, mask, s)
+    torch.testing.assert_close(got, want, **TOL)
+    g = torch.randn(got.shape, generator=gen)
+    grads = torch.autograd.grad(got, (x, a, b), g)
+    ref = torch.autograd.grad(want, (x, a, b), g)
+    for u, v in zip(grads, ref, strict=True):
+        torch.testing.assert_close(u, v, **TOL)
+
+
+def test_no_input_gradient_when_the_input_needs_none() -> None:
+    x, w = torch.randn(4, 8), torch.randn(6, 8)
+    a, b = torch.randn(2, 8, requires_grad=True), torch.randn(6, 2, requires_grad=True)
+    y = fused(x, w, None, a, b, ranges=((0, 6, 0),), scaling=1.0, group=None, column=False)
+    y.sum().backward()
+    assert a.grad is not None and b.grad is not None
+
+
+def test_fast_path_only_where_it_applies() -> None:
+    x, w, a = torch.randn(2, 4), torch.randn(3, 4), torch.randn(1, 4)
+    assert fast_path_ok(x, w, None, a, 0.0, True) and fast_path_ok(x, w, None, a, 0.1, False)
+    assert not fast_path_ok(x, w, None, a, 0.1, True)  # dropout while training
+    assert not fast_path_ok(x, w.requires_grad_(), None, a, 0.0, True)  # a trainable base
+    assert not fast_path_ok(x.bfloat16(), w.detach().bfloat16(), None, a, 0.0, True)
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if is_lora_name(n)}
+
+
+@pytest.mark.parametrize("case", ["llama3", "qwen2"])  # qwen2: QKV bias
+def test_model_step_equals_the_plain_path(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    model = ours_from_hf(tiny_hf(case)).train()
+    randomise_adapters(model)
+    ids = torch.randint(0, 301, (2, 25), generator=torch.Generator().manual_seed(1))
+    calls = []
+    monkeypatch.setattr(lora_linear, "lora_linear", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    monkeypatch.setattr(gpt, "lm_head_cross_entropy", lambda *a: calls.append(2) or lm_head_cross_entropy(*a))
+    loss, grads = _loss_and_grads(model, ids)
+    assert calls == [1] * 2 * 4 + [
+        2
+    ]  # every adapted linear of both layers, then the head, took the fast path
+    monkeypatch.setattr(lora_linear, "fast_path_ok", lambda *_: False)
+    monkeypatch.setattr(gpt, "fused_loss_ok", lambda *_: False)
+    ref_loss, ref_grads = _loss_and_grads(model, ids)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 4 * 2
+    for name, g in ref_grads.items():
+        assert g.abs().sum() > 0, name
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("block", [1 << 23, 3 * 50])  # one block; blocks of 3 rows (the last short)
+def test_lm_head_cross_entropy_equals_plain(block: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(lm_loss, "_BLOCK_ELEMENTS", block)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 7, 16, generator=gen, requires_grad=True)
+    w = torch.randn(50, 16, generator=gen)
+    t = torch.randint(0, 50, (2, 7), generator=gen)
+    got = lm_head_cross_entropy(x, w, t)
+    want = F.cross_entropy(F.linear(x, w).flatten(0, 1), t.flatten(), reduction="none").view(2, 7)
+    torch.testing.assert_close(got, want, **TOL)
+    g = torch.rand(2, 7, generator=gen)  # any per-token weights (a loss mask, a mean)
+    (gx,) = torch.autograd.grad(got, x, g)
+    (ref,) = torch.autograd.grad(want, x, g)
+    torch.testing.assert_close(gx, ref, **TOL)
+    with torch.no_grad():
+        torch.testing.assert_close(lm_head_cross_entropy(x, w, t), want, **TOL)
+
+
+@pytest.mark.parametrize("parts", [(0, 1, 2), (0, 2), (1,)])  # every part, or some without a gradient
+def test_split_rotate_qkv_equals_slicing_and_apply_rotary(parts: tuple[int, ...]) -> None:
+    b, s, g, qpg, d = 2, 7, 3, 2, 8
+    gen = torch.Generator().manual_seed(3)
+    qkv = torch.randn(b, s, g, qpg + 2, d, generator=gen, requires_grad=True)
+    angle = torch.rand(1, s, d, generator=gen) * 6  # halves differ: the transpose must pair them right
+    cos, sin = angle.cos(), angle.sin()
+    got = split_rotate_qkv(qkv, cos, sin)
+    q = apply_rotary(qkv[:, :, :, :qpg].reshape(b, s, g * qpg, d), cos, sin)
+    want = [t.transpose(1, 2) for t in (q, apply_rotary(qkv[:, :, :, qpg], cos, sin), qkv[:, :, :, qpg + 1])]
+    for u, v in zip(got, want, strict=True):
+        assert u.is_contiguous()
+        torch.testing.assert_close(u, v, rtol=1e-6, atol=1e-6)
+    grads = [torch.randn(want[i].shape, generator=gen) for i in parts]
+    (gx,) = torch.autograd.grad([got[i] for i in parts], qkv, grads)
+    (ref,) = torch.autograd.grad([want[i] for i in parts], qkv, grads)
+    torch.testing.assert_close(gx, ref, rtol=1e-6, atol=1e-6)
+
+
+def test_frozen_rms_norm_equals_the_plain_ops() -> None:
+    gen = torch.Generator().manual_seed(4)
+    norm = RMSNorm(16, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16, generator=gen))
+    x = (3 * torch.randn(2, 5, 16, generator=gen)).requires_grad_()
+    want = norm.weight.detach() * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5))
+    norm.weight.requires_grad_(False)
+    got = norm(x)
+    assert got.grad_fn is not None and "FrozenRMSNorm" in type(got.grad_fn).__name__
+    assert torch.equal(got, want)  # the same forward ops
+    g = torch.randn(got.shape, generator=gen)
+    (gx,) = torch.autograd.grad(got, x, g)
+    (ref,) = torch.autograd.grad(want, x, g)
+    torch.testing.assert_close(gx, ref, rtol=1e-5, atol=1e-6)
