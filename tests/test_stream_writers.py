@@ -68,13 +68,20 @@ def test_stream_save_writes_torch_save_bytes_making_tensors_in_file_order() -> N
     assert back["optimizer"]["a"] is back["optimizer"]["b"]
 
 
-def test_stream_save_writes_a_view_of_a_larger_storage_as_itself() -> None:
+def test_stream_save_writes_a_view_of_a_larger_storage_as_itself(
+    monkeypatch: pytest.MonkeyPatch, capfd: pytest.CaptureFixture[str]
+) -> None:
+    """Written from a slice of its storage: no copy of the view first, no deprecated pointer call."""
     base = torch.arange(100, dtype=torch.float32)
     view = base[10:30].view(4, 5)  # e.g. a TP shard that is a slice of a mapped full tensor
     want, got = io.BytesIO(), io.BytesIO()
     torch.save({"w": view.clone()}, want)
-    stream_save({"w": LazyTensor(torch.float32, (4, 5), lambda: view)}, got)
+    capfd.readouterr()
+    with monkeypatch.context() as m:
+        m.setattr(torch.Tensor, "clone", lambda *a, **k: pytest.fail("the view was copied"))
+        stream_save({"w": LazyTensor(torch.float32, (4, 5), lambda: view)}, got)
     assert got.getvalue() == want.getvalue()
+    assert "deprecated" not in capfd.readouterr().err
 
 
 def test_stream_save_refuses_a_tensor_unlike_its_announcement() -> None:

@@ -100,9 +100,10 @@ def _write_tensor(zf: torch._C.PyTorchFileWriter, name: str, lazy: LazyTensor) -
         )
     t = t.detach().to("cpu").contiguous()
     nbytes = t.numel() * t.element_size()
-    # its bytes where they lie (a view of a larger storage, e.g. a TP shard cut from the full
-    # tensor, is not copied first); ``t`` is alive for the call
-    zf.write_record(name, t.data_ptr() if nbytes else b"", nbytes)
+    # its bytes where they lie: a view of a larger storage (a TP shard cut from the full tensor)
+    # is written from a storage slice, which shares the memory (no copy first)
+    start = t.storage_offset() * t.element_size()
+    zf.write_record(name, t.untyped_storage()[start : start + nbytes], nbytes)  # type: ignore[arg-type]
 
 
 def _begin(
