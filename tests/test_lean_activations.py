@@ -71,25 +71,28 @@ def test_cross_entropy_second_backward_is_refused() -> None:
         loss.backward()
 
 
+@pytest.mark.parametrize("keep_silu", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_swiglu_is_bitwise_autograds(dtype: torch.dtype) -> None:
+def test_swiglu_is_bitwise_autograds(dtype: torch.dtype, keep_silu: bool) -> None:
     torch.manual_seed(0)
     y = torch.randn(3, 17, 2 * 40, dtype=dtype, requires_grad=True)
     g = torch.randn(3, 17, 40, dtype=dtype)
     gate, up = y.chunk(2, dim=-1)
     ref = F.silu(gate) * up
     (ref_grad,) = torch.autograd.grad(ref, y, g)
-    out = swiglu(y)
+    out = swiglu(y, keep_silu=keep_silu)
     (grad,) = torch.autograd.grad(out, y, g)
     assert torch.equal(out, ref) and torch.equal(grad, ref_grad)
 
 
-def test_swiglu_mlp_keeps_only_fc1_output_for_the_activation() -> None:
+@pytest.mark.parametrize("frozen_fc1", [False, True])
+def test_swiglu_mlp_keeps_only_fc1_output_for_the_activation(frozen_fc1: bool) -> None:
     cfg = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, ffn_hidden_size=24, swiglu=True,
                       add_bias_linear=False, vocab_size=32, max_position_embeddings=8)  # fmt: skip
     mlp = ParallelMLP(cfg, ParallelState.single(device="cpu"))
     for p in mlp.parameters():
         torch.nn.init.normal_(p)
+    mlp.dense_h_to_4h.weight.requires_grad_(not frozen_fc1)
     x = torch.randn(2, 8, 16, requires_grad=True)
     params = {p.untyped_storage().data_ptr() for p in mlp.parameters()}
     saved: dict[int, int] = {}
@@ -102,5 +105,8 @@ def test_swiglu_mlp_keeps_only_fc1_output_for_the_activation() -> None:
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         mlp(x).sum().backward()
     tokens, f = 2 * 8, 24
-    # x (fc1's input), fc1's output [gate; up], the activation's output (fc2's input): no silu(gate)
-    assert sorted(saved.values()) == sorted([tokens * 16 * 4, tokens * 2 * f * 4, tokens * f * 4])
+    # x (fc1's input, for its weight gradient), fc1's output [gate; up], the activation's output
+    # (fc2's input); a frozen fc1 keeps no x but silu(gate) (no weight gradient or optimizer state:
+    # memory spent on speed)
+    kept = [tokens * 2 * f * 4, tokens * f * 4] + ([tokens * f * 4] if frozen_fc1 else [tokens * 16 * 4])
+    assert sorted(saved.values()) == sorted(kept)

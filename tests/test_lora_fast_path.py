@@ -126,6 +126,14 @@ def test_lm_head_cross_entropy_equals_plain(block: int, monkeypatch: pytest.Monk
         torch.testing.assert_close(lm_head_cross_entropy(x, w, t), want, **TOL)
 
 
+def test_lm_head_cross_entropy_second_backward_is_refused() -> None:
+    x = torch.randn(5, 8, requires_grad=True)
+    loss = lm_head_cross_entropy(x, torch.randn(11, 8), torch.tensor([1, 2, 3, 4, 10])).sum()
+    loss.backward(retain_graph=True)  # backward scales the kept input gradient in place
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+
+
 @pytest.mark.parametrize("parts", [(0, 1, 2), (0, 2), (1,)])  # every part, or some without a gradient
 def test_split_rotate_qkv_equals_slicing_and_apply_rotary(parts: tuple[int, ...]) -> None:
     b, s, g, qpg, d = 2, 7, 3, 2, 8

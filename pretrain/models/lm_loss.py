@@ -46,7 +46,8 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
     @once_differentiable
     def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         (grad_x,) = ctx.saved_tensors
-        return grad_x * grad_loss.unsqueeze(-1), None, None
+        # in place: kept only for this (a second backward is refused: the saved tensor changed)
+        return grad_x.mul_(grad_loss.unsqueeze(-1)), None, None
 
 
 def lm_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:

@@ -8,7 +8,9 @@ frozen base does not need, and this node does not:
 * the B side runs per contiguous row range of one slice, not as one GEMM with the block-diagonal
   ``[out, n r]`` spread of ``B`` (whose zero blocks cost 2x the fc1 and 3x the QKV B-side flops);
 * the low-rank update is added in place into the base GEMM's output (``addmm_`` with
-  ``alpha=scaling``): no copy of ``y``, no scaled copy of ``B``;
+  ``alpha=scaling``): no copy of ``y``, no scaled copy of ``B``; on one rank without a bias it
+  is written first and the base GEMM accumulates onto it (one read-modify-write pass of ``y``
+  less; the sum in another order, equal up to fp32 rounding);
 * backward adds the adapter's input gradient into the base one in place (``gx.addmm_(gz, A)``)
   instead of summing two ``[N, in]`` tensors, and skips the input gradient where the input needs
   none (the first layer's QKV reads the frozen embedding);
@@ -38,6 +40,7 @@ from pretrain.tensor_parallel.mappings import (
     all_reduce,
     copy_to_tp_region,
     gather_from_tp_region,
+    group_size,
     reduce_from_tp_region,
 )
 
@@ -63,14 +66,20 @@ class _LoraLinear(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
         b: torch.Tensor, ranges: Ranges, scaling: float, group: ProcessGroup | None, column: bool,
     ) -> torch.Tensor:  # fmt: skip
-        y = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
         z = torch.mm(x, a.t())  # [N, n r]: every slice's A in one GEMM
-        if not column:  # g: the split input's partial products summed over the group
-            all_reduce(y, group)
-            all_reduce(z, group)
         r = b.shape[1]
-        for lo, hi, j in ranges:  # y[:, rows of slice j] += scaling z_j B[rows]^T, in place
-            y[:, lo:hi].addmm_(z[:, j * r : (j + 1) * r], b[lo:hi].t(), alpha=scaling)
+        if bias is None and group_size(group) == 1:  # the low-rank part first, the base GEMM adds
+            y = x.new_empty(x.shape[0], weight.shape[0])  # onto it (no second pass over y)
+            for lo, hi, j in ranges:  # ranges cover every row
+                y[:, lo:hi].addmm_(z[:, j * r : (j + 1) * r], b[lo:hi].t(), beta=0.0, alpha=scaling)
+            y.addmm_(x, weight.t())
+        else:
+            y = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+            if not column:  # g: the split input's partial products summed over the group
+                all_reduce(y, group)
+                all_reduce(z, group)
+            for lo, hi, j in ranges:  # y[:, rows of slice j] += scaling z_j B[rows]^T, in place
+                y[:, lo:hi].addmm_(z[:, j * r : (j + 1) * r], b[lo:hi].t(), alpha=scaling)
         ctx.save_for_backward(x, weight, a, b, z)
         ctx.ranges, ctx.scaling, ctx.group, ctx.column = ranges, scaling, group, column
         return y

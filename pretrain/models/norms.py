@@ -70,7 +70,7 @@ class _FrozenRMSNorm(torch.autograd.Function):
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
         rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
-        return weight * (x * rstd)
+        return torch.mul(x, rstd).mul_(weight)  # weight * (x * rstd), one [..., h] tensor less
 
     @staticmethod
     @once_differentiable

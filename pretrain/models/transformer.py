@@ -74,8 +74,8 @@ class ParallelMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.dense_h_to_4h(x)
-        if self.swiglu:  # silu(gate) * up, keeping only y for backward
-            return self.dense_4h_to_h(swiglu(y))
+        if self.swiglu:  # silu(gate) * up; a frozen fc1 (no weight gradient) spends memory on speed
+            return self.dense_4h_to_h(swiglu(y, keep_silu=not self.dense_h_to_4h.weight.requires_grad))
         if self.squared_relu:
             return self.dense_4h_to_h(F.relu(y).square())
         return self.dense_4h_to_h(F.gelu(y, approximate=self.approximate))
