@@ -206,7 +206,7 @@ def export_hf(
     from tools.hf_plan import plan_hf_tensors, stream_hf_tensors
     from tools.hf_shards import ShardWriter, parse_shard_size
 
-    check_exportable(spec)
+    check_exportable(spec, family)  # refused before any work
     if tokenizer is not None and tokenizer.vocab_size > spec.cfg.vocab_size:
         raise UserError(
             f"the tokenizer has {tokenizer.vocab_size} tokens but the checkpoint only {spec.cfg.vocab_size}"
@@ -214,17 +214,14 @@ def export_hf(
     max_bytes = parse_shard_size(max_shard_size)
     names, get, metas = _tensor_access(tensors)
     fam = export_family_of(spec, family)  # resolved once: the per-layer conversion maps tensors only
-    fam.module().check_exportable(spec.cfg, family=fam)  # refused before any work
     # transformers' config and tokenizer objects (seconds of imports) are made while the weights
     # are written: the writer's copies and writes run outside the GIL
     # (rank 0 alone writes them under torchrun)
-    hf_files = (
-        concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-config").submit(
-            _hf_config_and_tokenizer, fam, spec, tokenizer
-        )
-        if split.leader
-        else None
-    )
+    hf_files = None
+    if split.leader:
+        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-config")
+        hf_files = pool.submit(_hf_config_and_tokenizer, fam, spec, tokenizer)
+        pool.shutdown(wait=False)  # the job runs on; no thread is left once it is done
 
     convert, layer_convert = _export_converters(fam, spec)
     hf_metas = convert(dict(metas))
