@@ -1,4 +1,4 @@
-"""``mlm-convert`` (the console script ``tools.convert_cli:main``; also ``python -m tools.convert_cli``).
+"""``mlm-convert`` (the console script ``tools.convert_cli:console_main``; also ``python -m tools.convert_cli``).
 
 The commands live in :mod:`tools.convert`: ``cli`` (flags and dispatch), ``source`` (opening a checkpoint
 and its tokenizer), ``inspect_ckpt``, ``reshard``, ``to_hf``, ``from_hf`` and ``writing`` (what the
@@ -7,12 +7,20 @@ writing commands share).
 
 from __future__ import annotations
 
-import sys
+from typing import NoReturn
 
+from pretrain.utils.fast_exit import run_console_script
 from tools.convert.cli import TARGET_DESTS, TARGET_FLAGS, build_parser, main
 from tools.convert.to_hf import DEFAULT_MAX_SHARD_SIZE
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "TARGET_DESTS", "TARGET_FLAGS", "build_parser", "main"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "TARGET_DESTS", "TARGET_FLAGS", "build_parser", "console_main", "main"]
+
+
+def console_main() -> NoReturn:
+    """The command line's entry: :func:`main`, then exit without the interpreter's ~1 s teardown
+    (:mod:`pretrain.utils.fast_exit`). Call :func:`main` to run a command in-process."""
+    run_console_script(main)
+
 
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -1,0 +1,80 @@
+"""A console script exits without the interpreter's teardown, and loses nothing doing so.
+
+Each case runs in a fresh interpreter: ``os._exit`` would end the test process itself.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+
+def _run(body: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+    script = textwrap.dedent(
+        """
+        import atexit, sys, tempfile, threading, time
+        from pathlib import Path
+        from pretrain.utils.fast_exit import run_console_script
+        out = Path(sys.argv[1])
+        """
+    ) + textwrap.dedent(body)
+    return subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, check=False)  # fmt: skip
+
+
+@pytest.mark.parametrize(("raised", "code", "stderr"), [("0", 0, ""), ("3", 3, ""), ("None", 0, ""),
+                                                        ("'a message'", 1, "a message")])  # fmt: skip
+def test_system_exit_keeps_its_meaning(tmp_path: Path, raised: str, code: int, stderr: str) -> None:
+    done = _run(f"def main():\n    raise SystemExit({raised})\nrun_console_script(main)\n", tmp_path)
+    assert done.returncode == code
+    assert done.stderr.strip() == stderr
+
+
+def test_returned_code_is_the_exit_code(tmp_path: Path) -> None:
+    assert _run("run_console_script(lambda: 2)\n", tmp_path).returncode == 2
+    assert _run("run_console_script(lambda: None)\n", tmp_path).returncode == 0
+
+
+def test_exit_runs_what_correctness_needs(tmp_path: Path) -> None:
+    """Buffered prints are flushed, atexit handlers run, temp dirs are removed, a non-daemon thread
+    finishes its write, and exit comes after all of it."""
+    body = """
+    tmp = tempfile.TemporaryDirectory()  # removed by its atexit finalizer
+    (out / "tmpdir").write_text(tmp.name)
+    atexit.register(lambda: (out / "atexit").write_text("ran"))
+    def slow_writer():
+        time.sleep(0.5)
+        (out / "thread").write_text("done")
+    def main():
+        threading.Thread(target=slow_writer).start()
+        sys.stdout.write("no newline, still buffered")
+        return 0
+    run_console_script(main)
+    """
+    done = _run(body, tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout == "no newline, still buffered"
+    assert (tmp_path / "atexit").read_text() == "ran"
+    assert (tmp_path / "thread").read_text() == "done"
+    assert not Path((tmp_path / "tmpdir").read_text()).exists()
+
+
+def test_a_bug_keeps_its_traceback(tmp_path: Path) -> None:
+    done = _run("def main():\n    raise RuntimeError('a bug')\nrun_console_script(main)\n", tmp_path)
+    assert done.returncode == 1
+    assert "Traceback" in done.stderr and "RuntimeError: a bug" in done.stderr
+
+
+def test_mlm_convert_console_script_reports_user_errors(tmp_path: Path) -> None:
+    """The installed entry goes through ``console_main``: a bad --load is one line and exit 2."""
+    missing = tmp_path / "no_such_checkpoint"
+    done = subprocess.run([sys.executable, "-m", "tools.convert_cli", "reshard", "--load", str(missing),
+                           "--save", str(tmp_path / "out"), "--target-tp", "1", "--target-pp", "1"],
+                          capture_output=True, text=True, timeout=300, check=False)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and str(missing) in lines[0]
