@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import NoReturn
 
-from pretrain.utils.fast_exit import run_console_script
+from pretrain.utils.console import run_console_script
 from tools.convert.cli import TARGET_DESTS, TARGET_FLAGS, build_parser, main
 from tools.convert.to_hf import DEFAULT_MAX_SHARD_SIZE
 
@@ -18,7 +18,7 @@ __all__ = ["DEFAULT_MAX_SHARD_SIZE", "TARGET_DESTS", "TARGET_FLAGS", "build_pars
 
 def console_main() -> NoReturn:
     """The command line's entry: :func:`main`, then exit without the interpreter's ~1 s teardown
-    (:mod:`pretrain.utils.fast_exit`). Call :func:`main` to run a command in-process."""
+    (:mod:`pretrain.utils.console`). Call :func:`main` to run a command in-process."""
     run_console_script(main)
 
 

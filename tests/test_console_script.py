@@ -1,10 +1,11 @@
-"""A console script exits without the interpreter's teardown, and loses nothing doing so.
+"""A console script asks for huge pages and exits without the interpreter's teardown, and loses nothing doing so.
 
 Each case runs in a fresh interpreter: ``os._exit`` would end the test process itself.
 """
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
@@ -13,17 +14,17 @@ from pathlib import Path
 import pytest
 
 
-def _run(body: str, tmp_path: Path) -> subprocess.CompletedProcess[str]:
+def _run(body: str, tmp_path: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     script = textwrap.dedent(
         """
         import atexit, sys, tempfile, threading, time
         from pathlib import Path
-        from pretrain.utils.fast_exit import run_console_script
+        from pretrain.utils.console import run_console_script
         out = Path(sys.argv[1])
         """
     ) + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", script, str(tmp_path)], capture_output=True, text=True,
-                          timeout=120, check=False)  # fmt: skip
+                          timeout=120, check=False, env=env)  # fmt: skip
 
 
 @pytest.mark.parametrize(("raised", "code", "stderr"), [("0", 0, ""), ("3", 3, ""), ("None", 0, ""),
@@ -78,3 +79,13 @@ def test_mlm_convert_console_script_reports_user_errors(tmp_path: Path) -> None:
     assert done.returncode == 2, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and str(missing) in lines[0]
+
+
+@pytest.mark.parametrize(("given", "seen"), [(None, "1"), ("0", "0")])
+def test_huge_pages_asked_for_unless_the_user_chose(tmp_path: Path, given: str | None, seen: str) -> None:
+    env = {k: v for k, v in os.environ.items() if k != "THP_MEM_ALLOC_ENABLE"}
+    if given is not None:
+        env["THP_MEM_ALLOC_ENABLE"] = given
+    body = "import os\nrun_console_script(lambda: print(os.environ['THP_MEM_ALLOC_ENABLE']))\n"
+    done = _run(body, tmp_path, env=env)
+    assert (done.returncode, done.stdout.strip()) == (0, seen)

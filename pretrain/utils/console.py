@@ -1,6 +1,14 @@
-"""Leave a finished command-line process without the interpreter's teardown.
+"""How a console-script process runs: huge pages for big tensors, and an exit without teardown.
 
-After a conversion the interpreter holds torch, transformers and their ~300k objects. Its normal
+**Huge pages.** A conversion allocates a fresh buffer for every full tensor it assembles (hundreds
+of MB each). glibc serves blocks above 32 MB with a new ``mmap``, so each one costs a page fault
+and a zero-fill per 4 KiB page on first touch: concatenating two 100 MB halves ran 3.4x faster
+with 2 MiB pages on this host (10 x 200 MB ``torch.cat``: 2.6 s -> 0.77 s). Torch's CPU allocator
+asks for transparent huge pages (``madvise``) when ``THP_MEM_ALLOC_ENABLE=1``;
+:func:`prefer_huge_pages` sets it unless the user chose otherwise. The kernel's
+``transparent_hugepage`` setting still decides (``never`` turns it off).
+
+**Exit.** After a conversion the interpreter holds torch, transformers and their ~300k objects. Its normal
 exit tears every module down and runs a full garbage collection over all of them: about a second
 of a 1B-parameter ``to-hf`` on a 2-core host (measured: 1.15 s of 12.5 s), spent after the last
 byte is on disk. :func:`exit_after_cleanup` does what exit must do for correctness and skips the
@@ -28,6 +36,12 @@ from collections.abc import Callable
 from typing import NoReturn
 
 
+def prefer_huge_pages() -> None:
+    """Ask torch's CPU allocator for transparent huge pages for large blocks, unless
+    ``THP_MEM_ALLOC_ENABLE`` is already set (read by torch when it first allocates such a block)."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+
 def exit_after_cleanup(code: int) -> NoReturn:
     """Join threads, run ``atexit`` handlers, flush the standard streams, then ``os._exit(code)``."""
     shutdown = getattr(threading, "_shutdown", None)  # what Py_Finalize calls first (CPython)
@@ -41,12 +55,14 @@ def exit_after_cleanup(code: int) -> NoReturn:
 
 
 def run_console_script(main: Callable[[], int | None]) -> NoReturn:
-    """Run a console script's ``main`` and exit as :func:`exit_after_cleanup` does.
+    """Run a console script's ``main`` with :func:`prefer_huge_pages`, and exit as
+    :func:`exit_after_cleanup` does.
 
     ``SystemExit`` raised inside keeps its meaning: an int (or None: 0) is the exit code, a
     message is printed to stderr with code 1, as the interpreter would. Any other exception
     propagates with its traceback and the normal (slow) exit: that is a bug, not a finished command.
     """
+    prefer_huge_pages()
     try:
         result = main()
     except SystemExit as exc:
