@@ -10,9 +10,12 @@ tensor, whatever the file's size. Real tensors in the object (optimizer state, R
 written as ``torch.save`` writes them.
 
 The bytes are those ``torch.save`` writes for the same object with real tensors (the same
-pickle, the records in the same order, through torch's own zip writer with its CRC-32 and
-alignment settings; ``tests/test_stream_save.py``), so ``torch.load(weights_only=True)`` and
-megatron-core read the files as before.
+pickle, the records in the same order, through torch's own zip writer with its alignment
+settings; ``tests/test_stream_save.py``), so ``torch.load(weights_only=True)`` and megatron-core
+read the files as before. Into a file opened for reading and writing (``w+b``), the CRC-32s are
+not computed by torch's slow writer but by :mod:`~pretrain.checkpoint.zip_crc` (ISA-L) from each
+record's bytes while they are in memory, and filled in when the archive is finished: the same
+bytes, a third less time. Other targets (``wb`` files, ``BytesIO``) get torch's CRCs, as before.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from typing import IO
 
 import torch
 import torch.serialization as ser
+
+from pretrain.checkpoint.zip_crc import crc32, fill_crc32
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,7 +96,7 @@ class _Pickler(pickle.Pickler):
         return None
 
 
-def _write_tensor(zf: torch._C.PyTorchFileWriter, name: str, lazy: LazyTensor) -> None:
+def _write_tensor(archive: _Archive, name: str, lazy: LazyTensor) -> None:
     t = lazy.make()
     if t.dtype != lazy.dtype or tuple(t.shape) != tuple(lazy.shape):
         raise RuntimeError(
@@ -103,23 +108,49 @@ def _write_tensor(zf: torch._C.PyTorchFileWriter, name: str, lazy: LazyTensor) -
     # its bytes where they lie: a view of a larger storage (a TP shard cut from the full tensor)
     # is written from a storage slice, which shares the memory (no copy first)
     start = t.storage_offset() * t.element_size()
-    zf.write_record(name, t.untyped_storage()[start : start + nbytes], nbytes)  # type: ignore[arg-type]
+    archive.write(name, t.untyped_storage()[start : start + nbytes], nbytes,
+                  lambda: crc32(t.reshape(-1).view(torch.uint8).numpy()))  # fmt: skip
 
 
-def _begin(
-    obj: object, fh: IO[bytes]
-) -> tuple[torch._C.PyTorchFileWriter, list[torch.UntypedStorage | LazyTensor]]:
+@dataclass
+class _Archive:
+    """One file being written: torch's zip writer, the storages still to write, and the CRC-32 of
+    each record written so far when this module fills them in (None: torch computes them)."""
+
+    zf: torch._C.PyTorchFileWriter
+    records: list[torch.UntypedStorage | LazyTensor | None]
+    crcs: dict[str, int] | None
+
+    def write(self, name: str, data: object, nbytes: int, crc_of: Callable[[], int]) -> None:
+        if self.crcs is not None:
+            self.crcs[name] = crc_of()
+        self.zf.write_record(name, data, nbytes)  # type: ignore[arg-type]
+
+
+def _fills_crc(fh: IO[bytes]) -> bool:
+    """Whether :func:`fill_crc32` can finish ``fh``: a real file open for reading and writing."""
+    try:
+        fh.fileno()
+    except (AttributeError, OSError, ValueError):
+        return False
+    return fh.readable() and fh.seekable()
+
+
+def _begin(obj: object, fh: IO[bytes]) -> _Archive:
     """Write ``obj``'s pickle and the small records; the storages still to write, in order."""
     buf = io.BytesIO()
     pickler = _Pickler(buf)
     pickler.dump(obj)
     data = buf.getvalue()
-    zf = torch._C.PyTorchFileWriter(fh, ser.get_crc32_options(), ser._get_storage_alignment())
-    zf.write_record("data.pkl", data, len(data))
+    fill = _fills_crc(fh)
+    zf = torch._C.PyTorchFileWriter(fh, not fill and ser.get_crc32_options(), ser._get_storage_alignment())
+    archive = _Archive(zf, list(pickler.records), {} if fill else None)
+    archive.write("data.pkl", data, len(data), lambda: crc32(data))
     for record, value in ((".format_version", "1"), (".storage_alignment", str(ser._get_storage_alignment())),
                           ("byteorder", sys.byteorder)):  # fmt: skip
-        zf.write_record(record, value.encode(), len(value))
-    return zf, pickler.records
+        raw = value.encode()
+        archive.write(record, raw, len(raw), lambda raw=raw: crc32(raw))  # type: ignore[misc]
+    return archive
 
 
 def stream_save_all(files: Sequence[tuple[object, IO[bytes]]]) -> None:
@@ -128,32 +159,36 @@ def stream_save_all(files: Sequence[tuple[object, IO[bytes]]]) -> None:
     The files are written in lockstep, record ``k`` of every file before record ``k + 1`` of any:
     files of the same layout (a pipeline stage's TP ranks) then ask for the same source tensor one
     after another, which a one-tensor cache in the caller turns into one read."""
-    started: list[tuple[torch._C.PyTorchFileWriter, list[torch.UntypedStorage | LazyTensor]]] = []
+    started: list[_Archive] = []
     try:
         for obj, fh in files:
             started.append(_begin(obj, fh))
-        for key in range(max((len(records) for _, records in started), default=0)):
-            for zf, records in started:
-                if key < len(records):
-                    _write_record(zf, f"data/{key}", records[key])
-                    records[key] = None  # type: ignore[call-overload]  # dropped: one made tensor at a time
+        for key in range(max((len(a.records) for a in started), default=0)):
+            for archive in started:
+                if key < len(archive.records):
+                    record = archive.records[key]
+                    archive.records[key] = None  # dropped: one made tensor at a time
+                    assert record is not None
+                    _write_record(archive, f"data/{key}", record)
     finally:
         # finish every archive while its file is open (also on an error or Ctrl-C: a writer left to
         # the garbage collector would finish it into a closed file and abort the process)
-        for zf, _ in started:
-            zf.write_end_of_file()
-        started.clear()
+        for archive in started:
+            archive.zf.write_end_of_file()
+    for archive, (_, fh) in zip(started, files, strict=True):
+        if archive.crcs is not None:  # torch's own closing records (version, id) are read back
+            fill_crc32(fh, archive.crcs)
     for _, fh in files:
         fh.flush()
 
 
-def _write_record(
-    zf: torch._C.PyTorchFileWriter, name: str, record: torch.UntypedStorage | LazyTensor
-) -> None:
+def _write_record(archive: _Archive, name: str, record: torch.UntypedStorage | LazyTensor) -> None:
     if isinstance(record, LazyTensor):
-        _write_tensor(zf, name, record)
+        _write_tensor(archive, name, record)
     else:
-        zf.write_record(name, record.cpu(), record.nbytes())  # type: ignore[arg-type]
+        storage = record.cpu()
+        as_bytes = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[call-overload]
+        archive.write(name, storage, storage.nbytes(), lambda: crc32(as_bytes.numpy()))
 
 
 def stream_save(obj: object, fh: IO[bytes]) -> None:

@@ -192,7 +192,7 @@ def _write_rank_files(
     for ranks in groups:
         names = [rank_dir_name(t, pp_rank, target.pp, ep) for t in ranks]
         with contextlib.ExitStack() as stack:
-            fhs = [stack.enter_context(atomic_open(it_dir / n / MODEL_FILE, "wb")) for n in names]
+            fhs = [stack.enter_context(atomic_open(it_dir / n / MODEL_FILE, "w+b")) for n in names]
             stream_save_all([(state(t), fh) for t, fh in zip(ranks, fhs, strict=True)])
         done()  # drop the last full tensor kept for these ranks
         for name in names:

@@ -1,0 +1,123 @@
+"""CRC-32s filled in after torch's zip writer skipped them give torch's own bytes.
+
+The checks are Python's ``zipfile`` (an independent reader: ``testzip`` recomputes every CRC)
+and ``torch.save`` (the bytes with torch computing the CRCs itself).
+"""
+
+from __future__ import annotations
+
+import io
+import struct
+import zipfile
+import zlib
+from pathlib import Path
+from typing import IO
+
+import pytest
+import torch
+
+from pretrain.checkpoint.legacy.stream_save import LazyTensor, stream_save
+from pretrain.checkpoint.zip_crc import crc32, fill_crc32, zip_records
+
+
+def _state() -> dict[str, object]:
+    gen = torch.Generator().manual_seed(0)
+    model = {"embedding.weight": torch.randn(33, 8, generator=gen).bfloat16(),
+             "layers.0.weight": torch.randn(8, 8, generator=gen), "empty": torch.zeros(0),
+             "flag": torch.tensor([True, False])}  # fmt: skip
+    return {"iteration": 3, "model": model, "optimizer": {"m": torch.randn(5, generator=gen), "step": 2}}
+
+
+def _lazy(state: dict[str, object]) -> dict[str, object]:
+    model = state["model"]
+    assert isinstance(model, dict)
+    return {**state, "model": {k: LazyTensor(v.dtype, tuple(v.shape), v.clone) for k, v in model.items()}}
+
+
+def test_crc32_is_zlibs() -> None:
+    data = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    assert crc32(data.numpy()) == zlib.crc32(data.numpy().tobytes())
+    assert crc32(b"") == 0 and crc32(b"b", crc32(b"a")) == zlib.crc32(b"ab")
+
+
+def test_stream_save_into_a_file_is_torch_save_with_its_crcs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same bytes as ``torch.save`` into a file object; torch's writer was asked not to
+    compute CRCs, and zipfile verifies every record."""
+    state = _state()
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    with open(tmp_path / "a" / "model.pt", "wb") as out:
+        torch.save(state, out)
+    asked: list[bool] = []
+    writer = torch._C.PyTorchFileWriter
+
+    def spy(fh: IO[bytes], compute_crc32: bool = True, storage_alignment: int = 64) -> object:
+        asked.append(compute_crc32)
+        return writer(fh, compute_crc32, storage_alignment)
+
+    monkeypatch.setattr(torch._C, "PyTorchFileWriter", spy)
+    with open(tmp_path / "b" / "model.pt", "w+b") as fh:
+        stream_save(_lazy(state), fh)
+    assert asked == [False]
+    got, want = (tmp_path / "b" / "model.pt").read_bytes(), (tmp_path / "a" / "model.pt").read_bytes()
+    assert got == want
+    with zipfile.ZipFile(tmp_path / "b" / "model.pt") as zf:
+        assert zf.testzip() is None
+
+
+def test_a_write_only_target_keeps_torchs_crcs(tmp_path: Path) -> None:
+    state = _state()
+    want = io.BytesIO()
+    torch.save(state, want)
+    got = io.BytesIO()
+    stream_save(_lazy(state), got)
+    assert got.getvalue() == want.getvalue()
+    with open(tmp_path / "w.pt", "wb") as fh:
+        stream_save(_lazy(state), fh)
+    with zipfile.ZipFile(tmp_path / "w.pt") as zf:
+        assert zf.testzip() is None
+
+
+def _zero_crcs(path: Path, start: int = 0, end: int | None = None) -> None:
+    with open(path, "r+b") as fh:
+        for rec in zip_records(fh.fileno(), start, end):
+            for at in (rec.local_crc_at, rec.central_crc_at):
+                fh.seek(at)
+                fh.write(b"\0\0\0\0")
+
+
+def test_zip64_archives_and_an_archive_inside_a_larger_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """zipfile writes zip64 records once offsets pass ZIP64_LIMIT (lowered here, so a small
+    archive has zip64 offsets, sizes and end records); the archive sits after a prefix and
+    before a suffix, as a tensor's archive inside a ``.distcp`` file."""
+    monkeypatch.setattr(zipfile, "ZIP64_LIMIT", 300)
+    payloads = {f"archive/data/{i}": bytes(range(i, 256)) * (i + 2) for i in range(5)}
+    inner = io.BytesIO()
+    with zipfile.ZipFile(inner, "w", compression=zipfile.ZIP_STORED) as zf:
+        for name, data in payloads.items():
+            zf.writestr(name, data)
+    archive = inner.getvalue()
+    assert struct.pack("<I", 0x06064B50) in archive  # a zip64 end record was written
+    prefix, suffix = b"p" * 1000, b"s" * 77
+    path = tmp_path / "x.distcp"
+    path.write_bytes(prefix + archive + suffix)
+    span = (len(prefix), len(prefix) + len(archive))
+    _zero_crcs(path, *span)
+    assert path.read_bytes() != prefix + archive + suffix
+    with open(path, "r+b") as fh:
+        recs = zip_records(fh.fileno(), *span)
+        assert [r.name for r in recs] == [n.split("/", 1)[1] for n in payloads]
+        assert [r.size for r in recs] == [len(d) for d in payloads.values()]
+        fill_crc32(fh, {"data/1": zlib.crc32(payloads["archive/data/1"])}, start=span[0], end=span[1])
+    assert path.read_bytes() == prefix + archive + suffix
+
+
+def test_not_a_zip_archive_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "junk"
+    path.write_bytes(b"x" * 100)
+    with open(path, "r+b") as fh, pytest.raises(ValueError, match="end-of-central-directory"):
+        fill_crc32(fh)
