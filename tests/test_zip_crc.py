@@ -121,3 +121,38 @@ def test_not_a_zip_archive_is_refused(tmp_path: Path) -> None:
     path.write_bytes(b"x" * 100)
     with open(path, "r+b") as fh, pytest.raises(ValueError, match="end-of-central-directory"):
         fill_crc32(fh)
+
+
+def test_torch_dist_files_are_the_bytes_of_a_save_with_crcs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``write_torch_dist`` saves with torch's CRCs off and fills them in: every archive in the
+    ``.distcp`` file verifies in zipfile, and the file equals a save with torch computing them."""
+    import torch.distributed.checkpoint as dcp
+
+    import pretrain.checkpoint.torch_dist.writer as writer
+    from pretrain.checkpoint.plan import ModelSpec
+    from pretrain.checkpoint.types import DictSource
+    from pretrain.parallel.config import ParallelConfig
+    from tests.gpt_fixtures import full_weights, tiny_config
+
+    cfg = tiny_config(num_layers=2, params_dtype="bfloat16")
+    source = DictSource(
+        ModelSpec(kind="gpt", cfg=cfg), {k: v.bfloat16() for k, v in full_weights(cfg).items()}
+    )
+    writer.write_torch_dist(source, tmp_path / "filled", ParallelConfig(tp=2, pp=1))
+    with monkeypatch.context() as m:  # torch computes the CRCs itself
+        m.setattr(writer, "save_then_fill_crc32", lambda save, directory, rank: save())
+        writer.write_torch_dist(source, tmp_path / "torch", ParallelConfig(tp=2, pp=1))
+    filled, by_torch = (tmp_path / d / "release" / "__0_0.distcp" for d in ("filled", "torch"))
+    assert filled.read_bytes() == by_torch.read_bytes()
+    metadata = dcp.FileSystemReader(str(filled.parent)).read_metadata()
+    data = filled.read_bytes()
+    archives = 0
+    for info in metadata.storage_data.values():
+        chunk = data[info.offset : info.offset + info.length]
+        if chunk.startswith(b"PK\x03\x04"):
+            with zipfile.ZipFile(io.BytesIO(chunk)) as zf:
+                assert zf.testzip() is None
+            archives += 1
+    assert archives == len(metadata.storage_data) > 10

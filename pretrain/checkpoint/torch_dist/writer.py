@@ -16,7 +16,8 @@ it at any TP/PP: ``ROOT/latest_checkpointed_iteration.txt`` and ``ROOT/iter_N/``
 * ``metadata.json``: the backend names megatron-core checks.
 
 A custom save planner asks the source for each layer's tensor only when the file writer reaches
-it, so memory stays near one tensor. The directory is built under a temporary sibling and renamed
+it, so memory stays near one tensor. The archives' CRC-32s are filled in after the save
+(:mod:`~pretrain.checkpoint.torch_dist.distcp_crc`), not by torch's slow loop. The directory is built under a temporary sibling and renamed
 at the end (nothing half-written).
 """
 
@@ -47,6 +48,7 @@ from pretrain.checkpoint.metadata import to_args
 from pretrain.checkpoint.optimizer.state import MCORE_STATE_PREFIX, OptimizerSource
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
 from pretrain.checkpoint.torch_dist.dcp_failures import dcp_failures, first_line
+from pretrain.checkpoint.torch_dist.distcp_crc import save_then_fill_crc32
 from pretrain.checkpoint.torch_dist.optimizer import optimizer_common, optimizer_entry_kinds
 from pretrain.checkpoint.types import TensorSource
 from pretrain.checkpoint.upstream.expert_names import to_dist_expert
@@ -295,9 +297,10 @@ def write_torch_dist(
         written = dcp_failures(lambda exc: f"{save}: cannot write the torch_dist data ({first_line(exc)})")
         with written, warnings.catch_warnings():  # "assuming ... a single process": intended
             warnings.simplefilter("ignore", UserWarning)
-            dcp.save({}, storage_writer=FileSystemWriter(str(it_dir), thread_count=1),
-                     planner=_StreamingPlanner(entries, _fetcher(source, optimizer), split),
-                     no_dist=not split.parallel)  # fmt: skip
+            planner = _StreamingPlanner(entries, _fetcher(source, optimizer), split)
+            save_then_fill_crc32(lambda: dcp.save({}, storage_writer=FileSystemWriter(str(it_dir), thread_count=1),
+                                                  planner=planner, no_dist=not split.parallel),
+                                 it_dir, split.rank)  # fmt: skip
         split.agree()  # (dcp.save already failed on every rank together, or on none)
         if not split.leader:
             return save
