@@ -31,6 +31,7 @@ from pretrain.checkpoint.legacy.layout import (
     write_tracker,
 )
 from pretrain.checkpoint.legacy.module_names import chunk_from_file, chunk_to_file, file_keys
+from pretrain.checkpoint.legacy.stream_save import stream_save
 from pretrain.checkpoint.metadata import SAFE_GLOBALS, as_mapping, read_metadata, to_args
 from pretrain.checkpoint.types import CheckpointMetadata
 from pretrain.models.base import ShardedModule
@@ -155,8 +156,8 @@ def save_checkpoint(
             "opt_param_scheduler": opt_param_scheduler,
             "rng_state": [rng_state(ps)],
         }
-        with atomic_open(rank_dir / MODEL_FILE, "wb") as fh:
-            torch.save(state, fh)
+        with atomic_open(rank_dir / MODEL_FILE, "w+b") as fh:  # torch.save's bytes, CRCs by ISA-L
+            stream_save(state, fh)
     for name, extra in (extra_files or {}).items():
         rank_dir.mkdir(exist_ok=True)
         with atomic_open(rank_dir / name, "wb") as fh:
