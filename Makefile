@@ -7,6 +7,8 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
+# pytest-xdist workers: one per core, at most 4 (tests start gloo process groups of up to 8 ranks)
+PYTEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 
 .PHONY: setup demo docs-report test test-gpu lint typecheck pytest clean
 
@@ -34,10 +36,10 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 pytest: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider -rs tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider -rs -n $(PYTEST_WORKERS) --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 pytest-fast: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider -rs -m "not slow" tests
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider -rs -n $(PYTEST_WORKERS) -m "not slow" tests
 
 test: lint typecheck pytest
 
