@@ -156,3 +156,16 @@ def test_torch_dist_files_are_the_bytes_of_a_save_with_crcs(
                 assert zf.testzip() is None
             archives += 1
     assert archives == len(metadata.storage_data) > 10
+
+
+@pytest.mark.parametrize("at", [0, 4096, 12345])
+def test_crc_of_a_large_file_range_is_read_through_a_mapping(tmp_path: Path, at: int) -> None:
+    from pretrain.checkpoint.zip_crc import crc_of_file_range
+
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8, generator=torch.Generator().manual_seed(2))
+    raw = data.numpy().tobytes()
+    path = tmp_path / "f"
+    path.write_bytes(b"x" * at + raw + b"tail")
+    with open(path, "rb") as fh:
+        assert crc_of_file_range(fh.fileno(), at, len(raw)) == zlib.crc32(raw)
+        assert crc_of_file_range(fh.fileno(), at + 5, 100) == zlib.crc32(raw[5:105])
