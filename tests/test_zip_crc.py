@@ -127,7 +127,8 @@ def test_torch_dist_files_are_the_bytes_of_a_save_with_crcs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``write_torch_dist`` saves with torch's CRCs off and fills them in: every archive in the
-    ``.distcp`` file verifies in zipfile, and the file equals a save with torch computing them."""
+    ``.distcp`` file verifies in zipfile, and the file equals dcp's own ``FileSystemWriter``'s,
+    with torch computing the CRCs."""
     import torch.distributed.checkpoint as dcp
 
     import pretrain.checkpoint.torch_dist.writer as writer
@@ -142,7 +143,7 @@ def test_torch_dist_files_are_the_bytes_of_a_save_with_crcs(
     )
     writer.write_torch_dist(source, tmp_path / "filled", ParallelConfig(tp=2, pp=1))
     with monkeypatch.context() as m:  # torch computes the CRCs itself
-        m.setattr(writer, "save_then_fill_crc32", lambda save, directory, rank: save())
+        m.setattr(writer, "DistcpWriter", lambda path: dcp.FileSystemWriter(str(path), thread_count=1))
         writer.write_torch_dist(source, tmp_path / "torch", ParallelConfig(tp=2, pp=1))
     filled, by_torch = (tmp_path / d / "release" / "__0_0.distcp" for d in ("filled", "torch"))
     assert filled.read_bytes() == by_torch.read_bytes()
@@ -169,3 +170,50 @@ def test_crc_of_a_large_file_range_is_read_through_a_mapping(tmp_path: Path, at:
     with open(path, "rb") as fh:
         assert crc_of_file_range(fh.fileno(), at, len(raw)) == zlib.crc32(raw)
         assert crc_of_file_range(fh.fileno(), at + 5, 100) == zlib.crc32(raw[5:105])
+
+
+def test_torch_dist_writer_keeps_no_chunk_after_writing_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory of a ``torch_dist`` save is one chunk: when the writer asks for a chunk, every chunk
+    it asked for before has been freed. (dcp's own ``FileSystemWriter`` keeps each key's last
+    chunk until the file ends: the same probe sees them there.)"""
+    import weakref
+
+    import torch.distributed.checkpoint as dcp
+
+    import pretrain.checkpoint.torch_dist.writer as writer
+    from pretrain.checkpoint.plan import ModelSpec
+    from pretrain.checkpoint.types import DictSource
+    from pretrain.parallel.config import ParallelConfig
+    from tests.gpt_fixtures import full_weights, tiny_config
+
+    cfg = tiny_config(num_layers=3, params_dtype="bfloat16")
+    source = DictSource(
+        ModelSpec(kind="gpt", cfg=cfg), {k: v.bfloat16() for k, v in full_weights(cfg).items()}
+    )
+    resolve = writer._StreamingPlanner.resolve_data
+
+    def most_alive_before_each_chunk(save: Path) -> int:
+        made: list[weakref.ref] = []
+        most = 0
+
+        def probed(self, item):  # noqa: ANN001, ANN202
+            nonlocal most
+            data = resolve(self, item)
+            if not isinstance(data, torch.Tensor):
+                return data
+            most = max(most, sum(w() is not None for w in made))
+            data = data.clone()  # a storage only the writer holds
+            made.append(weakref.ref(data.untyped_storage()))
+            return data
+
+        with monkeypatch.context() as m:
+            m.setattr(writer._StreamingPlanner, "resolve_data", probed)
+            writer.write_torch_dist(source, save, ParallelConfig(tp=1, pp=1))
+        return most
+
+    assert most_alive_before_each_chunk(tmp_path / "ours") == 0
+    with monkeypatch.context() as m:
+        m.setattr(writer, "DistcpWriter", lambda path: dcp.FileSystemWriter(str(path), thread_count=1))
+        assert most_alive_before_each_chunk(tmp_path / "torch") > 5

@@ -16,9 +16,10 @@ it at any TP/PP: ``ROOT/latest_checkpointed_iteration.txt`` and ``ROOT/iter_N/``
 * ``metadata.json``: the backend names megatron-core checks.
 
 A custom save planner asks the source for each layer's tensor only when the file writer reaches
-it, so memory stays near one tensor. The archives' CRC-32s are filled in after the save
-(:mod:`~pretrain.checkpoint.torch_dist.distcp_crc`), not by torch's slow loop. The directory is built under a temporary sibling and renamed
-at the end (nothing half-written).
+it, and the file writer (:mod:`~pretrain.checkpoint.torch_dist.distcp_writer`) drops each chunk
+once written, so memory stays near one tensor; it fills the archives' CRC-32s by ISA-L, not by
+torch's slow loop. The directory is built under a temporary sibling and renamed at the end
+(nothing half-written).
 """
 
 from __future__ import annotations
@@ -36,7 +37,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
 from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
@@ -48,7 +48,7 @@ from pretrain.checkpoint.metadata import to_args
 from pretrain.checkpoint.optimizer.state import MCORE_STATE_PREFIX, OptimizerSource
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
 from pretrain.checkpoint.torch_dist.dcp_failures import dcp_failures, first_line
-from pretrain.checkpoint.torch_dist.distcp_crc import save_then_fill_crc32
+from pretrain.checkpoint.torch_dist.distcp_writer import DistcpWriter
 from pretrain.checkpoint.torch_dist.optimizer import optimizer_common, optimizer_entry_kinds
 from pretrain.checkpoint.types import TensorSource
 from pretrain.checkpoint.upstream.expert_names import to_dist_expert
@@ -298,9 +298,7 @@ def write_torch_dist(
         with written, warnings.catch_warnings():  # "assuming ... a single process": intended
             warnings.simplefilter("ignore", UserWarning)
             planner = _StreamingPlanner(entries, _fetcher(source, optimizer), split)
-            save_then_fill_crc32(lambda: dcp.save({}, storage_writer=FileSystemWriter(str(it_dir), thread_count=1),
-                                                  planner=planner, no_dist=not split.parallel),
-                                 it_dir, split.rank)  # fmt: skip
+            dcp.save({}, storage_writer=DistcpWriter(it_dir), planner=planner, no_dist=not split.parallel)
         split.agree()  # (dcp.save already failed on every rank together, or on none)
         if not split.leader:
             return save

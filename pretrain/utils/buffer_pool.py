@@ -1,0 +1,76 @@
+"""Reuse of large CPU buffers between tensors of the same size.
+
+A conversion makes every full tensor once (joining its TP shards) and drops it once written.
+Each fresh allocation of that size comes from the kernel as new pages, which the kernel zeroes
+before torch copies over them: a quarter of a 3B conversion's CPU time went to that zeroing
+(``clear_page_erms`` in ``perf``). Layers repeat the same shapes, so a buffer freed by one layer
+fits the next layer's tensor of the same size.
+
+:class:`BufferPool` holds the buffers it made; one is free again when nothing but the pool refers
+to its storage (``torch._C._storage_Use_Count`` is 1: no tensor or view of it is alive), so a
+buffer still used by a consumer is never handed out. The buffers it holds never exceed its
+``budget`` in bytes, so the memory it adds is bounded: beyond it, allocations are not held.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["BufferPool"]
+
+
+def _is_free(storage: torch.UntypedStorage) -> bool:
+    return torch._C._storage_Use_Count(storage._cdata) == 1  # only the pool's own reference
+
+
+class BufferPool:
+    """``empty(shape, dtype)`` that reuses a held, free buffer of exactly that many bytes.
+
+    ``budget``: the most bytes of buffers held (free or in use); ``None``: 1.5 x the largest
+    request so far, which holds a Llama-shaped layer's tensors (QKV, projection, both MLP
+    matrices) beside vocabularies of 32k rows and more. When a new size does not fit, the
+    largest free buffers are dropped first (a layer's sizes then stay, the embedding's goes). Requests
+    under ``min_bytes`` are plain allocations (small ones come from the allocator's own caches).
+    Not thread-safe: one pool per thread that allocates.
+    """
+
+    def __init__(self, budget: int | None = None, *, min_bytes: int = 1 << 20) -> None:
+        self.budget, self.min_bytes = budget, min_bytes
+        self._largest = 0
+        self._held: list[torch.UntypedStorage] = []
+        self.reused = self.fresh = 0  # counts, for tests and logs
+
+    @property
+    def held_bytes(self) -> int:
+        return sum(s.nbytes() for s in self._held)
+
+    def empty(self, shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised contiguous CPU tensor of ``shape`` and ``dtype``."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        if nbytes < self.min_bytes:
+            return torch.empty(shape, dtype=dtype)
+        self._largest = max(self._largest, nbytes)
+        storage = next((s for s in self._held if s.nbytes() == nbytes and _is_free(s)), None)
+        if storage is None:
+            storage = self._fresh(nbytes)
+        else:
+            self.reused += 1
+        return torch.empty(0, dtype=dtype).set_(storage).view(tuple(shape))
+
+    def _fresh(self, nbytes: int) -> torch.UntypedStorage:
+        self.fresh += 1
+        storage = torch.UntypedStorage(nbytes)
+        budget = self.budget if self.budget is not None else int(1.5 * self._largest)
+        free = sorted((s for s in self._held if _is_free(s)), key=lambda s: s.nbytes(), reverse=True)
+        while free and self.held_bytes + nbytes > budget:  # make room: the largest free buffers go
+            dropped = free.pop(0)
+            self._held = [s for s in self._held if s is not dropped]
+        if self.held_bytes + nbytes <= budget:
+            self._held.append(storage)
+        return storage
+
+    def clear(self) -> None:
+        """Drop every held buffer (those in use live on with their tensors)."""
+        self._held = []

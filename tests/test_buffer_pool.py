@@ -1,0 +1,91 @@
+"""BufferPool: freed buffers of the same size are reused, buffers in use never are, and the
+bytes held stay within the budget; the legacy reader's joined tensors stay correct with it."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain.utils.buffer_pool import BufferPool
+
+
+def test_a_freed_buffer_of_the_same_size_is_reused() -> None:
+    pool = BufferPool(min_bytes=0)
+    a = pool.empty((4, 8), torch.float32)
+    where = a.data_ptr()
+    del a
+    b = pool.empty((8, 4), torch.float32)  # same bytes, another shape
+    assert b.data_ptr() == where and b.shape == (8, 4) and b.is_contiguous()
+    assert (pool.reused, pool.fresh) == (1, 1)
+    c = pool.empty((2, 8, 2), torch.bfloat16)  # 64 bytes: another size
+    assert c.data_ptr() != where and pool.fresh == 2
+
+
+def test_a_buffer_still_viewed_is_never_handed_out() -> None:
+    pool = BufferPool(min_bytes=0)
+    a = pool.empty((16,), torch.float32)
+    view = a[3:5]
+    del a
+    b = pool.empty((16,), torch.float32)
+    assert b.data_ptr() != view.data_ptr() - 3 * 4
+    b.fill_(1.0)
+    c = pool.empty((16,), torch.float32)  # both held buffers in use: a third
+    c.fill_(2.0)
+    assert torch.equal(b, torch.ones(16)) and pool.reused == 0
+
+
+def test_held_bytes_stay_within_the_budget_and_the_largest_free_go_first() -> None:
+    pool = BufferPool(budget=1000, min_bytes=0)
+    for n in (600, 100, 200):  # 900 bytes held, all free after each line
+        pool.empty((n // 4,), torch.float32)
+    pool.empty((400 // 4,), torch.float32)  # needs 400: the free 600 goes, not the 100 or 200
+    assert sorted(s.nbytes() for s in pool._held) == [100, 200, 400]
+    keep = [pool.empty((n // 4,), torch.float32) for n in (100, 200, 400)]
+    assert pool.reused == 3
+    extra = pool.empty((800 // 4,), torch.float32)  # nothing free to drop: made, not held
+    assert pool.held_bytes == 700 and extra.numel() == 200 and len(keep) == 3
+
+
+def test_small_requests_are_plain_allocations() -> None:
+    pool = BufferPool()
+    pool.empty((10,), torch.float32)
+    assert pool.held_bytes == 0 and pool.fresh == 0
+
+
+def test_default_budget_holds_a_layer_beside_a_larger_embedding() -> None:
+    """1.5 x the largest request: a Llama-shaped layer's four sizes are all reused per layer."""
+    pool = BufferPool(min_bytes=0)
+    pool.empty((1000,), torch.uint8)  # the embedding
+    layer = (150, 100, 400, 200)
+    for _ in range(4):
+        for n in layer:
+            pool.empty((n,), torch.uint8)
+    assert pool.reused == 3 * len(layer) and pool.held_bytes <= 1500
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_legacy_reader_tensors_are_right_with_reused_buffers(tmp_path: Path, tp: int) -> None:
+    """Every tensor a consumer keeps stays intact while later ones reuse freed buffers; the
+    values equal the source's."""
+    from pretrain.checkpoint.legacy.writer import WriteOptions, write_layout
+    from pretrain.checkpoint.opener import open_checkpoint
+    from pretrain.checkpoint.plan import ModelSpec
+    from pretrain.checkpoint.types import DictSource
+    from pretrain.parallel.config import ParallelConfig
+    from tests.gpt_fixtures import full_weights, tiny_config
+
+    cfg = tiny_config(num_layers=3)
+    weights = full_weights(cfg)
+    write_layout(DictSource(ModelSpec(kind="gpt", cfg=cfg), weights), tmp_path / "ckpt",
+                 ParallelConfig(tp=tp, pp=1), options=WriteOptions(iteration="release"))  # fmt: skip
+    reader = open_checkpoint(tmp_path / "ckpt")
+    reader = dataclasses.replace(reader, buffers=BufferPool(min_bytes=0))
+    for name in reader.names():  # dropped at once: the next tensor of its size reuses the buffer
+        assert torch.equal(reader.tensor(name), weights[name]), name
+    assert reader.buffers.reused > 0
+    kept = {name: reader.tensor(name) for name in reader.names()}  # all alive: nothing reused
+    for name, tensor in kept.items():
+        assert torch.equal(tensor, weights[name]), name
