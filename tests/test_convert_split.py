@@ -147,9 +147,14 @@ CONVERSIONS: dict[str, tuple[str, list[str]]] = {
 }  # fmt: skip
 
 
+# Every conversion at 2 processes; at 3 (uneven shares of layers and bytes) the paths that split
+# differently: a planned HF export, a legacy re-layout, a torch_dist write and a torch_dist read.
+UNEVEN = ("to-hf", "reshard tp2pp2->tp1pp2", "legacy->torch_dist", "torch_dist->hf")
+SPLITS = [(case, 2) for case in CONVERSIONS] + [(case, 3) for case in UNEVEN]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("nproc", [2, 3])
-@pytest.mark.parametrize("case", list(CONVERSIONS))
+@pytest.mark.parametrize(("case", "nproc"), SPLITS, ids=[f"{c}-{n}" for c, n in SPLITS])
 def test_n_processes_write_the_one_process_output(
     case: str, nproc: int, sources: dict[str, Path], tmp_path: Path
 ) -> None:
