@@ -9,6 +9,10 @@ PY      = $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
 # pytest-xdist workers: one per core, at most 4 (tests start gloo process groups of up to 8 ranks)
 PYTEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
+# One intra-op thread per test process: the workers already fill the cores, and OpenMP threads
+# spinning on an oversubscribed host made single tests 5-7x slower (a finetune test: 19 s alone,
+# 144 s beside another worker). Subprocesses (torchrun ranks, benchmarks) inherit it.
+PYTEST_ENV = HF_HUB_OFFLINE=1 OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1}
 
 .PHONY: setup demo docs-report test test-gpu lint typecheck pytest clean
 
@@ -36,10 +40,10 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 pytest: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider -rs -n $(PYTEST_WORKERS) --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PYTEST_ENV) $(PY) -m pytest -p no:cacheprovider -rs -n $(PYTEST_WORKERS) --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 pytest-fast: setup
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -p no:cacheprovider -rs -n $(PYTEST_WORKERS) -m "not slow" tests
+	$(PYTEST_ENV) $(PY) -m pytest -p no:cacheprovider -rs -n $(PYTEST_WORKERS) -m "not slow" tests
 
 test: lint typecheck pytest
 

@@ -10,7 +10,6 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
 from finetune.cli import main
 
@@ -46,7 +45,6 @@ def _rte(root: Path, seed: int = 0) -> Path:
 
 
 def _run(argv: list[str], out: Path) -> dict:
-    torch.set_num_threads(2)
     assert (
         main([*argv, "--hf-model", str(minilm.get_model_path()), "--results-dir", str(out), "--no-progress"])
         == 0
