@@ -112,7 +112,14 @@ def _generate(size: str, work: Path) -> tuple[Path, Path]:
     return legacy, dist
 
 
+def _flush() -> None:
+    """Write back every dirty page first (untimed): otherwise a measured step's ``sync``/fsync
+    also pays for the step before it (the generated checkpoint, the previous output)."""
+    subprocess.run(["sync"], check=False)
+
+
 def _cp_seconds(src: Path, dst: Path) -> float:
+    _flush()
     start = time.perf_counter()
     subprocess.run(["cp", "-r", str(src), str(dst)], check=True)
     subprocess.run(["sync", "-f", str(dst)], check=False)
@@ -134,6 +141,7 @@ def convert_command(argv: list[str], nproc: int) -> list[str]:
 def _convert(name: str, argv: list[str], source: Path, cp_s: float) -> dict[str, float]:
     """Run ``python -m tools.convert_cli ARGV`` from :data:`REPO` (``--repo``), measured."""
     cmd = convert_command(argv, NPROC)
+    _flush()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     m = run_measured(cmd, cwd=REPO, env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
     if m.returncode != 0:
