@@ -3,13 +3,12 @@ bytes held stay within the budget; the legacy reader's joined tensors stay corre
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import pytest
 import torch
 
-from pretrain.utils.buffer_pool import BufferPool
+from pretrain.utils.buffer_pool import BufferPool, pooled_buffers, pooled_empty
 
 
 def test_a_freed_buffer_of_the_same_size_is_reused() -> None:
@@ -82,10 +81,73 @@ def test_legacy_reader_tensors_are_right_with_reused_buffers(tmp_path: Path, tp:
     write_layout(DictSource(ModelSpec(kind="gpt", cfg=cfg), weights), tmp_path / "ckpt",
                  ParallelConfig(tp=tp, pp=1), options=WriteOptions(iteration="release"))  # fmt: skip
     reader = open_checkpoint(tmp_path / "ckpt")
-    reader = dataclasses.replace(reader, buffers=BufferPool(min_bytes=0))
-    for name in reader.names():  # dropped at once: the next tensor of its size reuses the buffer
-        assert torch.equal(reader.tensor(name), weights[name]), name
-    assert reader.buffers.reused > 0
-    kept = {name: reader.tensor(name) for name in reader.names()}  # all alive: nothing reused
-    for name, tensor in kept.items():
-        assert torch.equal(tensor, weights[name]), name
+    with pooled_buffers(BufferPool(min_bytes=0)) as pool:
+        for name in reader.names():  # dropped at once: the next tensor of its size reuses the buffer
+            assert torch.equal(reader.tensor(name), weights[name]), name
+        assert pool.reused > 0
+        kept = {name: reader.tensor(name) for name in reader.names()}  # all alive: none handed out twice
+        for name, tensor in kept.items():
+            assert torch.equal(tensor, weights[name]), name
+
+
+def test_pooled_empty_is_plain_outside_a_pool_and_per_thread() -> None:
+    import threading
+
+    assert pooled_empty((4,), torch.float32).shape == (4,)
+    with pooled_buffers(BufferPool(min_bytes=0)) as pool:
+        pooled_empty((4,), torch.float32)
+        seen: list[int] = []
+        worker = threading.Thread(target=lambda: seen.append(pooled_empty((4,), torch.float32).numel()))
+        worker.start()
+        worker.join()  # another thread has no active pool: a plain allocation, not this pool's
+        assert seen == [4] and pool.fresh == 1
+    assert pooled_empty((4,), torch.float32).data_ptr() != 0 and pool.fresh == 1
+
+
+def test_conversions_with_every_buffer_pooled_equal_those_without(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """from-hf (fused QKV and gate/up, row-parallel shard copies), to-hf, reshard and legacy ->
+    torch_dist with every tensor from the pool (tiny tensors included) give the same tensors as
+    with plain allocations; the pool did reuse buffers."""
+    from safetensors.torch import load_file
+
+    import pretrain.utils.buffer_pool as bp
+    from pretrain.checkpoint.opener import open_checkpoint
+    from tests.llama_fixtures import hf_model
+    from tools.convert_cli import main
+
+    hf_dir = tmp_path / "hf"
+    hf_model("llama3").save_pretrained(str(hf_dir))
+    real = bp.pooled_buffers
+    pools: list[BufferPool] = []
+
+    def every_tensor_pooled(pool: BufferPool | None = None):  # noqa: ANN202
+        pools.append(BufferPool(min_bytes=0))
+        return real(pools[-1])
+
+    def convert(tag: str) -> Path:
+        root = tmp_path / tag
+        steps = [["from-hf", "--load", str(hf_dir), "--save", str(root / "ours"), "--tp", "2", "--pp", "2",
+                  "--weights-only"],
+                 ["to-hf", "--load", str(root / "ours"), "--save", str(root / "hf"), "--weights-only"],
+                 ["reshard", "--load", str(root / "ours"), "--save", str(root / "tp1"), "--target-tp", "1",
+                  "--target-pp", "1"],
+                 ["reshard", "--load", str(root / "ours"), "--save", str(root / "dist"), "--target-tp", "2",
+                  "--target-pp", "1", "--ckpt-format", "torch_dist"]]  # fmt: skip
+        for argv in steps:
+            assert main(argv) == 0, argv
+        return root
+
+    plain = convert("plain")
+    monkeypatch.setattr(bp, "pooled_buffers", every_tensor_pooled)
+    pooled = convert("pooled")
+    assert len(pools) == 4 and all(p.reused > 0 for p in pools)
+    for ckpt in ("ours", "tp1", "dist"):
+        a, b = open_checkpoint(plain / ckpt), open_checkpoint(pooled / ckpt)
+        assert list(a.names()) == list(b.names())
+        for name in a.names():
+            assert torch.equal(a.stored_rows(name), b.stored_rows(name)), (ckpt, name)
+    (sa,), (sb,) = (list((d / "hf").glob("*.safetensors")) for d in (plain, pooled))
+    ta, tb = load_file(sa), load_file(sb)
+    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)

@@ -14,11 +14,15 @@ buffer still used by a consumer is never handed out. The buffers it holds never 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
+from collections.abc import Iterator
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["BufferPool"]
+__all__ = ["BufferPool", "pooled_buffers", "pooled_empty", "pooling"]
 
 
 def _is_free(storage: torch.UntypedStorage) -> bool:
@@ -74,3 +78,34 @@ class BufferPool:
     def clear(self) -> None:
         """Drop every held buffer (those in use live on with their tensors)."""
         self._held = []
+
+
+_ACTIVE: contextvars.ContextVar[BufferPool | None] = contextvars.ContextVar("buffer_pool", default=None)
+
+
+@contextlib.contextmanager
+def pooled_buffers(pool: BufferPool | None = None) -> Iterator[BufferPool]:
+    """Within the block, :func:`pooled_empty` allocates from ``pool`` (default a new one): a
+    conversion sets it around its write loop, so the tensors its mapping tables build (which do
+    not know about pools) reuse freed buffers."""
+    pool = pool if pool is not None else BufferPool()
+    token = _ACTIVE.set(pool)
+    try:
+        yield pool
+    finally:
+        _ACTIVE.reset(token)
+
+
+def pooling() -> bool:
+    """A :func:`pooled_buffers` pool is active in this thread and no dispatch mode is (a shape dry
+    run, :mod:`pretrain.utils.shape_probe`, makes no memory; an ``out=`` op under it would
+    import ``torch._dynamo``). Callers take their plain path otherwise."""
+    return _ACTIVE.get() is not None and _get_current_dispatch_mode() is None
+
+
+def pooled_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)``, from the active pool when :func:`pooling`."""
+    pool = _ACTIVE.get()
+    return (
+        pool.empty(shape, dtype) if pool is not None and pooling() else torch.empty(tuple(shape), dtype=dtype)
+    )

@@ -157,9 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "inspect":
         _check_tokenizer_flags(args)
         return run_inspect(source_from_args(args), as_json=args.json)
+    from pretrain.utils.buffer_pool import pooled_buffers  # (imports torch: not for --help)
+
     split = WorkSplit.from_env()  # under torchrun: this process's share of the output files
     try:
-        with split.guard():
+        # tensors built for writing (joined shards, fused QKV, row-parallel shard copies) reuse
+        # the buffers of those already written: fresh pages cost the kernel's zeroing
+        with split.guard(), pooled_buffers():
             return _checked_convert(args, split)
     finally:
         split.close()

@@ -39,7 +39,7 @@ from pretrain.checkpoint.upstream.names import is_qkv, qkv_to_canonical, to_loca
 from pretrain.checkpoint.vocab_view import vocab_view
 from pretrain.model_options import layernorm_1p
 from pretrain.models.sharding import row_layout, unshard_tensors
-from pretrain.utils.buffer_pool import BufferPool
+from pretrain.utils.buffer_pool import pooled_empty, pooling
 from pretrain.utils.errors import UserError
 
 __all__ = ["CheckpointInfo", "LegacyReader", "open_legacy"]
@@ -67,7 +67,6 @@ class LegacyReader:
     pages: PageReleaser | None = None  # drops read parts from RSS (mmap'd files)
     metadata: CheckpointMetadata | None = None  # our record (None for upstream checkpoints)
     norm_1p: bool = False  # upstream apply_layernorm_1p: norm weights are stored minus 1
-    buffers: BufferPool = field(default_factory=BufferPool)  # joined tensors reuse freed buffers
 
     @property
     def args(self) -> dict[str, Any]:
@@ -122,7 +121,8 @@ class LegacyReader:
             full = parts[0]
         else:
             lay = row_layout(slot.local, cfg)  # SwiGLU [gate; up] per rank, GQA groups
-            full = unshard_tensors(parts, dim=slot.dim, layout=lay, out=self.buffers.empty)
+            out = pooled_empty if pooling() else None  # a conversion's pool
+            full = unshard_tensors(parts, dim=slot.dim, layout=lay, out=out)
         if self.pages is not None:  # transparent: a later access faults the pages back in
             for part in parts:
                 self.pages.release(part)
