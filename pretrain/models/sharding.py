@@ -20,7 +20,7 @@ found from the canonical name by :func:`row_layout`), both laid out as Megatron 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
@@ -31,6 +31,7 @@ from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
 from pretrain.tensor_parallel.layers import is_expert, partition_dim
 from pretrain.tensor_parallel.mappings import ProcessGroup, group_size
+from pretrain.utils.buffer_pool import pooled_cat
 
 VOCAB_TENSORS = (
     "word_embeddings.weight", "word_embeddings_for_head.weight", "lm_head.bias", "output_layer.weight",
@@ -149,16 +150,6 @@ def shard_tensor(
     return done(full.chunk(tp, dim=dim)[tp_rank])
 
 
-def _cat(
-    parts: list[torch.Tensor], dim: int, out: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None
-) -> torch.Tensor:
-    if out is None:
-        return torch.cat(parts, dim=dim)
-    shape = list(parts[0].shape)
-    shape[dim] = sum(p.shape[dim] for p in parts)
-    return torch.cat(parts, dim=dim, out=out(tuple(shape), parts[0].dtype))
-
-
 def unshard_tensors(
     parts: list[torch.Tensor],
     *,
@@ -166,25 +157,24 @@ def unshard_tensors(
     trim_rows_to: int | None = None,
     layout: RowLayout | None = None,
     replicas: Replicas = "check",
-    out: Callable[[tuple[int, ...], torch.dtype], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Re-assemble shards (in TP-rank order) into the full tensor, trimming vocab padding.
 
     ``replicas`` says what to do with replicated key/value heads (``tp > groups``): ``check``
     they are equal (``ValueError`` otherwise), take the ``first``, or ``sum`` them (gradients).
-    ``out(shape, dtype)``: where a joined tensor is written (e.g. :class:`BufferPool.empty
-    <pretrain.utils.buffer_pool.BufferPool>`); default a new tensor.
+    Joined tensors come from the conversion's buffer pool when one is active
+    (:func:`~pretrain.utils.buffer_pool.pooled_cat`).
     """
     tp = len(parts)
     if dim is None or tp == 1:
         full = parts[0]
     elif layout is not None and dim == 0 and layout.blocks > 1:
         blocks = [p.chunk(layout.blocks, dim=0) for p in parts]
-        full = _cat([b[i] for i in range(layout.blocks) for b in blocks], 0, out)  # one copy, not two
+        full = pooled_cat([b[i] for i in range(layout.blocks) for b in blocks])  # one copy, not two
     elif layout is not None and dim == 0 and layout.groups is not None and tp > layout.groups:
         full = _unshard_qkv_replicated(parts, layout, replicas)
     else:
-        full = _cat(parts, dim, out)
+        full = pooled_cat(parts, dim)
     return full[:trim_rows_to] if trim_rows_to is not None else full
 
 

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["BufferPool", "pooled_buffers", "pooled_empty", "pooling"]
+__all__ = ["BufferPool", "pooled_buffers", "pooled_cat", "pooled_copy", "pooled_empty", "pooling"]
 
 
 def _is_free(storage: torch.UntypedStorage) -> bool:
@@ -109,3 +109,20 @@ def pooled_empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> tor
     return (
         pool.empty(shape, dtype) if pool is not None and pooling() else torch.empty(tuple(shape), dtype=dtype)
     )
+
+
+def pooled_cat(tensors: list[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat(tensors, dim)`` (contiguous), into a pooled buffer when :func:`pooling` and the
+    inputs are CPU tensors needing no gradients (``out=`` ops do not record autograd)."""
+    if not pooling() or tensors[0].device.type != "cpu" or any(t.requires_grad for t in tensors):
+        return torch.cat(tensors, dim=dim).contiguous()
+    shape = list(tensors[0].shape)
+    shape[dim] = sum(t.shape[dim] for t in tensors)
+    return torch.cat(tensors, dim=dim, out=pooled_empty(tuple(shape), tensors[0].dtype))
+
+
+def pooled_copy(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of ``t`` in memory of its own (pooled when :func:`pooling`)."""
+    if not pooling() or t.device.type != "cpu" or t.requires_grad:
+        return t.contiguous().clone()
+    return pooled_empty(t.shape, t.dtype).copy_(t)

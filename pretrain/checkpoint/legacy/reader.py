@@ -39,7 +39,6 @@ from pretrain.checkpoint.upstream.names import is_qkv, qkv_to_canonical, to_loca
 from pretrain.checkpoint.vocab_view import vocab_view
 from pretrain.model_options import layernorm_1p
 from pretrain.models.sharding import row_layout, unshard_tensors
-from pretrain.utils.buffer_pool import pooled_empty, pooling
 from pretrain.utils.errors import UserError
 
 __all__ = ["CheckpointInfo", "LegacyReader", "open_legacy"]
@@ -121,8 +120,7 @@ class LegacyReader:
             full = parts[0]
         else:
             lay = row_layout(slot.local, cfg)  # SwiGLU [gate; up] per rank, GQA groups
-            out = pooled_empty if pooling() else None  # a conversion's pool
-            full = unshard_tensors(parts, dim=slot.dim, layout=lay, out=out)
+            full = unshard_tensors(parts, dim=slot.dim, layout=lay)  # (a conversion's pooled buffer)
         if self.pages is not None:  # transparent: a later access faults the pages back in
             for part in parts:
                 self.pages.release(part)

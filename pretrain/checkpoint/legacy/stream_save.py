@@ -32,7 +32,7 @@ import torch
 import torch.serialization as ser
 
 from pretrain.checkpoint.zip_crc import crc32, fill_crc32
-from pretrain.utils.buffer_pool import pooled_empty, pooling
+from pretrain.utils.buffer_pool import pooled_copy
 
 
 @dataclass(frozen=True, eq=False)
@@ -106,7 +106,7 @@ def _write_tensor(archive: _Archive, name: str, lazy: LazyTensor) -> None:
         )
     t = t.detach().to("cpu")
     if not t.is_contiguous():  # a row-parallel shard: copied into a pooled buffer during a conversion
-        t = pooled_empty(t.shape, t.dtype).copy_(t) if pooling() else t.contiguous()
+        t = pooled_copy(t)
     nbytes = t.numel() * t.element_size()
     # its bytes where they lie: a view of a larger storage (a TP shard cut from the full tensor)
     # is written from a storage slice, which shares the memory (no copy first)

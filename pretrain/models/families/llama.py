@@ -27,7 +27,7 @@ from pretrain.config import ModelConfig
 from pretrain.model_option_hf import absent_modules, config_kwargs_from_hf, hf_kwargs, hf_unsupported
 from pretrain.models.families.converter import HFConfig, HFImport
 from pretrain.models.families.registry import Family, export_family, families, family_of_model_type
-from pretrain.utils.buffer_pool import pooled_empty, pooling
+from pretrain.utils.buffer_pool import pooled_cat, pooled_copy
 from pretrain.utils.errors import UserError
 
 LM = "language_model."
@@ -59,10 +59,7 @@ def fuse_qkv(
     rest = q.shape[1:]
     qg = q.reshape(groups, -1, head_dim, *rest)
     kg, vg = k.reshape(groups, 1, head_dim, *rest), v.reshape(groups, 1, head_dim, *rest)
-    if not pooling():  # (no conversion, or a shape dry run)
-        return torch.cat([qg, kg, vg], dim=1).reshape(-1, *rest).contiguous()
-    out = pooled_empty((groups, qg.shape[1] + 2, head_dim, *rest), q.dtype)
-    return torch.cat([qg, kg, vg], dim=1, out=out).reshape(-1, *rest)
+    return pooled_cat([qg, kg, vg], dim=1).reshape(-1, *rest)
 
 
 def split_qkv(
@@ -198,16 +195,11 @@ def lazy_hf_to_canonical(
 def _copy(t: torch.Tensor) -> torch.Tensor:
     """A copy of ``t`` (a view of memory-mapped weights) in memory of its own (a pooled buffer
     during a conversion)."""
-    if not pooling():  # (no conversion, or a shape dry run)
-        return t.contiguous().clone()
-    return pooled_empty(t.shape, t.dtype).copy_(t)
+    return pooled_copy(t)
 
 
 def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
-    if not pooling():
-        return torch.cat(ts).contiguous()
-    rows = sum(t.shape[0] for t in ts)
-    return torch.cat(ts, out=pooled_empty((rows, *ts[0].shape[1:]), ts[0].dtype))
+    return pooled_cat(ts)
 
 
 def hf_to_canonical(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
