@@ -32,11 +32,14 @@ def _is_free(storage: torch.UntypedStorage) -> bool:
 class BufferPool:
     """``empty(shape, dtype)`` that reuses a held, free buffer of exactly that many bytes.
 
-    ``budget``: the most bytes of buffers held (free or in use); ``None``: 1.5 x the largest
-    request so far, which holds a Llama-shaped layer's tensors (QKV, projection, both MLP
-    matrices) beside vocabularies of 32k rows and more. When a new size does not fit, the
-    largest free buffers are dropped first (a layer's sizes then stay, the embedding's goes). Requests
-    under ``min_bytes`` are plain allocations (small ones come from the allocator's own caches).
+    ``budget``: the most bytes of buffers held (free or in use); ``None``: 2 x the largest
+    request so far, the tensor term of a conversion's memory bound (2 x the largest tensor +
+    0.5 GB). That holds a Llama-shaped layer's four sizes (QKV, projection, both MLP matrices)
+    even before any larger tensor was seen: with GQA and ``ffn >= 8/3 hidden`` they sum to at
+    most 2 x the fused fc1. At 1.5 x, to-hf at 3B dropped and re-made fc1 and fc2 in every layer
+    (114 joins, 61 fresh). When a new size does not fit, the largest free buffers are dropped
+    first (a layer's sizes then stay, the embedding's goes). Requests under ``min_bytes`` are
+    plain allocations (small ones come from the allocator's own caches).
     Not thread-safe: one pool per thread that allocates.
     """
 
@@ -66,7 +69,7 @@ class BufferPool:
     def _fresh(self, nbytes: int) -> torch.UntypedStorage:
         self.fresh += 1
         storage = torch.UntypedStorage(nbytes)
-        budget = self.budget if self.budget is not None else int(1.5 * self._largest)
+        budget = self.budget if self.budget is not None else 2 * self._largest
         free = sorted((s for s in self._held if _is_free(s)), key=lambda s: s.nbytes(), reverse=True)
         while free and self.held_bytes + nbytes > budget:  # make room: the largest free buffers go
             dropped = free.pop(0)
