@@ -164,3 +164,17 @@ def test_conversions_with_every_buffer_pooled_equal_those_without(
     (sa,), (sb,) = (list((d / "hf").glob("*.safetensors")) for d in (plain, pooled))
     ta, tb = load_file(sa), load_file(sb)
     assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+def test_read_only_views_give_contiguous_tensors_back_uncopied() -> None:
+    """The weights fingerprint reads a source's tensors where they lie: within
+    ``read_only_views`` a contiguous tensor is not copied; a strided one still is; outside, a copy."""
+    from pretrain.utils.buffer_pool import pooled_copy, read_only_views
+
+    t = torch.arange(12.0).view(3, 4)
+    with read_only_views():
+        assert pooled_copy(t) is t
+        strided = pooled_copy(t.t())
+        assert strided.is_contiguous() and torch.equal(strided, t.t())
+    copied = pooled_copy(t)
+    assert copied is not t and copied.data_ptr() != t.data_ptr() and torch.equal(copied, t)

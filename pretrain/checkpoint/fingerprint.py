@@ -46,6 +46,7 @@ import torch
 from pretrain.checkpoint.types import TensorSource
 from pretrain.checkpoint.work_split import SINGLE, WorkSplit
 from pretrain.models.sharding import is_vocab_tensor
+from pretrain.utils.buffer_pool import read_only_views
 from pretrain.utils.errors import UserError
 
 if TYPE_CHECKING:
@@ -310,13 +311,14 @@ def weights_fingerprint(
         metas = [tensor_meta(source, n) for n in names]
         mine = split.mine([m.numel() * m.dtype.itemsize for m in metas])
         names = [n for n, keep in zip(names, mine, strict=True) if keep]
-    digests = tensor_digests(
-        ((n, source.tensor(n)) for n in _until(names, stop)),
-        vocab_size=vocab,
-        skip_prefixes=fresh,
-        workers=workers,
-        scheme=scheme,
-    )
+    with read_only_views():  # hashed where the bytes lie: no copy of a tensor only read
+        digests = tensor_digests(
+            ((n, source.tensor(n)) for n in _until(names, stop)),
+            vocab_size=vocab,
+            skip_prefixes=fresh,
+            workers=workers,
+            scheme=scheme,
+        )
     if split.parallel:
         digests = {k: v for part in split.gather(digests) for k, v in part.items()}
     return combine_digests(digests, scheme=scheme)

@@ -95,7 +95,8 @@ def _shard(full: torch.Tensor, slot: Slot, *, tp_rank: int, tp: int, padded: int
             f"tensor {slot.canonical}: target shard shape {tuple(out.shape)} != expected {slot.shape} "
             f"(source full shape {tuple(full.shape)})"
         )
-    return out.contiguous()
+    # a row-parallel shard stays a strided view: the file writer copies it into a pooled buffer
+    return out
 
 
 def vocab_rows(source: TensorSource, name: str, padded: int) -> torch.Tensor:
