@@ -120,8 +120,8 @@ def test_pooled_empty_is_plain_outside_a_pool_and_per_thread() -> None:
 def test_conversions_with_every_buffer_pooled_equal_those_without(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """from-hf (fused QKV and gate/up, row-parallel shard copies), to-hf, reshard and legacy ->
-    torch_dist with every tensor from the pool (tiny tensors included) give the same tensors as
+    """from-hf (fused QKV and gate/up, row-parallel shard copies), to-hf, reshard, legacy ->
+    torch_dist and torch_dist -> HF (the dcp reader's targets) with every tensor from the pool (tiny tensors included) give the same tensors as
     with plain allocations; the pool did reuse buffers."""
     from safetensors.torch import load_file
 
@@ -147,7 +147,8 @@ def test_conversions_with_every_buffer_pooled_equal_those_without(
                  ["reshard", "--load", str(root / "ours"), "--save", str(root / "tp1"), "--target-tp", "1",
                   "--target-pp", "1"],
                  ["reshard", "--load", str(root / "ours"), "--save", str(root / "dist"), "--target-tp", "2",
-                  "--target-pp", "1", "--ckpt-format", "torch_dist"]]  # fmt: skip
+                  "--target-pp", "1", "--ckpt-format", "torch_dist"],
+                 ["to-hf", "--load", str(root / "dist"), "--save", str(root / "hf_from_dist"), "--weights-only"]]  # fmt: skip
         for argv in steps:
             assert main(argv) == 0, argv
         return root
@@ -155,15 +156,16 @@ def test_conversions_with_every_buffer_pooled_equal_those_without(
     plain = convert("plain")
     monkeypatch.setattr(bp, "pooled_buffers", every_tensor_pooled)
     pooled = convert("pooled")
-    assert len(pools) == 4 and all(p.reused > 0 for p in pools)
+    assert len(pools) == 5 and all(p.reused > 0 for p in pools)
     for ckpt in ("ours", "tp1", "dist"):
         a, b = open_checkpoint(plain / ckpt), open_checkpoint(pooled / ckpt)
         assert list(a.names()) == list(b.names())
         for name in a.names():
             assert torch.equal(a.stored_rows(name), b.stored_rows(name)), (ckpt, name)
-    (sa,), (sb,) = (list((d / "hf").glob("*.safetensors")) for d in (plain, pooled))
-    ta, tb = load_file(sa), load_file(sb)
-    assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta)
+    for hf in ("hf", "hf_from_dist"):
+        (sa,), (sb,) = (list((d / hf).glob("*.safetensors")) for d in (plain, pooled))
+        ta, tb = load_file(sa), load_file(sb)
+        assert ta.keys() == tb.keys() and all(torch.equal(ta[k], tb[k]) for k in ta), hf
 
 
 def test_read_only_views_give_contiguous_tensors_back_uncopied() -> None:

@@ -22,7 +22,15 @@ from collections.abc import Iterator
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode
 
-__all__ = ["BufferPool", "pooled_buffers", "pooled_cat", "pooled_copy", "pooled_empty", "pooling", "read_only_views"]
+__all__ = [
+    "BufferPool",
+    "pooled_buffers",
+    "pooled_cat",
+    "pooled_copy",
+    "pooled_empty",
+    "pooling",
+    "read_only_views",
+]
 
 
 def _is_free(storage: torch.UntypedStorage) -> bool:

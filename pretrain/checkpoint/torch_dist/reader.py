@@ -47,6 +47,7 @@ from pretrain.checkpoint.upstream.args_semantics import OUTPUT_LAYER, is_zero_ce
 from pretrain.checkpoint.vocab_view import vocab_view
 from pretrain.model_options import layernorm_1p
 from pretrain.models.sharding import is_vocab_tensor
+from pretrain.utils.buffer_pool import pooled_empty
 from pretrain.utils.errors import UserError
 
 _GLOBAL_LAYER = re.compile(r"\.layers\.(\d+)\.")
@@ -107,7 +108,7 @@ def read_region(
     read again)."""
     lead = () if index is None else (index,) if isinstance(index, int) else tuple(index)
     size = (*(1,) * len(lead), *md.size[len(lead) :])
-    out = torch.empty(size, dtype=md.properties.dtype)
+    out = pooled_empty(size, md.properties.dtype)  # a conversion's freed buffer of this size: no fresh pages
     offsets = (*lead, *(0,) * (len(size) - len(lead)))
     planner = _RegionPlanner(key, out, offsets)
 
