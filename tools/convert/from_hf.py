@@ -56,6 +56,7 @@ def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_b
     ``split`` (torchrun): this process's share of the target files."""
     from pretrain.checkpoint.legacy.writer import WriteOptions, check_output_dir
     from pretrain.checkpoint.types import Provenance
+    from pretrain.utils.buffer_pool import read_only_views
     from tools.hf_io import open_hf
 
     check_output_dir(save, sources=(hf_dir,) if adapter is None else (hf_dir, adapter))
@@ -94,8 +95,11 @@ def run_from_hf(hf_dir: Path, save: Path, target: ParallelConfig, *, divisible_b
             ),
             module_names=module_names,
         )
-        write_checkpoint(ckpt_format, source, save, target, options=options, progress=lambda _name: bar.update(1),
-               extra_files=extra, split=split)  # fmt: skip
+        # the writers only read each tensor while the HF files stay open: their mapped bytes are
+        # written where they lie, not copied first (pooled_copy gives contiguous tensors back)
+        with read_only_views():
+            write_checkpoint(ckpt_format, source, save, target, options=options,
+                             progress=lambda _name: bar.update(1), extra_files=extra, split=split)  # fmt: skip
     if not split.leader:
         return 0
     print(
