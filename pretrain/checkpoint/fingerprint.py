@@ -43,7 +43,7 @@ import blake3
 import numpy as np
 import torch
 
-from pretrain.checkpoint.types import TensorSource
+from pretrain.checkpoint.types import RowPieces, TensorSource
 from pretrain.checkpoint.work_split import SINGLE, WorkSplit
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.utils.buffer_pool import read_only_views
@@ -59,26 +59,29 @@ _CHUNK_ELEMENTS = 1 << 22  # 16 MiB of float32 per hashing step
 _BF16_BLOCK = 1 << 25  # bf16 elements per BLAKE3 update (64 MiB, read where they lie)
 
 
-def tensor_digest(name: str, tensor: torch.Tensor, *, scheme: str = SCHEME) -> bytes:
+def tensor_digest(name: str, tensor: torch.Tensor | RowPieces, *, scheme: str = SCHEME) -> bytes:
     """The digest of ``name``, the shape and the values under ``scheme`` (module docstring); no
-    copy of the whole tensor is made of a contiguous tensor (it is read in chunks)."""
-    if tensor.is_complex():
+    copy of the whole tensor is made of a contiguous tensor (it is read in chunks), nor of
+    :class:`~pretrain.checkpoint.types.RowPieces` (read piece by piece: the same digest as the
+    joined tensor, since each hash only sees the values' stream)."""
+    if tensor.dtype.is_complex:
         raise UserError(f"tensor {name}: complex weights cannot be fingerprinted")
-    flat = tensor.detach().reshape(-1)
+    pieces = tensor.parts if isinstance(tensor, RowPieces) else (tensor,)
+    flats = [p.detach().reshape(-1) for p in pieces]
     if scheme == "w1":
-        return _digest_w1(name, tensor.shape, flat)
+        return _digest_w1(name, tensor.shape, flats)
     if scheme != "w2":
         raise ValueError(f"unknown fingerprint scheme {scheme!r}")
     h = blake3.blake3()
-    if not flat.is_floating_point():
-        _header(h, name, "i", tensor.shape)
-        _update_int64(h, flat)
-    elif flat.dtype == torch.bfloat16 or not _has_low_bits(flat):
-        _header(h, name, "b", tensor.shape)  # every value is a bf16 number: its 16 bits
-        _update_bf16(h, flat)
+    if not tensor.dtype.is_floating_point:
+        kind, update = "i", _update_int64
+    elif tensor.dtype == torch.bfloat16 or not any(_has_low_bits(f) for f in flats):
+        kind, update = "b", _update_bf16  # every value is a bf16 number: its 16 bits
     else:
-        _header(h, name, "f", tensor.shape)
-        _update_float32(h, flat)
+        kind, update = "f", _update_float32
+    _header(h, name, kind, tensor.shape)
+    for flat in flats:
+        update(h, flat)
     return h.digest()
 
 
@@ -145,18 +148,21 @@ def _update_widened(h: _Hasher, flat: torch.Tensor, target: torch.dtype, np_type
         h.update(_le_bytes(part, np_type))
 
 
-def _digest_w1(name: str, shape: torch.Size, flat: torch.Tensor) -> bytes:
+def _digest_w1(name: str, shape: torch.Size, flats: list[torch.Tensor]) -> bytes:
     """``w1``: ``sha256`` of ``name``, the shape and the values widened to float32 (int64)."""
     h = hashlib.sha256()
-    kind = "f" if flat.is_floating_point() else "i"
+    kind = "f" if flats[0].is_floating_point() else "i"
     _header(h, name, kind, shape)
     target, np_type = (torch.float32, "<f4") if kind == "f" else (torch.int64, "<i8")
-    buf = torch.empty(min(flat.numel(), _CHUNK_ELEMENTS), dtype=target)  # always copied, as w1 was
-    for start in range(0, flat.numel(), _CHUNK_ELEMENTS):
-        chunk = flat[start : start + _CHUNK_ELEMENTS]
-        part = buf[: chunk.numel()]
-        part.copy_(chunk)
-        h.update(_le_bytes(part, np_type))
+    buf = torch.empty(
+        min(max(f.numel() for f in flats), _CHUNK_ELEMENTS), dtype=target
+    )  # always copied, as w1 was
+    for flat in flats:
+        for start in range(0, flat.numel(), _CHUNK_ELEMENTS):
+            chunk = flat[start : start + _CHUNK_ELEMENTS]
+            part = buf[: chunk.numel()]
+            part.copy_(chunk)
+            h.update(_le_bytes(part, np_type))
     return h.digest()
 
 
@@ -176,7 +182,7 @@ def fingerprint_tensors(
 
 
 def tensor_digests(
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor | RowPieces]],
     *,
     vocab_size: int | None = None,
     skip_prefixes: tuple[str, ...] = (),
@@ -196,7 +202,7 @@ def tensor_digests(
     slots = threading.BoundedSemaphore(n)
     pending: list[tuple[str, Future[bytes]]] = []
 
-    def digest(name: str, tensor: torch.Tensor) -> bytes:
+    def digest(name: str, tensor: torch.Tensor | RowPieces) -> bytes:
         try:
             return tensor_digest(name, tensor, scheme=scheme)
         finally:
@@ -217,13 +223,13 @@ def tensor_digests(
 
 
 def _kept(
-    tensors: Iterable[tuple[str, torch.Tensor]],
+    tensors: Iterable[tuple[str, torch.Tensor | RowPieces]],
     *,
     vocab_size: int | None,
     skip_prefixes: tuple[str, ...],
     seen: set[str],
     slots: threading.BoundedSemaphore,
-) -> Iterator[tuple[str, torch.Tensor]]:
+) -> Iterator[tuple[str, torch.Tensor | RowPieces]]:
     """The ``(name, tensor)`` pairs to digest (skipped prefixes left out, vocabulary rows cut); a
     slot is taken before each tensor is read, so a reader never runs ahead of the digests."""
     it = iter(tensors)
@@ -313,7 +319,7 @@ def weights_fingerprint(
         names = [n for n, keep in zip(names, mine, strict=True) if keep]
     with read_only_views():  # hashed where the bytes lie: no copy of a tensor only read
         digests = tensor_digests(
-            ((n, source.tensor(n)) for n in _until(names, stop)),
+            ((n, _digestible(source, n)) for n in _until(names, stop)),
             vocab_size=vocab,
             skip_prefixes=fresh,
             workers=workers,
@@ -322,6 +328,14 @@ def weights_fingerprint(
     if split.parallel:
         digests = {k: v for part in split.gather(digests) for k, v in part.items()}
     return combine_digests(digests, scheme=scheme)
+
+
+def _digestible(source: TensorSource, name: str) -> torch.Tensor | RowPieces:
+    """``source.tensor(name)``, or its rows in pieces where the source gives them (a legacy
+    checkpoint's column-parallel shards: hashed where they lie, never joined)."""
+    row_pieces = getattr(source, "row_pieces", None)
+    pieces = row_pieces(name) if row_pieces is not None else None
+    return pieces if pieces is not None else source.tensor(name)
 
 
 def _until(names: Iterable[str], stop: threading.Event | None) -> Iterator[str]:

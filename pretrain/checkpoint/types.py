@@ -108,6 +108,36 @@ class CheckpointInfo:
     ep: int = 1  # expert-parallel ranks of the files (legacy format: one file per TP x PP x EP rank)
 
 
+@dataclass(frozen=True)
+class RowPieces:
+    """A tensor as contiguous row blocks, in order: ``parts`` (each ``[r_i, ...]``, one dtype)
+    joined along dim 0 are the tensor. A reader gives the weights fingerprint these instead of
+    joining them (no copy, no fresh pages): :meth:`LegacyReader.row_pieces
+    <pretrain.checkpoint.legacy.reader.LegacyReader.row_pieces>`."""
+
+    parts: tuple[torch.Tensor, ...]
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((sum(p.shape[0] for p in self.parts), *self.parts[0].shape[1:]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+    def __getitem__(self, rows: slice) -> RowPieces:
+        """The first ``rows.stop`` rows (``pieces[:n]``, as a vocabulary tensor is cut)."""
+        if rows.start not in (None, 0) or rows.step not in (None, 1) or rows.stop is None:
+            raise ValueError(f"RowPieces takes only a leading row count, not {rows}")
+        kept, left = [], rows.stop
+        for part in self.parts:
+            if left <= 0:
+                break
+            kept.append(part[:left])
+            left -= part.shape[0]
+        return RowPieces(tuple(kept))
+
+
 @runtime_checkable
 class TensorSource(Protocol):
     """Canonical full tensors by name: a checkpoint reader (legacy ``torch``, ``torch_dist``), a

@@ -32,7 +32,7 @@ from pretrain.checkpoint.legacy.pages import PageReleaser
 from pretrain.checkpoint.metadata import CheckpointMetadata, as_mapping, read_metadata
 from pretrain.checkpoint.plan import ModelSpec, Slot, chunk_slots, layers_from_counts
 from pretrain.checkpoint.safe_unpickle import load_untrusted
-from pretrain.checkpoint.types import CheckpointInfo
+from pretrain.checkpoint.types import CheckpointInfo, RowPieces
 from pretrain.checkpoint.upstream.args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
 from pretrain.checkpoint.upstream.args_semantics import is_zero_centred_norm, untie_head_names
 from pretrain.checkpoint.upstream.names import is_qkv, qkv_to_canonical, to_local_name
@@ -92,8 +92,9 @@ class LegacyReader:
         i, chunk, key = ref
         return self.flats[i][chunk][key]
 
-    def _assemble(self, name: str, entry: _Entry) -> torch.Tensor:
-        cfg, slot, tp = self.spec.cfg, entry.slot, self.info.tp
+    def _checked_parts(self, name: str, entry: _Entry) -> list[torch.Tensor]:
+        """The entry's stored shards, each of the shape its slot expects (``UserError`` naming the file)."""
+        slot, tp = entry.slot, self.info.tp
         parts = [self._part(ref) for ref in entry.parts]
         for ref, part in zip(entry.parts, parts, strict=True):
             want = list(slot.shape)
@@ -104,6 +105,37 @@ class LegacyReader:
                     f"{self.files[ref[0]]}: tensor {ref[2]} ({name}) has shape {tuple(part.shape)}, "
                     f"expected {tuple(want)}"
                 )
+        return parts
+
+    def row_pieces(self, name: str) -> RowPieces | None:
+        """:meth:`tensor` as its shards' rows in order, where joining them only stacks rows
+        (column-parallel tensors, SwiGLU's blocks, QKV groups whole on each rank): the weights
+        fingerprint hashes them where they lie instead of joining a copy. None where
+        :meth:`tensor` does more (row-parallel joins, replicated or old-order QKV, expert shards,
+        stored norm offsets, a separate output-layer copy to compare)."""
+        entry = self.entries.get(name)
+        if entry is None or name in self.head_copies:
+            return None
+        slot, cfg, tp = entry.slot, self.spec.cfg, self.info.tp
+        lay = row_layout(slot.local, cfg)
+        if slot.dim != 0 or slot.shards is not None or (self.norm_1p and is_zero_centred_norm(name)):
+            return None
+        if (is_qkv(slot.local) and self.info.checkpoint_version < 2.0) or (
+            lay is not None and lay.groups is not None and tp > lay.groups
+        ):
+            return None
+        parts = self._checked_parts(name, entry)
+        if not all(p.is_contiguous() for p in parts):
+            return None
+        if lay is not None and lay.blocks > 1:  # [gate; up] per rank: all gates, then all ups
+            blocks = [p.chunk(lay.blocks, dim=0) for p in parts]
+            parts = [b[i] for i in range(lay.blocks) for b in blocks]
+        rows = RowPieces(tuple(parts))
+        return rows[: cfg.vocab_size] if slot.vocab else rows
+
+    def _assemble(self, name: str, entry: _Entry) -> torch.Tensor:
+        cfg, slot, tp = self.spec.cfg, entry.slot, self.info.tp
+        parts = self._checked_parts(name, entry)
         if is_qkv(slot.local) and self.info.checkpoint_version < 2.0:
             heads = cfg.num_attention_heads // tp
             v = self.info.checkpoint_version

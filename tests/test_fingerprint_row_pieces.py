@@ -1,0 +1,73 @@
+"""The fingerprint hashes a legacy checkpoint's column-parallel shards where they lie (``row_pieces``):
+the same value as the joined tensors, with no joined copy made."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain.checkpoint.fingerprint import tensor_digest, weights_fingerprint
+from pretrain.checkpoint.legacy.writer import DictSource, WriteOptions, write_layout
+from pretrain.checkpoint.opener import open_checkpoint
+from pretrain.checkpoint.plan import ModelSpec
+from pretrain.checkpoint.types import RowPieces
+from pretrain.parallel.config import ParallelConfig
+from pretrain.utils import buffer_pool
+from tests.gpt_fixtures import full_weights
+from tests.llama_fixtures import llama_config
+
+CFG = llama_config()  # SwiGLU blocks, GQA 8/2, untied head, vocabulary 1003 padded per TP
+
+
+def _weights(dtype: torch.dtype, *, bf16_values: bool) -> dict[str, torch.Tensor]:
+    full = full_weights(CFG)
+    if bf16_values:  # float32 numbers that are all bf16 numbers: hashed as bf16 ("b")
+        return {k: v.to(torch.bfloat16).to(dtype) for k, v in full.items()}
+    return {k: v.to(dtype) for k, v in full.items()}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize(
+    ("dtype", "bf16_values"), [(torch.bfloat16, True), (torch.float32, False), (torch.float32, True)]
+)
+def test_pieces_give_the_joined_tensors_fingerprint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int, dtype: torch.dtype, bf16_values: bool
+) -> None:
+    full = _weights(dtype, bf16_values=bf16_values)
+    write_layout(DictSource(ModelSpec(kind="gpt", cfg=CFG), full), tmp_path / "ckpt", ParallelConfig(tp=tp, pp=1),
+                 options=WriteOptions(iteration="release"))  # fmt: skip
+    reader = open_checkpoint(tmp_path / "ckpt")
+    pieced = [n for n in reader.names() if reader.row_pieces(n) is not None]
+    # the embedding, output layer and fc1 of every layer, and QKV while each rank holds whole
+    # query groups (2 groups: not at tp4, where the key/value heads are replicated)
+    qkv = CFG.num_layers if tp <= 2 else 0
+    assert len(pieced) == 2 + CFG.num_layers + qkv, pieced
+    for name in pieced:
+        pieces = reader.row_pieces(name)
+        assert pieces is not None and pieces.shape == reader.tensor(name).shape
+        assert torch.equal(torch.cat(pieces.parts), reader.tensor(name)), name
+        assert tensor_digest(name, pieces) == tensor_digest(name, reader.tensor(name)), name
+        assert tensor_digest(name, pieces, scheme="w1") == tensor_digest(
+            name, reader.tensor(name), scheme="w1"
+        )
+
+    joins: list[int] = []
+    real_cat = buffer_pool.pooled_cat
+    monkeypatch.setattr(
+        "pretrain.models.sharding.pooled_cat", lambda ts, dim=0: joins.append(dim) or real_cat(ts, dim)
+    )
+    assert weights_fingerprint(reader) == weights_fingerprint(full)
+    if tp > 1:  # only the row-parallel tensors (dense, fc2) went through the join
+        assert joins == [1] * (2 * CFG.num_layers)
+
+
+def test_row_pieces_cut_leading_rows_across_parts() -> None:
+    a, b = torch.arange(6.0).view(3, 2), torch.arange(6.0, 14.0).view(4, 2)
+    pieces = RowPieces((a, b))
+    assert pieces.shape == (7, 2) and pieces.dtype == torch.float32
+    assert torch.equal(torch.cat(pieces[:5].parts), torch.cat([a, b])[:5])
+    assert torch.equal(torch.cat(pieces[:3].parts), a) and pieces[:7].shape == (7, 2)
+    with pytest.raises(ValueError, match="leading row count"):
+        pieces[1:3]
