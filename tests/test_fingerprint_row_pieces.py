@@ -53,6 +53,10 @@ def test_pieces_give_the_joined_tensors_fingerprint(
             name, reader.tensor(name), scheme="w1"
         )
 
+    released: list[torch.Tensor] = []
+    if reader.pages is not None:  # pieces drop their mapped pages from RSS once hashed, as joins do
+        real_release = reader.pages.release
+        monkeypatch.setattr(reader.pages, "release", lambda t: released.append(t) or real_release(t))
     joins: list[int] = []
     real_cat = buffer_pool.pooled_cat
     monkeypatch.setattr(
@@ -61,6 +65,8 @@ def test_pieces_give_the_joined_tensors_fingerprint(
     assert weights_fingerprint(reader) == weights_fingerprint(full)
     if tp > 1:  # only the row-parallel tensors (dense, fc2) went through the join
         assert joins == [1] * (2 * CFG.num_layers)
+    if reader.pages is not None:
+        assert len(released) >= sum(len(reader.row_pieces(n).parts) for n in pieced)  # type: ignore[union-attr]
 
 
 def test_row_pieces_cut_leading_rows_across_parts() -> None:

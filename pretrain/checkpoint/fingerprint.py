@@ -204,7 +204,10 @@ def tensor_digests(
 
     def digest(name: str, tensor: torch.Tensor | RowPieces) -> bytes:
         try:
-            return tensor_digest(name, tensor, scheme=scheme)
+            value = tensor_digest(name, tensor, scheme=scheme)
+            if isinstance(tensor, RowPieces) and tensor.release is not None:
+                tensor.release()
+            return value
         finally:
             slots.release()  # the tensor is dropped with this frame: the next one may be read
 

@@ -116,6 +116,7 @@ class RowPieces:
     <pretrain.checkpoint.legacy.reader.LegacyReader.row_pieces>`."""
 
     parts: tuple[torch.Tensor, ...]
+    release: Callable[[], None] | None = None  # called once they are read (a reader's page release)
 
     @property
     def shape(self) -> torch.Size:
@@ -135,7 +136,7 @@ class RowPieces:
                 break
             kept.append(part[:left])
             left -= part.shape[0]
-        return RowPieces(tuple(kept))
+        return RowPieces(tuple(kept), self.release)
 
 
 @runtime_checkable

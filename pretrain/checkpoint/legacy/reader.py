@@ -11,6 +11,7 @@ dispatches here or to the ``torch_dist`` reader.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -130,7 +131,9 @@ class LegacyReader:
         if lay is not None and lay.blocks > 1:  # [gate; up] per rank: all gates, then all ups
             blocks = [p.chunk(lay.blocks, dim=0) for p in parts]
             parts = [b[i] for i in range(lay.blocks) for b in blocks]
-        rows = RowPieces(tuple(parts))
+        # their pages are dropped from RSS once hashed, as after a join
+        release = None if self.pages is None else functools.partial(_release_parts, self.pages, parts)
+        rows = RowPieces(tuple(parts), release)
         return rows[: cfg.vocab_size] if slot.vocab else rows
 
     def _assemble(self, name: str, entry: _Entry) -> torch.Tensor:
@@ -221,6 +224,11 @@ class LegacyReader:
     def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
         for name in self.entries:
             yield name, self.tensor(name)
+
+
+def _release_parts(pages: PageReleaser, parts: list[torch.Tensor]) -> None:
+    for part in parts:
+        pages.release(part)
 
 
 def _rank_grid(it_dir: Path, args: dict[str, Any]) -> tuple[int, int, int, dict[tuple[int, int, int], Path]]:
