@@ -150,6 +150,19 @@ def shard_tensor(
     return done(full.chunk(tp, dim=dim)[tp_rank])
 
 
+def row_order(parts: list[torch.Tensor], *, layout: RowLayout | None) -> list[torch.Tensor] | None:
+    """The row blocks of TP shards split along dim 0, in the full tensor's order (SwiGLU: every
+    rank's gate, then every rank's up): joining them is stacking these. None where the join does
+    more (QKV groups replicated over ``tp > groups`` ranks). Used by :func:`unshard_tensors` and by
+    readers that hand the blocks to a consumer unjoined (the weights fingerprint)."""
+    if layout is not None and layout.groups is not None and len(parts) > layout.groups:
+        return None
+    if layout is not None and layout.blocks > 1:
+        blocks = [p.chunk(layout.blocks, dim=0) for p in parts]
+        return [b[i] for i in range(layout.blocks) for b in blocks]
+    return list(parts)
+
+
 def unshard_tensors(
     parts: list[torch.Tensor],
     *,
@@ -165,16 +178,14 @@ def unshard_tensors(
     Joined tensors come from the conversion's buffer pool when one is active
     (:func:`~pretrain.utils.buffer_pool.pooled_cat`).
     """
-    tp = len(parts)
-    if dim is None or tp == 1:
+    ordered = row_order(parts, layout=layout) if dim == 0 else None
+    if dim is None or len(parts) == 1:
         full = parts[0]
-    elif layout is not None and dim == 0 and layout.blocks > 1:
-        blocks = [p.chunk(layout.blocks, dim=0) for p in parts]
-        full = pooled_cat([b[i] for i in range(layout.blocks) for b in blocks])  # one copy, not two
-    elif layout is not None and dim == 0 and layout.groups is not None and tp > layout.groups:
+    elif dim == 0 and ordered is None:
+        assert layout is not None  # row_order declines only replicated QKV groups
         full = _unshard_qkv_replicated(parts, layout, replicas)
     else:
-        full = pooled_cat(parts, dim)
+        full = pooled_cat(ordered if ordered is not None else parts, dim)  # one copy, not two
     return full[:trim_rows_to] if trim_rows_to is not None else full
 
 

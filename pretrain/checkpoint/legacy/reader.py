@@ -39,7 +39,7 @@ from pretrain.checkpoint.upstream.args_semantics import is_zero_centred_norm, un
 from pretrain.checkpoint.upstream.names import is_qkv, qkv_to_canonical, to_local_name
 from pretrain.checkpoint.vocab_view import vocab_view
 from pretrain.model_options import layernorm_1p
-from pretrain.models.sharding import row_layout, unshard_tensors
+from pretrain.models.sharding import row_layout, row_order, unshard_tensors
 from pretrain.utils.errors import UserError
 
 __all__ = ["CheckpointInfo", "LegacyReader", "open_legacy"]
@@ -117,23 +117,20 @@ class LegacyReader:
         entry = self.entries.get(name)
         if entry is None or name in self.head_copies:
             return None
-        slot, cfg, tp = entry.slot, self.spec.cfg, self.info.tp
-        lay = row_layout(slot.local, cfg)
-        if slot.dim != 0 or slot.shards is not None or (self.norm_1p and is_zero_centred_norm(name)):
-            return None
-        if (is_qkv(slot.local) and self.info.checkpoint_version < 2.0) or (
-            lay is not None and lay.groups is not None and tp > lay.groups
+        slot, cfg = entry.slot, self.spec.cfg
+        if (
+            slot.dim != 0
+            or slot.shards is not None
+            or (is_qkv(slot.local) and self.info.checkpoint_version < 2.0)
         ):
             return None
         parts = self._checked_parts(name, entry)
-        if not all(p.is_contiguous() for p in parts):
+        ordered = row_order(parts, layout=row_layout(slot.local, cfg))  # the join's own order
+        if ordered is None or not all(p.is_contiguous() for p in parts):
             return None
-        if lay is not None and lay.blocks > 1:  # [gate; up] per rank: all gates, then all ups
-            blocks = [p.chunk(lay.blocks, dim=0) for p in parts]
-            parts = [b[i] for i in range(lay.blocks) for b in blocks]
         # their pages are dropped from RSS once hashed, as after a join
         release = None if self.pages is None else functools.partial(_release_parts, self.pages, parts)
-        rows = RowPieces(tuple(parts), release)
+        rows = RowPieces(tuple(ordered), release)
         return rows[: cfg.vocab_size] if slot.vocab else rows
 
     def _assemble(self, name: str, entry: _Entry) -> torch.Tensor:
