@@ -74,7 +74,7 @@ def _batches(steps: int, batch: int, seq: int, vocab: int, device: str) -> list[
     return [torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(device) for _ in range(steps)]
 
 
-def _ours(workdir: Path, dtype: str, device: str) -> Callable[[torch.Tensor], float]:
+def _ours(workdir: Path, dtype: str, device: str, fused: bool) -> Callable[[torch.Tensor], float]:
     import dataclasses
 
     from finetune.init_from import TrunkTensors
@@ -88,7 +88,7 @@ def _ours(workdir: Path, dtype: str, device: str) -> Callable[[torch.Tensor], fl
     from tools.hf_io import open_hf
 
     source = open_hf(workdir / "base")
-    cfg = dataclasses.replace(source.spec.cfg, params_dtype=dtype)
+    cfg = dataclasses.replace(source.spec.cfg, params_dtype=dtype, fused_kernels=fused)  # --fused-kernels
     ps = ParallelState.single(device=device, seed=0)
     model = GPTModel(cfg, ps)
     load_full_state_dict(model, TrunkTensors(source))  # streamed, one tensor at a time (as SFT loads)
@@ -112,7 +112,8 @@ def _ours(workdir: Path, dtype: str, device: str) -> Callable[[torch.Tensor], fl
     return step
 
 
-def _theirs(workdir: Path, dtype: str, device: str) -> Callable[[torch.Tensor], float]:
+def _theirs(workdir: Path, dtype: str, device: str, fused: bool) -> Callable[[torch.Tensor], float]:
+    del fused  # transformers' Llama has no such switch: the plain loop
     import torch.nn.functional as F
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -152,7 +153,9 @@ def _side(args: argparse.Namespace) -> None:
     phases = {"import": _rss_mb()}
     batches = _batches(args.steps, args.batch, args.seq, SIZES[args.size][5], args.device)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
-    step = (_ours if args.side == "ours" else _theirs)(args.workdir, args.dtype, args.device)
+    step = (_ours if args.side == "ours" else _theirs)(
+        args.workdir, args.dtype, args.device, args.fused_kernels == "on"
+    )
     phases["built"] = _rss_mb()
     losses = [step(batches[0])]
     phases["first_step"] = _rss_mb()
@@ -170,7 +173,8 @@ def _side(args: argparse.Namespace) -> None:
 def _run_side(side: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     argv = [sys.executable, "-m", "benchmarks.bench_lora", "--side", side, "--workdir", str(work),
             "--size", args.size, "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
-            "--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads)]  # fmt: skip
+            "--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads),
+            "--fused-kernels", args.fused_kernels]  # fmt: skip
     out = subprocess.run(argv, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         sys.exit(f"{side} failed:\n{out.stderr[-3000:]}")
@@ -191,6 +195,8 @@ def main() -> None:
         "--repeats", type=int, default=1, help="back-to-back runs of both sides (medians reported)"
     )
     p.add_argument("--threads", type=int, default=0, help="torch threads per side (0: torch's default)")
+    p.add_argument("--fused-kernels", choices=("on", "off"), default="on",
+                   help="our side as mlm-finetune sft --fused-kernels (default) or without it")  # fmt: skip
     p.add_argument("--side", choices=("ours", "theirs"), help=argparse.SUPPRESS)
     p.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -232,7 +238,7 @@ def _summary(pairs: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -
         "ratios": [round(p["theirs"]["steps_s"] / p["ours"]["steps_s"], 3) for p in pairs],
         "cpu_ratios": [round(p["theirs"]["cpu_s"] / p["ours"]["cpu_s"], 3) for p in pairs],
         "size": args.size, "steps": args.steps, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
-        "device": args.device, "rank": RANK, "repeats": args.repeats, "threads": args.threads or torch.get_num_threads(),
+        "device": args.device, "fused_kernels": args.fused_kernels == "on", "rank": RANK, "repeats": args.repeats, "threads": args.threads or torch.get_num_threads(),
     }  # fmt: skip
 
 

@@ -62,6 +62,9 @@ class ModelConfig:
     recompute_num_layers: int | None = None
     # Norm and dropout regions sharded along the sequence over the TP group (needs s % tp == 0).
     sequence_parallel: bool = False
+    fused_kernels: bool = (
+        False  # frozen RMSNorm and SwiGLU as torch.compile'd loops (pretrain.models.fused_kernels)
+    )
     params_dtype: DTypeName = "float32"
     # BERT-specific switches (ignored by GPT).
     bidirectional: bool = False
@@ -199,12 +202,13 @@ class ModelConfig:
         return self.moe_ffn_hidden_size if self.moe_ffn_hidden_size is not None else self.ffn_size
 
     def without_memory_options(self) -> ModelConfig:
-        """This config with sequence parallelism and the recompute granularity off: how a run
-        keeps its activations is its own choice, not the model's, so checkpoints record the model
-        without it (evaluation, generation and finetuning of the checkpoint start from plain TP)."""
+        """This config with sequence parallelism, the recompute granularity and fused kernels off:
+        how a run keeps its activations and which kernels it runs are its own choice, not the
+        model's, so checkpoints record the model without them (evaluation, generation and
+        finetuning of the checkpoint start from plain TP and eager kernels)."""
         return dataclasses.replace(
             self, sequence_parallel=False, recompute_granularity=None, recompute_method=None,
-            recompute_num_layers=None,
+            recompute_num_layers=None, fused_kernels=False,
         )  # fmt: skip
 
     def _check_recompute(self) -> None:

@@ -153,6 +153,11 @@ OPTIONS: tuple[Option, ...] = (
            flag=_flag("--sequence-parallel", kind="store_true",
            help="shard norm/dropout regions along the sequence over the TP group"),
            meaning="sequence parallelism"),
+    Option(field="fused_kernels", status="numerics",
+           flag=_flag("--fused-kernels", kind="store_true",
+           help="frozen RMSNorm and SwiGLU as torch.compile'd loops (Megatron's jit_fuser fusions; "
+           "compiles on the first step)"),
+           meaning="fused elementwise kernels"),
     Option(field="params_dtype", megatron="params_dtype", status="numerics", meaning="parameter dtype"),
     # the layer
     Option(field="layernorm_epsilon", megatron="norm_epsilon", aliases=("layernorm_epsilon",),

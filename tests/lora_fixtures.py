@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -18,10 +19,15 @@ LORA = LoraConfig(rank=4, alpha=8.0)
 
 
 def ours_from_hf(
-    hf: Any, cfg: LoraConfig = LORA, *, seed: int = 1, ps: ParallelState | None = None
+    hf: Any,
+    cfg: LoraConfig = LORA,
+    *,
+    seed: int = 1,
+    ps: ParallelState | None = None,
+    fused_kernels: bool = False,
 ) -> GPTModel:
     """Our model holding ``hf``'s weights, with adapters added (A from ``seed``, B zero)."""
-    mcfg = hf_llama.model_config_from_hf(hf.config)
+    mcfg = dataclasses.replace(hf_llama.model_config_from_hf(hf.config), fused_kernels=fused_kernels)
     model = GPTModel(mcfg, ps or ParallelState.single())
     load_full_state_dict(model, hf_llama.hf_to_canonical(hf.state_dict(), mcfg))
     add_lora(model, cfg, seed=seed)

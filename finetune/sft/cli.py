@@ -76,6 +76,9 @@ def build_parser() -> OneLineParser:
     t.add_argument("--hidden-dropout", type=float, default=None, help="default: the model's")
     t.add_argument("--attention-dropout", type=float, default=None, help="default: the model's")
     t.add_argument("--seed", type=int, default=1234)
+    t.add_argument("--fused-kernels", action="store_true",
+                   help="frozen RMSNorm and SwiGLU as torch.compile'd loops (compiles on the first step; "
+                   "faster LoRA steps on CPU)")  # fmt: skip
     add_flag_group(p, DTypeFlags, title="training", group=t, include=("bf16", "fp16"))
     lora = p.add_argument_group("LoRA (default: full-parameter SFT)")
     lora.add_argument("--lora-rank", type=int, default=None, help="adapter rank r (turns LoRA on)")
@@ -142,7 +145,8 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 
 def _model_cfg(args: argparse.Namespace, dec: Decoder) -> tuple[ModelConfig, int]:
-    changes: dict[str, Any] = {"params_dtype": flags_from_namespace(DTypeFlags, args).dtype_name()}
+    changes: dict[str, Any] = {"params_dtype": flags_from_namespace(DTypeFlags, args).dtype_name(),
+                               "fused_kernels": args.fused_kernels}  # fmt: skip
     for name in ("hidden_dropout", "attention_dropout"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)

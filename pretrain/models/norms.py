@@ -10,6 +10,7 @@ from torch import nn
 from torch.autograd.function import once_differentiable
 
 from pretrain.config import ModelConfig
+from pretrain.models import fused_kernels
 from pretrain.parallel.state import ParallelState
 from pretrain.tensor_parallel.layers import mark_partition
 from pretrain.tensor_parallel.mappings import (
@@ -37,10 +38,12 @@ class RMSNorm(nn.Module):
         device: torch.device | None = None,
         dtype: torch.dtype | None = None,
         grad_group: ProcessGroup | None = None,
+        fused: bool = False,
     ) -> None:
         super().__init__()
         self.eps = eps
         self.grad_group = grad_group
+        self.fused = fused  # a frozen fp32 norm runs pretrain.models.fused_kernels' loops
         self.weight = nn.Parameter(torch.empty(size, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -51,7 +54,7 @@ class RMSNorm(nn.Module):
             and x.dtype == self.weight.dtype == torch.float32
             and torch.is_grad_enabled()
         ):
-            return _FrozenRMSNorm.apply(x, self.weight, self.eps)  # type: ignore[no-any-return]
+            return _FrozenRMSNorm.apply(x, self.weight, self.eps, self.fused)  # type: ignore[no-any-return]
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return _shared(self.weight, self.grad_group) * h.to(x.dtype)
@@ -64,21 +67,29 @@ class _FrozenRMSNorm(torch.autograd.Function):
     """:class:`RMSNorm` of fp32 ``x [..., h]`` with a frozen ``weight [h]``: the forward ops of the
     plain path (same values), and the input gradient in five passes over ``[..., h]``,
     ``r (w g) - x r^3 mean(w g x)`` with ``r = rsqrt(mean(x^2) + eps)``, where autograd through the
-    plain ops takes about eight (mean's and pow's backward each materialize a full tensor)."""
+    plain ops takes about eight (mean's and pow's backward each materialize a full tensor).
+    ``fused``: the same formulas as one compiled loop each (:mod:`pretrain.models.fused_kernels`)."""
 
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float, fused: bool) -> torch.Tensor:  # type: ignore[override]
+        ctx.fused = fused
+        if fused:
+            y, rstd = fused_kernels.rms_norm_forward(x, weight, eps)
+            ctx.save_for_backward(x, weight, rstd)
+            return y  # type: ignore[no-any-return]
         rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
         return torch.mul(x, rstd).mul_(weight)  # weight * (x * rstd), one [..., h] tensor less
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         x, weight, rstd = ctx.saved_tensors
+        if ctx.fused:
+            return fused_kernels.rms_norm_backward(g, x, weight, rstd), None, None, None
         gw = g * weight
         coef = (gw * x).sum(-1, keepdim=True) * rstd.pow(3) / x.shape[-1]
-        return gw.mul_(rstd).addcmul_(x, coef, value=-1.0), None, None
+        return gw.mul_(rstd).addcmul_(x, coef, value=-1.0), None, None, None
 
 
 def _shared(w: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
@@ -142,7 +153,8 @@ def layer_norm(
     dtype = DTYPES[cfg.params_dtype]
     group = ps.tp_group if per_head and ps.tp_size > 1 else None
     if cfg.normalization == "RMSNorm":
-        return RMSNorm(size, eps=cfg.layernorm_epsilon, device=ps.device, dtype=dtype, grad_group=group)
+        return RMSNorm(size, eps=cfg.layernorm_epsilon, device=ps.device, dtype=dtype, grad_group=group,
+                       fused=cfg.fused_kernels)  # fmt: skip
     if group is not None:
         return HeadLayerNorm(size, eps=cfg.layernorm_epsilon, grad_group=group, device=ps.device, dtype=dtype)
     return nn.LayerNorm(size, eps=cfg.layernorm_epsilon, device=ps.device, dtype=dtype)

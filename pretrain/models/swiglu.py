@@ -18,10 +18,16 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from pretrain.models import fused_kernels
+
 
 class _SwiGLU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, y: torch.Tensor, keep_silu: bool) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, y: torch.Tensor, keep_silu: bool, fused: bool) -> torch.Tensor:  # type: ignore[override]
+        ctx.fused = fused
+        if fused:  # one compiled loop each way; only y is kept
+            ctx.save_for_backward(y, None)
+            return fused_kernels.swiglu_forward(y)  # type: ignore[no-any-return]
         gate, up = y.chunk(2, dim=-1)
         act = F.silu(gate)
         ctx.save_for_backward(y, act if keep_silu else None)
@@ -29,8 +35,10 @@ class _SwiGLU(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
         y, act = ctx.saved_tensors
+        if ctx.fused:
+            return fused_kernels.swiglu_backward(grad, y), None, None
         gate, up = y.chunk(2, dim=-1)
         out = torch.empty_like(y)
         grad_gate, grad_up = out.chunk(2, dim=-1)
@@ -40,13 +48,15 @@ class _SwiGLU(torch.autograd.Function):
         torch.mul(act, grad, out=grad_up)
         torch.mul(grad, up, out=grad_gate)
         torch.ops.aten.silu_backward.grad_input(grad_gate, gate, grad_input=grad_gate)
-        return out, None
+        return out, None, None
 
 
-def swiglu(y: torch.Tensor, *, keep_silu: bool = False) -> torch.Tensor:
+def swiglu(y: torch.Tensor, *, keep_silu: bool = False, fused: bool = False) -> torch.Tensor:
     """``silu(gate) * up`` for ``y = [gate, up]`` ``[..., 2 f]`` -> ``[..., f]``; under autograd
-    only ``y`` is kept for backward, and ``silu(gate)`` ``[..., f]`` too with ``keep_silu``."""
+    only ``y`` is kept for backward, and ``silu(gate)`` ``[..., f]`` too with ``keep_silu``.
+    ``fused``: forward and backward as compiled loops (:mod:`pretrain.models.fused_kernels`; only
+    ``y`` kept)."""
     if not (torch.is_grad_enabled() and y.requires_grad):
         gate, up = y.chunk(2, dim=-1)
         return F.silu(gate) * up
-    return _SwiGLU.apply(y, keep_silu)  # type: ignore[no-any-return]
+    return _SwiGLU.apply(y, keep_silu, fused)  # type: ignore[no-any-return]

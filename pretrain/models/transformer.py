@@ -69,13 +69,15 @@ class ParallelMLP(nn.Module):
             cfg.ffn_size, cfg.hidden_size, ps=ps, bias=bias, dtype=dtype, sequence_parallel=sp
         )
         self.swiglu = cfg.swiglu
+        self.fused = cfg.fused_kernels
         self.approximate = "tanh" if cfg.gelu == "tanh" else "none"
         self.squared_relu = cfg.squared_relu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.dense_h_to_4h(x)
         if self.swiglu:  # silu(gate) * up; a frozen fc1 (no weight gradient) spends memory on speed
-            return self.dense_4h_to_h(swiglu(y, keep_silu=not self.dense_h_to_4h.weight.requires_grad))
+            keep = not self.dense_h_to_4h.weight.requires_grad
+            return self.dense_4h_to_h(swiglu(y, keep_silu=keep, fused=self.fused))
         if self.squared_relu:
             return self.dense_4h_to_h(F.relu(y).square())
         return self.dense_4h_to_h(F.gelu(y, approximate=self.approximate))

@@ -1,0 +1,140 @@
+"""``--fused-kernels``: the frozen RMSNorm and SwiGLU as compiled loops
+(:mod:`pretrain.models.fused_kernels`) compute the eager paths' values and input gradients within
+fp32 rounding, also after a new shape (a dynamic recompile); a LoRA model step with them equals
+the eager step; checkpoints never record the option; a compiler failure is one line naming the
+flag; ``mlm-finetune sft --fused-kernels`` at tp2 equals one eager process (slow: torchrun)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain.config import ModelConfig
+from pretrain.models import fused_kernels
+from pretrain.models.lora import is_lora_name
+from pretrain.models.norms import RMSNorm
+from pretrain.models.swiglu import swiglu
+from pretrain.utils.errors import UserError
+from tests.lora_fixtures import ours_from_hf, randomise_adapters, tiny_hf
+
+pytestmark = pytest.mark.slow  # each kernel compiles on its first call (seconds)
+
+
+def _norm_out_and_grad(fused: bool, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor):
+    norm = RMSNorm(w.numel(), eps=1e-5, fused=fused)
+    with torch.no_grad():
+        norm.weight.copy_(w)
+    norm.weight.requires_grad_(False)
+    x = x.clone().requires_grad_()
+    y = norm(x)
+    assert "FrozenRMSNorm" in type(y.grad_fn).__name__
+    (gx,) = torch.autograd.grad(y, x, g)
+    return y.detach(), gx
+
+
+def _swiglu_out_and_grad(fused: bool, y: torch.Tensor, g: torch.Tensor, keep_silu: bool):
+    y = y.clone().requires_grad_()
+    out = swiglu(y, keep_silu=keep_silu, fused=fused)
+    (gy,) = torch.autograd.grad(out, y, g)
+    return out.detach(), gy
+
+
+@pytest.mark.parametrize("shape", [(2, 9), (3, 5)])  # the second shape recompiles (dynamic)
+def test_fused_norm_and_swiglu_equal_the_eager_paths(shape: tuple[int, int]) -> None:
+    gen = torch.Generator().manual_seed(sum(shape))
+    x, w, g = (
+        3 * torch.randn(*shape, 16, generator=gen),
+        torch.randn(16, generator=gen),
+        torch.randn(*shape, 16, generator=gen),
+    )
+    for got, want in zip(_norm_out_and_grad(True, x, w, g), _norm_out_and_grad(False, x, w, g), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    y, gy = 2 * torch.randn(*shape, 24, generator=gen), torch.randn(*shape, 12, generator=gen)
+    for keep in (False, True):
+        want = _swiglu_out_and_grad(False, y, gy, keep)
+        for a, b in zip(_swiglu_out_and_grad(True, y, gy, keep), want, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        assert want[1][..., :12].abs().sum() > 0 and want[1][..., 12:].abs().sum() > 0  # gate and up
+
+
+def _loss_and_grads(model, ids):
+    model.zero_grad(set_to_none=True)
+    loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
+    loss.backward()
+    return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if is_lora_name(n)}
+
+
+def test_lora_model_step_with_fused_kernels_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    hf = tiny_hf("llama3")
+    models = [ours_from_hf(hf, fused_kernels=f).train() for f in (False, True)]
+    for m in models:
+        randomise_adapters(m)
+    calls: list[str] = []
+    for name in ("rms_norm_backward", "swiglu_forward"):
+        kernel = getattr(fused_kernels, name)
+        monkeypatch.setattr(fused_kernels, name, lambda *a, _k=kernel, _n=name: calls.append(_n) or _k(*a))
+    ids = torch.randint(0, 301, (2, 25), generator=torch.Generator().manual_seed(1))
+    ref_loss, ref_grads = _loss_and_grads(models[0], ids)
+    assert calls == []  # the eager model never calls a compiled kernel
+    loss, grads = _loss_and_grads(models[1], ids)
+    assert calls.count("swiglu_forward") == 2 and calls.count("rms_norm_backward") == 2 * 2  # the final norm
+    # too, not the first (its input, the frozen embedding's output, needs no gradient)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 4 * 2
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_checkpoints_never_record_fused_kernels() -> None:
+    cfg = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=16,
+                      max_position_embeddings=8, fused_kernels=True)  # fmt: skip
+    assert cfg.without_memory_options().fused_kernels is False
+
+
+def test_a_compiler_failure_is_one_line_naming_the_flag(monkeypatch: pytest.MonkeyPatch) -> None:
+    class BackendCompilerFailed(RuntimeError):  # what Inductor raises without a C++ compiler
+        __module__ = "torch._dynamo.exc"
+
+    def broken(*_a: object, **_k: object):
+        def run(*_args: object) -> None:
+            raise BackendCompilerFailed("backend='inductor' raised:\nCalledProcessError: g++ not found")
+
+        return run
+
+    @fused_kernels._compiled
+    def kernel(x: torch.Tensor) -> torch.Tensor:
+        return x + 1
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with pytest.raises(UserError, match=r"^--fused-kernels: torch.compile could not build kernel: "
+                       r"backend='inductor' raised: \(run without --fused-kernels\)$"):  # fmt: skip
+        kernel(torch.zeros(2))
+
+
+def test_sft_fused_kernels_at_tp2_equals_one_eager_process(tmp_path: Path) -> None:
+    from finetune.cli import main
+    from finetune.sft.tiny_tokenizer import SFT_CHAT_FILE
+    from tests.distributed import torchrun
+    from tests.sft_fixtures import make_chat_llama
+
+    model = make_chat_llama(tmp_path / "chat_llama")
+    argv = ["sft", "--hf-model", str(model), "--data", str(SFT_CHAT_FILE), "--valid-data", str(SFT_CHAT_FILE),
+            "--seq-length", "128", "--pack", "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-2",
+            "--no-progress", "--lora-rank", "4", "--lora-alpha", "8"]  # fmt: skip
+    assert main([*argv, "--results-dir", str(tmp_path / "eager")]) == 0
+    proc = torchrun(
+        2, "finetune.cli", [*argv, "--tp", "2", "--fused-kernels", "--results-dir", str(tmp_path / "fused")]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    eager, fused = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("eager", "fused"))
+    assert (eager["details"]["fused_kernels"], fused["details"]["fused_kernels"]) == (False, True)
+    assert fused["details"]["layout"] == "tp2-pp1-dp1"
+    torch.testing.assert_close(torch.tensor(fused["details"]["train_losses"]),
+                               torch.tensor(eager["details"]["train_losses"]), rtol=1e-5, atol=0)  # fmt: skip
+    assert (
+        abs(fused["metrics"]["valid_loss"] - eager["metrics"]["valid_loss"])
+        <= 1e-5 * eager["metrics"]["valid_loss"]
+    )
