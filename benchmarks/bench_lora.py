@@ -11,7 +11,8 @@ adapter), then runs each side in its own fresh process (so peak RSS is that side
 * ``theirs``: ``AutoModelForCausalLM`` + ``PeftModel.from_pretrained(is_trainable=True)`` and
   ``torch.optim.AdamW`` over the trainable parameters.
 
-Both run the same ``--steps`` batches (the first step is warm-up, not timed) with the same LR, no
+Both run the same ``--steps`` batches (the first ``--warmup`` steps are not timed: the first
+compiles ``--fused-kernels``' loops, and the allocator settles in the next) with the same LR, no
 clipping, no weight decay. ``--repeats N`` runs both sides N times back to back, alternating which
 goes first, and reports medians of the paired ratios (a loaded host drifts between runs);
 ``--threads`` sets torch's threads in both (1 makes CPU time a clean measure on a shared host).
@@ -20,7 +21,7 @@ process CPU time over ours), ``peak_rss_ratio`` (ours over theirs), ``loss_diff`
 the last step's loss), tokens/s, CPU s/step, peak and after-build RSS of both, the per-repeat
 ratios and the settings; each side's line on stderr has its RSS after import, build and the first
 step. ``--device cuda`` runs both on the GPU (peak GPU memory too).
-Usage: ``python -m benchmarks.bench_lora [--size tiny|small|1b] [--steps N] [--dtype float32|bfloat16]
+Usage: ``python -m benchmarks.bench_lora [--size tiny|small|1b] [--steps N] [--warmup N] [--dtype float32|bfloat16]
 [--repeats N] [--threads N]``.
 """
 
@@ -147,7 +148,7 @@ def _rss_mb() -> dict[str, float]:
 
 
 def _side(args: argparse.Namespace) -> None:
-    """One side in this process: build, one warm-up step, then the timed steps (wall and CPU time)."""
+    """One side in this process: build, the warm-up steps, then the timed steps (wall and CPU time)."""
     if args.threads:
         torch.set_num_threads(args.threads)
     phases = {"import": _rss_mb()}
@@ -157,11 +158,11 @@ def _side(args: argparse.Namespace) -> None:
         args.workdir, args.dtype, args.device, args.fused_kernels == "on"
     )
     phases["built"] = _rss_mb()
-    losses = [step(batches[0])]
-    phases["first_step"] = _rss_mb()
+    losses = [step(b) for b in batches[: args.warmup]]
+    phases["warmed_up"] = _rss_mb()
     sync()
     t0, c0 = time.perf_counter(), time.process_time()
-    losses += [step(b) for b in batches[1:]]
+    losses += [step(b) for b in batches[args.warmup :]]
     sync()
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else None
@@ -172,7 +173,7 @@ def _side(args: argparse.Namespace) -> None:
 
 def _run_side(side: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
     argv = [sys.executable, "-m", "benchmarks.bench_lora", "--side", side, "--workdir", str(work),
-            "--size", args.size, "--steps", str(args.steps), "--batch", str(args.batch), "--seq", str(args.seq),
+            "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
             "--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads),
             "--fused-kernels", args.fused_kernels]  # fmt: skip
     out = subprocess.run(argv, capture_output=True, text=True, check=False)
@@ -186,7 +187,8 @@ def _run_side(side: str, work: Path, args: argparse.Namespace) -> dict[str, Any]
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--size", choices=sorted(SIZES), default="small")
-    p.add_argument("--steps", type=int, default=6, help="steps per side (the first is warm-up)")
+    p.add_argument("--steps", type=int, default=12, help="steps per side (warm-up included)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed first steps")
     p.add_argument("--batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=256)
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
@@ -200,6 +202,8 @@ def main() -> None:
     p.add_argument("--side", choices=("ours", "theirs"), help=argparse.SUPPRESS)
     p.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if not 1 <= args.warmup < args.steps:
+        p.error(f"--warmup must be at least 1 and below --steps ({args.steps}), got {args.warmup}")
     if args.side is not None:
         _side(args)
         return
@@ -219,7 +223,8 @@ def _summary(pairs: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -
     def med(f: Callable[[dict[str, dict[str, Any]]], float]) -> float:
         return float(statistics.median(f(p) for p in pairs))
 
-    tokens = args.batch * args.seq * (args.steps - 1)
+    timed = args.steps - args.warmup
+    tokens = args.batch * args.seq * timed
     gpu = {s: pairs[-1][s]["peak_gpu_mb"] for s in ("ours", "theirs")}
     return {
         "ratio": med(lambda p: p["theirs"]["steps_s"] / p["ours"]["steps_s"]),
@@ -228,8 +233,8 @@ def _summary(pairs: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -
         "loss_diff": max(abs(p["ours"]["losses"][-1] - p["theirs"]["losses"][-1]) for p in pairs),
         "ours_tokens_per_s": med(lambda p: tokens / p["ours"]["steps_s"]),
         "theirs_tokens_per_s": med(lambda p: tokens / p["theirs"]["steps_s"]),
-        "ours_cpu_s_per_step": med(lambda p: p["ours"]["cpu_s"]) / (args.steps - 1),
-        "theirs_cpu_s_per_step": med(lambda p: p["theirs"]["cpu_s"]) / (args.steps - 1),
+        "ours_cpu_s_per_step": med(lambda p: p["ours"]["cpu_s"]) / timed,
+        "theirs_cpu_s_per_step": med(lambda p: p["theirs"]["cpu_s"]) / timed,
         "ours_peak_rss_mb": med(lambda p: p["ours"]["peak_rss_mb"]),
         "theirs_peak_rss_mb": med(lambda p: p["theirs"]["peak_rss_mb"]),
         "ours_built_rss_mb": med(lambda p: p["ours"]["rss_phases"]["built"]["rss_mb"]),
@@ -237,7 +242,7 @@ def _summary(pairs: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -
         "ours_peak_gpu_mb": gpu["ours"], "theirs_peak_gpu_mb": gpu["theirs"],
         "ratios": [round(p["theirs"]["steps_s"] / p["ours"]["steps_s"], 3) for p in pairs],
         "cpu_ratios": [round(p["theirs"]["cpu_s"] / p["ours"]["cpu_s"], 3) for p in pairs],
-        "size": args.size, "steps": args.steps, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
+        "size": args.size, "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
         "device": args.device, "fused_kernels": args.fused_kernels == "on", "rank": RANK, "repeats": args.repeats, "threads": args.threads or torch.get_num_threads(),
     }  # fmt: skip
 

@@ -16,7 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.mark.slow
 def test_bench_lora_tiny_reports_ratios_and_equal_losses() -> None:
-    argv = [sys.executable, "-m", "benchmarks.bench_lora", "--size", "tiny", "--steps", "2", "--seq", "32",
+    argv = [sys.executable, "-m", "benchmarks.bench_lora", "--size", "tiny", "--steps", "2", "--warmup", "1", "--seq", "32",
             "--repeats", "2", "--threads", "1"]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=ROOT, env=env).stdout

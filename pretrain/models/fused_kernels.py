@@ -43,6 +43,11 @@ def _compiled(fn: _F) -> _F:
 
     def call(*args: Any) -> Any:
         if not compiled:
+            import torch._inductor.config as inductor
+
+            # compile in this process: a pool of compile workers would import torch in the
+            # background (seconds of CPU each) while the first steps run, in every rank
+            inductor.compile_threads = 1
             compiled.append(torch.compile(fn, fullgraph=True))
         try:
             return compiled[0](*args)
