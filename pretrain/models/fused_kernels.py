@@ -16,8 +16,9 @@ the custom ``autograd.Function`` s of :mod:`pretrain.models.norms`, :mod:`~pretr
 and :mod:`~pretrain.models.rotary` call them in their forward and backward.
 
 Compilation happens on the first call of each kernel in a process (seconds; Inductor's on-disk
-cache makes later processes faster) with dynamic shapes, so new sequence lengths or batch sizes
-do not compile again. A failed compilation (no C++ compiler, say) is a :class:`UserError` naming
+cache makes later processes faster), for the shapes of that call; the first new shape compiles
+once more with dynamic sizes (``torch.compile``'s automatic dynamic shapes), so further sequence
+lengths or batch sizes do not compile again. A failed compilation (no C++ compiler, say) is a :class:`UserError` naming
 the flag.
 """
 
@@ -37,8 +38,8 @@ _F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def _compiled(fn: _F) -> _F:
-    """``fn`` compiled on its first call (dynamic shapes, one graph); a compiler failure becomes
-    one line naming ``--fused-kernels``."""
+    """``fn`` compiled on its first call (one graph; static shapes, then dynamic after a change);
+    a compiler failure becomes one line naming ``--fused-kernels``."""
     compiled: list[Callable[..., Any]] = []
 
     def call(*args: Any) -> Any:
