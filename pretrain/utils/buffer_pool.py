@@ -153,5 +153,5 @@ def pooled_copy(t: torch.Tensor) -> torch.Tensor:
     if _READ_ONLY.get() and t.device.type == "cpu" and t.is_contiguous():
         return t
     if not pooling() or t.device.type != "cpu" or t.requires_grad:
-        return t.contiguous().clone()
+        return t.clone(memory_format=torch.contiguous_format)  # one copy, contiguous
     return pooled_empty(t.shape, t.dtype).copy_(t)
