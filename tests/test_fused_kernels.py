@@ -60,6 +60,17 @@ def test_fused_norm_and_swiglu_equal_the_eager_paths(shape: tuple[int, int]) -> 
         assert want[1][..., :12].abs().sum() > 0 and want[1][..., 12:].abs().sum() > 0  # gate and up
 
 
+def test_fused_swiglu_in_bf16_is_within_one_rounding_of_eager() -> None:
+    """bf16: the compiled loop keeps fp32 between its ops and rounds once, eager rounds after each."""
+    gen = torch.Generator().manual_seed(7)
+    y, gy = 2 * torch.randn(3, 5, 24, generator=gen), torch.randn(3, 5, 12, generator=gen)
+    y, gy = y.bfloat16(), gy.bfloat16()
+    exact = _swiglu_out_and_grad(False, y.double(), gy.double(), False)
+    for got, want in zip(_swiglu_out_and_grad(True, y, gy, False), exact, strict=True):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.double(), want, rtol=1.6e-2, atol=1e-2)
+
+
 def _loss_and_grads(model, ids):
     model.zero_grad(set_to_none=True)
     loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
