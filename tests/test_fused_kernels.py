@@ -1,8 +1,10 @@
 """``--fused-kernels``: the frozen RMSNorm and SwiGLU as compiled loops
 (:mod:`pretrain.models.fused_kernels`) compute the eager paths' values and input gradients within
 fp32 rounding, also after a new shape (a dynamic recompile); a LoRA model step with them equals
-the eager step; checkpoints never record the option; a compiler failure is one line naming the
-flag; ``mlm-finetune sft --fused-kernels`` at tp2 equals one eager process (slow: torchrun)."""
+the eager step and PEFT's on transformers' Llama; checkpoints never record the option; a missing
+compiler is refused in one line before any work (``mlm-pretrain``, ``mlm-finetune sft``) and a
+failed compilation is one line too; ``mlm-finetune sft --fused-kernels`` at tp2 equals one eager
+process (slow: torchrun). Tests that compile are marked slow."""
 
 from __future__ import annotations
 
@@ -18,9 +20,9 @@ from pretrain.models.lora import is_lora_name
 from pretrain.models.norms import RMSNorm
 from pretrain.models.swiglu import swiglu
 from pretrain.utils.errors import UserError
-from tests.lora_fixtures import ours_from_hf, randomise_adapters, tiny_hf
+from tests.lora_fixtures import ours_from_hf, peft_model, randomise_adapters, tiny_hf
 
-pytestmark = pytest.mark.slow  # each kernel compiles on its first call (seconds)
+SLOW = pytest.mark.slow  # the test compiles kernels (seconds each)
 
 
 def _norm_out_and_grad(fused: bool, x: torch.Tensor, w: torch.Tensor, g: torch.Tensor):
@@ -42,6 +44,7 @@ def _swiglu_out_and_grad(fused: bool, y: torch.Tensor, g: torch.Tensor, keep_sil
     return out.detach(), gy
 
 
+@SLOW
 @pytest.mark.parametrize("shape", [(2, 9), (3, 5)])  # the second shape recompiles (dynamic)
 def test_fused_norm_and_swiglu_equal_the_eager_paths(shape: tuple[int, int]) -> None:
     gen = torch.Generator().manual_seed(sum(shape))
@@ -60,6 +63,7 @@ def test_fused_norm_and_swiglu_equal_the_eager_paths(shape: tuple[int, int]) -> 
         assert want[1][..., :12].abs().sum() > 0 and want[1][..., 12:].abs().sum() > 0  # gate and up
 
 
+@SLOW
 def test_fused_swiglu_in_bf16_is_within_one_rounding_of_eager() -> None:
     """bf16: the compiled loop keeps fp32 between its ops and rounds once, eager rounds after each."""
     gen = torch.Generator().manual_seed(7)
@@ -78,11 +82,11 @@ def _loss_and_grads(model, ids):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if is_lora_name(n)}
 
 
+@SLOW
 def test_lora_model_step_with_fused_kernels_equals_eager(monkeypatch: pytest.MonkeyPatch) -> None:
     hf = tiny_hf("llama3")
     models = [ours_from_hf(hf, fused_kernels=f).train() for f in (False, True)]
-    for m in models:
-        randomise_adapters(m)
+    adapters = [randomise_adapters(m) for m in models][0]  # the same values in both (one seed)
     calls: list[str] = []
     for name in ("rms_norm_backward", "swiglu_forward"):
         kernel = getattr(fused_kernels, name)
@@ -94,6 +98,10 @@ def test_lora_model_step_with_fused_kernels_equals_eager(monkeypatch: pytest.Mon
     assert calls.count("swiglu_forward") == 2 and calls.count("rms_norm_backward") == 2 * 2  # the final norm
     # too, not the first (its input, the frozen embedding's output, needs no gradient)
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # and PEFT on transformers' Llama, with the same adapters, agrees
+        logits = peft_model(hf, adapters).eval()(ids[:, :-1]).logits
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
     assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 4 * 2
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
@@ -125,6 +133,24 @@ def test_a_compiler_failure_is_one_line_naming_the_flag(monkeypatch: pytest.Monk
         kernel(torch.zeros(2))
 
 
+def test_no_compiler_is_refused_before_any_work(
+    gpt_data: dict[str, str], monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from finetune.cli import main as finetune_main
+    from pretrain.training.cli import main as pretrain_main
+    from tests.cli_helpers import one_line_error
+    from tests.train_fixtures import gpt_args
+
+    monkeypatch.setenv("CXX", "no-such-compiler-here")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    want = ("error: --fused-kernels: no C++ compiler 'no-such-compiler-here' on the PATH (torch.compile needs one "
+            "for CPU kernels; set CXX or run without --fused-kernels)")  # fmt: skip
+    assert one_line_error(pretrain_main, gpt_args(gpt_data, **{"fused-kernels": True}), capsys) == want
+    sft = ["sft", "--hf-model", "no-such-dir", "--data", "builtin:sft_chat", "--fused-kernels"]
+    assert one_line_error(finetune_main, sft, capsys) == want  # before the model is even looked for
+
+
+@pytest.mark.slow
 def test_sft_fused_kernels_at_tp2_equals_one_eager_process(tmp_path: Path) -> None:
     from finetune.cli import main
     from finetune.sft.tiny_tokenizer import SFT_CHAT_FILE

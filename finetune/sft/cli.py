@@ -26,6 +26,7 @@ from finetune.sft.data import BUILTIN_DATA, encode_data, read_data
 from finetune.sft.samples import LOSS_ON
 from finetune.sft.source import Decoder, load_decoder
 from pretrain.config import DTypeFlags, ModelConfig
+from pretrain.models import fused_kernels
 from pretrain.models.lora import ALL_TARGETS, LoraConfig
 from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer.flags import TokenizerFlags
@@ -129,6 +130,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         if not ok:
             raise UserError(f"{flag} must be {rule}, got {getattr(args, flag[2:].replace('-', '_'))}")
     flags_from_namespace(DTypeFlags, args).dtype_name()  # --bf16 with --fp16: refused
+    if args.fused_kernels:
+        fused_kernels.check_compiler()
     if args.eval_only and args.save is not None:
         raise UserError("--eval-only trains nothing to --save; drop --save")
     if args.chat_template is not None and not Path(args.chat_template).is_file():

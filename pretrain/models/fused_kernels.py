@@ -18,12 +18,15 @@ and :mod:`~pretrain.models.rotary` call them in their forward and backward.
 Compilation happens on the first call of each kernel in a process (seconds; Inductor's on-disk
 cache makes later processes faster), for the shapes of that call; the first new shape compiles
 once more with dynamic sizes (``torch.compile``'s automatic dynamic shapes), so further sequence
-lengths or batch sizes do not compile again. A failed compilation (no C++ compiler, say) is a :class:`UserError` naming
-the flag.
+lengths or batch sizes do not compile again. :func:`check_compiler` refuses the flag in one line before any work where
+Inductor's C++ compiler is missing; a compilation that fails anyway is a :class:`UserError`
+naming the flag too.
 """
 
 from __future__ import annotations
 
+import os
+import shutil
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -32,9 +35,19 @@ import torch.nn.functional as F
 
 from pretrain.utils.errors import UserError
 
-__all__ = ["rms_norm_backward", "rms_norm_forward", "swiglu_backward", "swiglu_forward"]
+__all__ = ["check_compiler", "rms_norm_backward", "rms_norm_forward", "swiglu_backward", "swiglu_forward"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def check_compiler() -> None:
+    """Refuse ``--fused-kernels`` (one line, before any work) where the C++ compiler Inductor's CPU
+    kernels need (``$CXX``, else ``g++``) is not on the PATH. Not on a CUDA host (Triton builds
+    the GPU kernels; a CPU run there that cannot compile still stops with the flag named)."""
+    compiler = os.environ.get("CXX") or "g++"
+    if not torch.cuda.is_available() and shutil.which(compiler) is None:
+        raise UserError(f"--fused-kernels: no C++ compiler {compiler!r} on the PATH (torch.compile needs one "
+                        "for CPU kernels; set CXX or run without --fused-kernels)")  # fmt: skip
 
 
 def _compiled(fn: _F) -> _F:

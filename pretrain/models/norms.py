@@ -75,11 +75,11 @@ class _FrozenRMSNorm(torch.autograd.Function):
         ctx.fused = fused
         if fused:
             y, rstd = fused_kernels.rms_norm_forward(x, weight, eps)
-            ctx.save_for_backward(x, weight, rstd)
-            return y  # type: ignore[no-any-return]
-        rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+        else:
+            rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+            y = torch.mul(x, rstd).mul_(weight)  # weight * (x * rstd), one [..., h] tensor less
         ctx.save_for_backward(x, weight, rstd)
-        return torch.mul(x, rstd).mul_(weight)  # weight * (x * rstd), one [..., h] tensor less
+        return y  # type: ignore[no-any-return]
 
     @staticmethod
     @once_differentiable
