@@ -8,11 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from pretrain.checkpoint import fingerprint
 from pretrain.checkpoint.fingerprint import tensor_digest, weights_fingerprint
 from pretrain.checkpoint.legacy.writer import DictSource, WriteOptions, write_layout
 from pretrain.checkpoint.opener import open_checkpoint
 from pretrain.checkpoint.plan import ModelSpec
-from pretrain.checkpoint.types import RowPieces
+from pretrain.checkpoint.types import RowPieces, RowPieceSource
 from pretrain.parallel.config import ParallelConfig
 from pretrain.utils import buffer_pool
 from tests.gpt_fixtures import full_weights
@@ -77,3 +78,27 @@ def test_row_pieces_cut_leading_rows_across_parts() -> None:
     assert torch.equal(torch.cat(pieces[:3].parts), a) and pieces[:7].shape == (7, 2)
     with pytest.raises(ValueError, match="leading row count"):
         pieces[1:3]
+
+
+def test_a_legacy_reader_is_a_row_piece_source_and_a_dict_is_not(tmp_path: Path) -> None:
+    full = _weights(torch.float32, bf16_values=False)
+    spec = ModelSpec(kind="gpt", cfg=CFG)
+    write_layout(DictSource(spec, full), tmp_path / "ckpt", ParallelConfig(tp=2, pp=1),
+                 options=WriteOptions(iteration="release"))  # fmt: skip
+    assert isinstance(open_checkpoint(tmp_path / "ckpt"), RowPieceSource)
+    assert not isinstance(DictSource(spec, full), RowPieceSource)
+
+
+def test_a_digest_that_raises_still_releases_its_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The pieces' pages are given back whether their digest succeeds or fails, and the failure reaches
+    the caller (a reader's mapped pages are never left resident by an error)."""
+    released: list[str] = []
+
+    def boom(name: str, tensor: object, *, scheme: str) -> bytes:
+        raise RuntimeError(f"digest of {name} failed")
+
+    monkeypatch.setattr(fingerprint, "tensor_digest", boom)
+    pieces = RowPieces((torch.ones(2, 3), torch.zeros(1, 3)), release=lambda: released.append("x"))
+    with pytest.raises(RuntimeError, match="digest of w failed"):
+        fingerprint.tensor_digests([("w", pieces)], workers=2)
+    assert released == ["x"]

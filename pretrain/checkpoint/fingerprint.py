@@ -43,7 +43,7 @@ import blake3
 import numpy as np
 import torch
 
-from pretrain.checkpoint.types import RowPieces, TensorSource
+from pretrain.checkpoint.types import RowPieces, RowPieceSource, TensorSource
 from pretrain.checkpoint.work_split import SINGLE, WorkSplit
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.utils.buffer_pool import read_only_views
@@ -204,11 +204,10 @@ def tensor_digests(
 
     def digest(name: str, tensor: torch.Tensor | RowPieces) -> bytes:
         try:
-            value = tensor_digest(name, tensor, scheme=scheme)
+            return tensor_digest(name, tensor, scheme=scheme)
+        finally:  # a digest that raised gives its pages back too
             if isinstance(tensor, RowPieces) and tensor.release is not None:
                 tensor.release()
-            return value
-        finally:
             slots.release()  # the tensor is dropped with this frame: the next one may be read
 
     with ThreadPoolExecutor(max_workers=n, thread_name_prefix="fingerprint") as pool:
@@ -336,8 +335,7 @@ def weights_fingerprint(
 def _digestible(source: TensorSource, name: str) -> torch.Tensor | RowPieces:
     """``source.tensor(name)``, or its rows in pieces where the source gives them (a legacy
     checkpoint's column-parallel shards: hashed where they lie, never joined)."""
-    row_pieces = getattr(source, "row_pieces", None)
-    pieces = row_pieces(name) if row_pieces is not None else None
+    pieces = source.row_pieces(name) if isinstance(source, RowPieceSource) else None
     return pieces if pieces is not None else source.tensor(name)
 
 

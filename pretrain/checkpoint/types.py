@@ -162,6 +162,14 @@ class TensorSource(Protocol):
     def with_vocab(self, vocab_size: int, *, source: str = "") -> Self: ...
 
 
+@runtime_checkable
+class RowPieceSource(Protocol):
+    """A source that can give a tensor as its stored row blocks (:class:`RowPieces`) instead of
+    joining them: ``row_pieces(name)`` is None where the tensor is not stored that way."""
+
+    def row_pieces(self, name: str) -> RowPieces | None: ...
+
+
 class CheckpointReader(TensorSource, Protocol):
     """An opened Megatron checkpoint (any format): its tensors, what it is, and what it records."""
 
