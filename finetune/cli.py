@@ -40,6 +40,7 @@ from pretrain.checkpoint.args import training_metadata
 from pretrain.checkpoint.metadata import require_metadata
 from pretrain.checkpoint.types import CheckpointMetadata, FinetuneRecord
 from pretrain.config import DTypeFlags, DTypeName, ModelConfig
+from pretrain.model_option_flags import add_model_override_flags, model_overrides_from_flags
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
 from pretrain.parallel.config import ParallelConfig
 from pretrain.parallel.layout import check_sizes
@@ -53,6 +54,8 @@ from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace
 from pretrain.utils.outputs import check_writable_output
 from pretrain.utils.results import TASK_METRICS, make_result, write_result
 
+# model options a run may change: the option table's flags, with Megatron's finetune defaults
+MODEL_OVERRIDES = ("hidden_dropout", "attention_dropout")
 RESULT_TASK = {"squad": "squad1"}  # CLI name -> results schema task name
 
 
@@ -88,8 +91,7 @@ def build_parser() -> OneLineParser:
     t.add_argument("--doc-stride", type=int, default=128, help="SQuAD window stride")
     t.add_argument("--max-query-length", type=int, default=64, help="SQuAD question tokens")
     t.add_argument("--null-score-diff-threshold", type=float, default=0.0, help="SQuAD 2.0")
-    t.add_argument("--hidden-dropout", type=float, default=0.1)
-    t.add_argument("--attention-dropout", type=float, default=0.1)
+    add_model_override_flags(t, MODEL_OVERRIDES, defaults={"hidden_dropout": 0.1, "attention_dropout": 0.1})
     add_flag_group(p, DTypeFlags, title="finetuning", group=t, include=("bf16", "fp16"))
     t.add_argument("--seed", type=int, default=1234)
     t.add_argument("--seeds", type=int, default=1, help="finetune N times, report the median")
@@ -190,8 +192,8 @@ def _eval_only_source(args: Any) -> Pretrained:
 
 def _model_cfg(args: Any, pre: Pretrained, seq_length: int) -> ModelConfig:
     dtype: DTypeName = flags_from_namespace(DTypeFlags, args).dtype_name()
-    cfg = dataclasses.replace(pre.cfg, hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout,
-                              params_dtype=dtype)  # fmt: skip
+    changes: dict[str, Any] = {"params_dtype": dtype, **model_overrides_from_flags(args, MODEL_OVERRIDES)}
+    cfg = dataclasses.replace(pre.cfg, **changes)
     if seq_length > cfg.max_position_embeddings:
         raise UserError(
             f"--seq-length {seq_length} exceeds the model's {cfg.max_position_embeddings} positions"

@@ -1,11 +1,13 @@
-"""``mlm-pretrain``'s architecture flags, derived from the option table
-(:data:`pretrain.model_options.OPTIONS`): Megatron's spellings, ``ModelConfig``'s defaults."""
+"""Model flags derived from the option table (:data:`pretrain.model_options.OPTIONS`): Megatron's
+spellings. ``mlm-pretrain`` takes every option's flag with ``ModelConfig``'s defaults
+(:func:`add_model_flags`); a command that starts from a loaded model (``mlm-finetune``) takes some
+of them as overrides of the model's values (:func:`add_model_override_flags`)."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from pretrain.config import ModelConfig
 from pretrain.model_options import BY_FIELD, OPTIONS
@@ -42,6 +44,31 @@ def config_kwargs_from_flags(ns: argparse.Namespace) -> dict[str, object]:
     out: dict[str, object] = {name: getattr(ns, name) for name in FLAG_FIELDS}
     out["num_query_groups"] = (ns.num_query_groups or 1) if ns.group_query_attention else None
     return out
+
+
+def add_model_override_flags(
+    group: argparse._ArgumentGroup, fields: tuple[str, ...], *, defaults: Mapping[str, object] | None = None
+) -> None:
+    """The table's flags of ``fields`` as overrides of a loaded model's config: a flag left out
+    gives None (keep the model's value) unless ``defaults`` names the command's own default."""
+    defaults = defaults or {}
+    for name in fields:
+        flag = BY_FIELD[name].flag
+        if flag is None:
+            raise ValueError(f"option {name} has no flag in the option table")
+        default = defaults.get(name)
+        shown = f"default: {default}" if name in defaults else "default: the model's"
+        text = f"{flag.help}; {shown}" if flag.help else shown
+        if flag.kind != "value":
+            group.add_argument(*flag.names, dest=name, action=flag.kind, default=default, help=text)
+        else:
+            group.add_argument(*flag.names, dest=name, type=flag.parse or _field_type(name), choices=flag.choices,
+                               default=default, help=text)  # fmt: skip
+
+
+def model_overrides_from_flags(ns: argparse.Namespace, fields: tuple[str, ...]) -> dict[str, object]:
+    """The ``ModelConfig`` fields among ``fields`` that :func:`add_model_override_flags`' flags set."""
+    return {name: getattr(ns, name) for name in fields if getattr(ns, name) is not None}
 
 
 def _default(name: str) -> object:

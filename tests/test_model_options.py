@@ -110,6 +110,40 @@ def test_flag_defaults_are_model_config_defaults() -> None:
             assert value == getattr(defaults, field), field
 
 
+def _option_strings(parser: argparse.ArgumentParser, dest: str) -> list[str]:
+    return [s for a in parser._actions if a.dest == dest for s in a.option_strings]
+
+
+@pytest.mark.parametrize("command", ["sft", "glue"])
+def test_finetune_commands_take_the_tables_flags_as_model_overrides(command: str) -> None:
+    """``mlm-finetune sft`` and the GLUE-style tasks spell their model flags as the table does; a flag
+    left out keeps the model's value (sft) or the command's documented default (GLUE: Megatron's 0.1)."""
+    if command == "sft":
+        from finetune.sft import cli
+
+        parser, fields, base = cli.build_parser(), cli.MODEL_OVERRIDES, ["--hf-model", "m", "--data", "d"]
+    else:
+        from finetune import cli  # type: ignore[no-redef]
+
+        parser, fields, base = (
+            cli.build_parser(),
+            cli.MODEL_OVERRIDES,
+            ["sst2", "--hf-model", "m", "--data-dir", "d"],
+        )
+    for field in fields:
+        flag = mo.BY_FIELD[field].flag
+        assert flag is not None and _option_strings(parser, field) == list(flag.names), field
+    given = mo_flags.model_overrides_from_flags(
+        parser.parse_args([*base, "--hidden-dropout", "0.25"]), fields
+    )
+    assert given["hidden_dropout"] == 0.25
+    left_out = mo_flags.model_overrides_from_flags(parser.parse_args(base), fields)
+    assert left_out == ({} if command == "sft" else {"hidden_dropout": 0.1, "attention_dropout": 0.1})
+    if command == "sft":
+        fused = parser.parse_args([*base, "--fused-kernels"])
+        assert mo_flags.model_overrides_from_flags(fused, fields) == {"fused_kernels": True}
+
+
 @pytest.mark.parametrize("group", ["gpt2", "llama", "bert"])
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_hf_keys_round_trip(name: str, group: str) -> None:

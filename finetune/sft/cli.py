@@ -26,6 +26,7 @@ from finetune.sft.data import BUILTIN_DATA, encode_data, read_data
 from finetune.sft.samples import LOSS_ON
 from finetune.sft.source import Decoder, load_decoder
 from pretrain.config import DTypeFlags, ModelConfig
+from pretrain.model_option_flags import add_model_override_flags, model_overrides_from_flags
 from pretrain.models import fused_kernels
 from pretrain.models.lora import ALL_TARGETS, LoraConfig
 from pretrain.parallel.config import ParallelConfig
@@ -37,6 +38,8 @@ from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace
 from pretrain.utils.outputs import check_writable_output
 
 LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
+# model options a run may change, with the option table's flags (left out: the model's value)
+MODEL_OVERRIDES = ("hidden_dropout", "attention_dropout", "fused_kernels")
 
 
 def build_parser() -> OneLineParser:
@@ -74,12 +77,8 @@ def build_parser() -> OneLineParser:
     t.add_argument("--lr-warmup-fraction", type=float, default=0.0)
     t.add_argument("--weight-decay", type=float, default=0.0)
     t.add_argument("--clip-grad", type=float, default=1.0)
-    t.add_argument("--hidden-dropout", type=float, default=None, help="default: the model's")
-    t.add_argument("--attention-dropout", type=float, default=None, help="default: the model's")
     t.add_argument("--seed", type=int, default=1234)
-    t.add_argument("--fused-kernels", action="store_true",
-                   help="frozen RMSNorm and SwiGLU as torch.compile'd loops (compiles on the first step; "
-                   "faster LoRA steps on CPU)")  # fmt: skip
+    add_model_override_flags(t, MODEL_OVERRIDES)
     add_flag_group(p, DTypeFlags, title="training", group=t, include=("bf16", "fp16"))
     lora = p.add_argument_group("LoRA (default: full-parameter SFT)")
     lora.add_argument("--lora-rank", type=int, default=None, help="adapter rank r (turns LoRA on)")
@@ -149,10 +148,7 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 def _model_cfg(args: argparse.Namespace, dec: Decoder) -> tuple[ModelConfig, int]:
     changes: dict[str, Any] = {"params_dtype": flags_from_namespace(DTypeFlags, args).dtype_name(),
-                               "fused_kernels": args.fused_kernels}  # fmt: skip
-    for name in ("hidden_dropout", "attention_dropout"):
-        if getattr(args, name) is not None:
-            changes[name] = getattr(args, name)
+                               **model_overrides_from_flags(args, MODEL_OVERRIDES)}  # fmt: skip
     cfg = dataclasses.replace(dec.cfg, **changes)
     seq_length = args.seq_length or min(2048, cfg.max_position_embeddings)
     if seq_length > cfg.max_position_embeddings:

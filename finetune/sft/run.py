@@ -125,7 +125,7 @@ def _report(args: argparse.Namespace, dec: Decoder, ps: ParallelState, data: SFT
         "template_sha256": None if data.template is None else data.template.sha256,
         "template_source": None if data.template is None else data.template.source,
         "loss_on": data.loss_on, "pack": args.pack, "lora": None if lora is None else lora.to_dict(), "layout": layout, "dtype": dtype,
-        "fused_kernels": args.fused_kernels, "eval_only": args.eval_only, "iterations": result["final_iteration"],
+        "fused_kernels": bool(args.fused_kernels), "eval_only": args.eval_only, "iterations": result["final_iteration"],
         "final_loss": history[-1]["loss"] if history else None, "train_losses": [h["loss"] for h in history],
         "hyperparameters": {k: getattr(args, k) for k in ("epochs", "global_batch_size", "micro_batch_size", "lr",
                             "min_lr", "lr_decay_style", "lr_warmup_fraction", "weight_decay", "clip_grad", "seed")},
