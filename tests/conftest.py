@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.fresh_demo import FreshDemo, run_demo
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -67,3 +69,10 @@ def tiny_bert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     texts += [p.read_text() for p in builtin_task_dir("race_tiny").rglob("*.txt")]
     root = tmp_path_factory.mktemp("bert") / "tiny"
     return make_tiny_hf_bert(root, texts + FINETUNE_WORDS, max_positions=160)
+
+
+@pytest.fixture(scope="session")
+def fresh_demo(tmp_path_factory: pytest.TempPathFactory) -> FreshDemo:
+    """The demo, run once per test process (tests using it carry ``xdist_group("fresh_demo")``, so
+    ``--dist loadgroup`` keeps them on one worker): :func:`tests.fresh_demo.run_demo`."""
+    return run_demo(tmp_path_factory.mktemp("fresh_demo"))

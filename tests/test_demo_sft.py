@@ -9,23 +9,21 @@ from pathlib import Path
 import pytest
 
 from tests.cli_helpers import one_line_error
+from tests.fresh_demo import FreshDemo
 
 pytest.importorskip("peft")
 
 
 @pytest.mark.slow
-def test_demo_sft_lora_step(tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
-    from tools.demo import sft_lora_step
-
-    sft_lora_step(tmp_path)  # exits non-zero (SystemExit) if any command fails
-    check = json.loads(
-        [x for x in capfd.readouterr().out.splitlines() if x.startswith('{"max_abs_diff"')][-1]
-    )
+@pytest.mark.xdist_group("fresh_demo")
+def test_demo_sft_lora_step(fresh_demo: FreshDemo) -> None:
+    """The demo (the run ``tests/test_docs_report.py`` checks too) trained, exported and checked its adapter."""
+    assert fresh_demo.returncode == 0, fresh_demo.log[-3000:]
+    check = json.loads([x for x in fresh_demo.log.splitlines() if x.startswith('{"max_abs_diff"')][-1])
     assert check["max_abs_diff"] <= 1e-5 and check["max_abs_change"] > 0
-    rec = json.loads((tmp_path / "sft_lora_results" / "results.json").read_text())
-    assert (
-        rec["details"]["lora"]["rank"] == 8 and (tmp_path / "sft_adapter" / "adapter_config.json").is_file()
-    )
+    rec = json.loads((fresh_demo.out / "sft_lora_results" / "results.json").read_text())
+    assert rec["details"]["lora"]["rank"] == 8
+    assert (fresh_demo.out / "sft_adapter" / "adapter_config.json").is_file()
 
 
 def test_peft_check_refusals_are_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from tests.fresh_demo import FreshDemo
 from tests.test_report_html import png_size
 from tools import demo
 from tools.docs_report import HEIGHT, PNG_NAME, RECORD_NAME, WIDTH, shown_numbers
@@ -36,12 +37,10 @@ def test_the_recorded_demo_model_is_the_demos() -> None:
 
 
 @pytest.mark.slow
-def test_a_fresh_demo_shows_the_recorded_numbers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    assert (
-        demo.main(["--out", str(tmp_path / "demo"), "--no-harness"]) == 0
-    )  # the harness is not in the report
-    board = json.loads((tmp_path / "demo" / "report" / "leaderboard.json").read_text(encoding="utf-8"))
+@pytest.mark.xdist_group("fresh_demo")
+def test_a_fresh_demo_shows_the_recorded_numbers(fresh_demo: FreshDemo) -> None:
+    assert fresh_demo.returncode == 0, fresh_demo.log[-3000:]
+    board = json.loads((fresh_demo.out / "report" / "leaderboard.json").read_text(encoding="utf-8"))
     fresh, fresh_numbers = _numbers_apart(shown_numbers(board))
     recorded, recorded_numbers = _numbers_apart(RECORD["rows"])
     assert fresh == recorded, "the demo's rows changed: run `make docs-report`"
