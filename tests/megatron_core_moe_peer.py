@@ -245,9 +245,7 @@ def main(argv: list[str] | None = None) -> None:
     if world == 1:
         _worker(0, 1, 1, free_port(), a.cmd, a.paths, a.case)
         return
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(a.tp, a.ep, free_port(), a.cmd, a.paths, a.case, a.etp), nprocs=world)
+    peer.spawn_ranks(_worker, (a.tp, a.ep, free_port(), a.cmd, a.paths, a.case, a.etp), world)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tests.megatron_core_peer import CASES, build_model, finish_peer, init_peer, megatron_args, save_dist
+from tests.megatron_core_peer import (
+    CASES,
+    build_model,
+    finish_peer,
+    init_peer,
+    megatron_args,
+    save_dist,
+    spawn_ranks,
+)
 from tests.ports import free_port
 
 LR, WD, BATCH, SEQ = 1e-2, 0.1, 4, 16
@@ -340,9 +348,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     a = p.parse_args(argv)
     a.port = a.port or free_port()
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(a,), nprocs=a.tp)
+    spawn_ranks(_worker, (a,), a.tp)
 
 
 if __name__ == "__main__":

@@ -30,6 +30,7 @@ import json
 import os
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -272,6 +273,16 @@ def _worker(rank: int, tp: int, port: int, cmd: str, paths: list[str], case: str
     finish_peer()
 
 
+def spawn_ranks(worker: Callable[..., None], args: tuple[Any, ...], nprocs: int) -> None:
+    """``worker(rank, *args)`` on ``nprocs`` processes forked from this one once megatron-core is
+    imported here (spawned ranks would each import it again: about 5 s of CPU per rank). Forking
+    is safe at this point: nothing has run an op, so no intra-op thread pool exists to be lost."""
+    import megatron.core.models.gpt  # noqa: F401 -- imported once, inherited by every rank
+    import torch.multiprocessing as mp
+
+    mp.start_processes(worker, args=args, nprocs=nprocs, start_method="fork")
+
+
 def save_load_main(worker: Any, argv: list[str] | None, cases: list[str] | None = None) -> None:
     """The ``save OUT`` / ``load CKPT_ITER_DIR OUT`` command line of a peer: spawn ``--tp``
     ranks of ``worker(rank, tp, port, cmd, paths[, case])``."""
@@ -283,10 +294,8 @@ def save_load_main(worker: Any, argv: list[str] | None, cases: list[str] | None 
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--port", type=int, default=None, help="rendezvous port (default: a free one)")
     a = p.parse_args(argv)
-    import torch.multiprocessing as mp
-
     extra = (a.case,) if cases else ()
-    mp.spawn(worker, args=(a.tp, a.port or free_port(), a.cmd, a.paths, *extra), nprocs=a.tp)
+    spawn_ranks(worker, (a.tp, a.port or free_port(), a.cmd, a.paths, *extra), a.tp)
 
 
 def save_cases(out: Path, cases: list[str]) -> None:

@@ -35,6 +35,7 @@ from tests.megatron_core_peer import (
     init_peer,
     megatron_args,
     save_dist,
+    spawn_ranks,
     transformer_config,
 )
 from tests.ports import free_port
@@ -109,9 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--case", default="llama", choices=sorted(CASES))
     p.add_argument("--tp", type=int, default=2)
     a = p.parse_args(argv)
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(a.tp, free_port(), a.out, a.case), nprocs=a.tp)
+    spawn_ranks(_worker, (a.tp, free_port(), a.out, a.case), a.tp)
 
 
 if __name__ == "__main__":

@@ -111,9 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("changes", nargs="*", help="FIELD=JSON overrides of the 0.19 args")
     a = p.parse_args(argv)
     changes = {k: json.loads(v) for k, v in (c.split("=", 1) for c in a.changes)}
-    import torch.multiprocessing as mp
-
-    mp.spawn(_worker, args=(2, free_port(), Path(a.out), changes), nprocs=2)
+    peer.spawn_ranks(_worker, (2, free_port(), Path(a.out), changes), 2)
 
 
 if __name__ == "__main__":

@@ -72,10 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tp", type=int, default=2)
     p.add_argument("--pp", type=int, default=1)
     a = p.parse_args(argv)
-    import torch.multiprocessing as mp
-
     world = a.tp * a.pp
-    mp.spawn(_worker, args=(world, free_port(), a), nprocs=world)
+    peer.spawn_ranks(_worker, (world, free_port(), a), world)
 
 
 if __name__ == "__main__":
