@@ -7,8 +7,7 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY      = $(VENV)/bin/python
 TORCH_SPEC ?= torch==2.13.0
-# pytest-xdist workers: one per core, at most 4 (tests start gloo process groups of up to 8 ranks);
-# --dist loadgroup keeps the tests of one xdist_group (those sharing the demo run) on one worker
+# pytest-xdist workers: one per core, at most 4 (tests start gloo process groups of up to 8 ranks)
 PYTEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 # One intra-op thread per test process: the workers already fill the cores, and OpenMP threads
 # spinning on an oversubscribed host made single tests 5-7x slower (a finetune test: 19 s alone,
@@ -41,10 +40,10 @@ typecheck: setup
 	$(VENV)/bin/mypy
 
 pytest: setup
-	$(PYTEST_ENV) $(PY) -m pytest -p no:cacheprovider -rs -n $(PYTEST_WORKERS) --dist loadgroup --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
+	$(PYTEST_ENV) $(PY) -m pytest -p no:cacheprovider -rs -n $(PYTEST_WORKERS) --durations=30 tests; rc=$$?; if [ $$rc -eq 5 ]; then echo "no tests collected"; exit 0; fi; exit $$rc
 
 pytest-fast: setup
-	$(PYTEST_ENV) $(PY) -m pytest -p no:cacheprovider -rs -n $(PYTEST_WORKERS) --dist loadgroup -m "not slow" tests
+	$(PYTEST_ENV) $(PY) -m pytest -p no:cacheprovider -rs -n $(PYTEST_WORKERS) -m "not slow" tests
 
 test: lint typecheck pytest
 

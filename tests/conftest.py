@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.fresh_demo import FreshDemo, run_demo
+from tests.fresh_demo import FreshDemo, shared_demo
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -73,6 +73,5 @@ def tiny_bert_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def fresh_demo(tmp_path_factory: pytest.TempPathFactory) -> FreshDemo:
-    """The demo, run once per test process (tests using it carry ``xdist_group("fresh_demo")``, so
-    ``--dist loadgroup`` keeps them on one worker): :func:`tests.fresh_demo.run_demo`."""
-    return run_demo(tmp_path_factory.mktemp("fresh_demo"))
+    """The demo, run once per test run and shared by the workers: :func:`tests.fresh_demo.shared_demo`."""
+    return shared_demo(tmp_path_factory.getbasetemp())

@@ -15,7 +15,6 @@ pytest.importorskip("peft")
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("fresh_demo")
 def test_demo_sft_lora_step(fresh_demo: FreshDemo) -> None:
     """The demo (the run ``tests/test_docs_report.py`` checks too) trained, exported and checked its adapter."""
     assert fresh_demo.returncode == 0, fresh_demo.log[-3000:]

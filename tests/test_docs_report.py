@@ -37,7 +37,6 @@ def test_the_recorded_demo_model_is_the_demos() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.xdist_group("fresh_demo")
 def test_a_fresh_demo_shows_the_recorded_numbers(fresh_demo: FreshDemo) -> None:
     assert fresh_demo.returncode == 0, fresh_demo.log[-3000:]
     board = json.loads((fresh_demo.out / "report" / "leaderboard.json").read_text(encoding="utf-8"))
