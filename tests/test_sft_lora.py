@@ -132,6 +132,7 @@ def test_lora_training_leaves_the_base_bitwise(chat_llama: Path) -> None:
     ("flags", "needle"),
     [
         (["--lora-alpha", "8"], "--lora-alpha needs --lora-rank R"),
+        (["--lora-dropout", "0.1", "--lora-targets", "qkv"], "--lora-dropout needs --lora-rank R"),
         (["--lora-rank", "0"], "--lora-rank: must be a positive integer, got 0"),
         (["--lora-rank", "4", "--lora-targets", "qkv,mlp"], "--lora-targets: 'qkv,mlp' is not"),
         (["--lora-rank", "4", "--fp16"], "--fp16 with --lora-rank"),
@@ -142,6 +143,16 @@ def test_lora_flag_errors_are_one_line(
 ) -> None:
     argv = ["sft", "--hf-model", str(chat_llama), "--data", str(SFT_CHAT_FILE), *flags]
     assert needle in one_line_error(main, argv, capsys)
+
+
+def test_lora_flags_give_the_config_they_ask_for() -> None:
+    """``--lora-rank`` alone: alpha = r (PEFT's scaling 1), no dropout, every target; the rest as given."""
+    from pretrain.models.lora import ALL_TARGETS, LoraConfig, LoraFlags
+
+    assert LoraFlags().config() is None
+    assert LoraFlags(lora_rank=4).config() == LoraConfig(rank=4, alpha=4.0, dropout=0.0, targets=ALL_TARGETS)
+    given = LoraFlags(lora_rank=8, lora_alpha=16, lora_dropout=0.05, lora_targets="qkv, fc2").config()
+    assert given == LoraConfig(rank=8, alpha=16.0, dropout=0.05, targets=("qkv", "fc2"))
 
 
 @pytest.mark.slow

@@ -28,7 +28,7 @@ from finetune.sft.source import Decoder, load_decoder
 from pretrain.config import DTypeFlags, ModelConfig
 from pretrain.model_option_flags import add_model_override_flags, model_overrides_from_flags
 from pretrain.models import fused_kernels
-from pretrain.models.lora import ALL_TARGETS, LoraConfig
+from pretrain.models.lora import LoraConfig, LoraFlags
 from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer.flags import TokenizerFlags
 from pretrain.training.cli import add_parallel_args, parallel_from_args
@@ -37,7 +37,6 @@ from pretrain.utils.errors import UserError, cli_entry
 from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace
 from pretrain.utils.outputs import check_writable_output
 
-LORA_FLAGS = ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets")
 # model options a run may change, with the option table's flags (left out: the model's value)
 MODEL_OVERRIDES = ("hidden_dropout", "attention_dropout", "fused_kernels")
 
@@ -80,15 +79,7 @@ def build_parser() -> OneLineParser:
     t.add_argument("--seed", type=int, default=1234)
     add_model_override_flags(t, MODEL_OVERRIDES)
     add_flag_group(p, DTypeFlags, title="training", group=t, include=("bf16", "fp16"))
-    lora = p.add_argument_group("LoRA (default: full-parameter SFT)")
-    lora.add_argument("--lora-rank", type=int, default=None, help="adapter rank r (turns LoRA on)")
-    lora.add_argument("--lora-alpha", type=float, default=None, help="scaling alpha / r (default: r)")
-    lora.add_argument(
-        "--lora-dropout", type=float, default=None, help="dropout on the adapter input (default: 0)"
-    )
-    lora.add_argument(
-        "--lora-targets", default=None, help="comma-separated among qkv,proj,fc1,fc2 (default: all)"
-    )
+    add_flag_group(p, LoraFlags, title="LoRA (default: full-parameter SFT)")
     o = p.add_argument_group("output")
     o.add_argument("--save", default=None, help="save the fine-tuned model here (our checkpoint format)")
     o.add_argument("--overwrite", action="store_true", help="replace a checkpoint already in --save")
@@ -102,20 +93,12 @@ def build_parser() -> OneLineParser:
 
 def lora_from_flags(args: argparse.Namespace) -> LoraConfig | None:
     """The ``--lora-*`` flags as a :class:`LoraConfig` (None without ``--lora-rank``)."""
-    given = [f"--{n.replace('_', '-')}" for n in LORA_FLAGS if getattr(args, n) is not None]
-    if args.lora_rank is None:
-        if given:
-            raise UserError(f"{given[0]} needs --lora-rank R (LoRA is on only with a rank)")
-        return None
-    if args.fp16:
+    lora = flags_from_namespace(LoraFlags, args).config()
+    if lora is not None and args.fp16:
         raise UserError(
             "--fp16 with --lora-rank: LoRA adapters train in float32 beside the frozen base; use --bf16"
         )
-    targets = (
-        ALL_TARGETS if args.lora_targets is None else tuple(t.strip() for t in args.lora_targets.split(","))
-    )
-    return LoraConfig(rank=args.lora_rank, alpha=float(args.lora_rank if args.lora_alpha is None else args.lora_alpha),
-                      dropout=args.lora_dropout or 0.0, targets=targets)  # fmt: skip
+    return lora
 
 
 def _check_flags(args: argparse.Namespace) -> None:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -46,6 +46,7 @@ from pretrain.models.lora_ops import LORA_A, LORA_B, LoraWeight, adapter_names, 
 from pretrain.models.sharding import shard_tensor
 from pretrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from pretrain.utils.errors import UserError
+from pretrain.utils.flag_groups import flag_meta
 
 # target -> the module name (suffix) of the linear it adapts
 TARGET_MODULES: dict[str, str] = {
@@ -102,6 +103,42 @@ class LoraConfig:
             dropout=float(d.get("dropout", 0.0)),  # type: ignore[arg-type]
             targets=tuple(str(t) for t in targets),  # type: ignore[attr-defined]
         )
+
+
+@dataclass(frozen=True, kw_only=True)
+class LoraFlags:
+    """The ``--lora-*`` flags (``mlm-finetune sft``, through :func:`~pretrain.utils.flag_groups.add_flag_group`):
+    LoRA is on only with a rank; :meth:`config` is the :class:`LoraConfig` they ask for."""
+
+    lora_rank: int | None = field(
+        default=None, metadata=flag_meta("adapter rank r (turns LoRA on)", metavar="R")
+    )
+    lora_alpha: float | None = field(
+        default=None, metadata=flag_meta("scaling alpha / r (default: r)", metavar="ALPHA")
+    )
+    lora_dropout: float | None = field(
+        default=None, metadata=flag_meta("dropout on the adapter input (default: 0)", metavar="P")
+    )
+    lora_targets: str | None = field(
+        default=None,
+        metadata=flag_meta(f"comma-separated among {','.join(ALL_TARGETS)} (default: all)", metavar="LIST"),
+    )
+
+    def config(self) -> LoraConfig | None:
+        """None without ``--lora-rank`` (refused when another ``--lora-*`` flag is given alone)."""
+        given = [f"--{f.replace('_', '-')}" for f in ("lora_alpha", "lora_dropout", "lora_targets")
+                 if getattr(self, f) is not None]  # fmt: skip
+        if self.lora_rank is None:
+            if given:
+                raise UserError(f"{given[0]} needs --lora-rank R (LoRA is on only with a rank)")
+            return None
+        targets = (
+            ALL_TARGETS
+            if self.lora_targets is None
+            else tuple(t.strip() for t in self.lora_targets.split(","))
+        )
+        alpha = float(self.lora_rank if self.lora_alpha is None else self.lora_alpha)
+        return LoraConfig(rank=self.lora_rank, alpha=alpha, dropout=self.lora_dropout or 0.0, targets=targets)
 
 
 def is_lora_name(name: str) -> bool:
