@@ -20,16 +20,7 @@ def add_model_flags(group: argparse._ArgumentGroup) -> None:
     """Every option's ``mlm-pretrain`` flag (Megatron's names), plus ``--group-query-attention`` /
     ``--num-query-groups`` (Megatron's two-flag GQA). Defaults are ``ModelConfig``'s."""
     for name in FLAG_FIELDS:
-        option, default = BY_FIELD[name], _default(name)
-        flag = option.flag
-        assert flag is not None
-        if flag.kind != "value":
-            group.add_argument(*flag.names, dest=name, action=flag.kind, help=flag.help or None)
-        elif flag.required:
-            group.add_argument(*flag.names, dest=name, type=_field_type(name), required=True)
-        else:
-            group.add_argument(*flag.names, dest=name, type=flag.parse or _field_type(name), choices=flag.choices,
-                               default=default, help=flag.help or None)  # fmt: skip
+        _add_option_flag(group, name, default=_default(name))
     group.add_argument("--group-query-attention", action="store_true")
     group.add_argument("--num-query-groups", type=int, default=None,
                        help="key-value heads (with --group-query-attention)")  # fmt: skip
@@ -54,21 +45,32 @@ def add_model_override_flags(
     defaults = defaults or {}
     for name in fields:
         flag = BY_FIELD[name].flag
-        if flag is None:
-            raise ValueError(f"option {name} has no flag in the option table")
-        default = defaults.get(name)
-        shown = f"default: {default}" if name in defaults else "default: the model's"
-        text = f"{flag.help}; {shown}" if flag.help else shown
-        if flag.kind != "value":
-            group.add_argument(*flag.names, dest=name, action=flag.kind, default=default, help=text)
-        else:
-            group.add_argument(*flag.names, dest=name, type=flag.parse or _field_type(name), choices=flag.choices,
-                               default=default, help=text)  # fmt: skip
+        shown = f"default: {defaults[name]}" if name in defaults else "default: the model's"
+        text = f"{flag.help}; {shown}" if flag is not None and flag.help else shown
+        _add_option_flag(group, name, default=defaults.get(name), help_text=text)
 
 
 def model_overrides_from_flags(ns: argparse.Namespace, fields: tuple[str, ...]) -> dict[str, object]:
     """The ``ModelConfig`` fields among ``fields`` that :func:`add_model_override_flags`' flags set."""
     return {name: getattr(ns, name) for name in fields if getattr(ns, name) is not None}
+
+
+def _add_option_flag(
+    group: argparse._ArgumentGroup, name: str, *, default: object, help_text: str | None = None
+) -> None:
+    """The option table's flag of ``name`` (its spellings, kind, type and choices) into ``group``;
+    ``help_text`` replaces the table's help."""
+    flag = BY_FIELD[name].flag
+    if flag is None:
+        raise ValueError(f"option {name} has no flag in the option table")
+    help_text = help_text or flag.help or None
+    if flag.kind != "value":
+        group.add_argument(*flag.names, dest=name, action=flag.kind, default=default, help=help_text)
+    elif flag.required:
+        group.add_argument(*flag.names, dest=name, type=_field_type(name), required=True, help=help_text)
+    else:
+        group.add_argument(*flag.names, dest=name, type=flag.parse or _field_type(name), choices=flag.choices,
+                           default=default, help=help_text)  # fmt: skip
 
 
 def _default(name: str) -> object:
