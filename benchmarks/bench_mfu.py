@@ -13,6 +13,7 @@ models so machine noise hits both alike; median step times are compared.
 
     python benchmarks/bench_mfu.py             # on a GPU: both presets, bf16
     python benchmarks/bench_mfu.py --smoke     # CPU: tiny shapes, 2 steps (what the test runs)
+    python benchmarks/bench_mfu.py --profile DIR   # also each model's top kernels (ours, 2 steps)
 
 Last line JSON: ``{"mfu": lowest of the models, "ratio": lowest, "device": ..., "models": {name:
 {"mfu", "hf_mfu", "ratio", "tokens_per_s", "hf_tokens_per_s", "params", "shape"}}}``.
@@ -26,6 +27,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -122,6 +124,8 @@ def measure(name: str, shape: dict[str, int], args: argparse.Namespace) -> dict[
     flops = gpt_flops_per_iteration(cfg, global_batch=shape["batch"], seq_length=shape["seq"],
                                     padded_vocab=ours.padded_vocab)  # fmt: skip
     secs = {k: statistics.median(v) for k, v in times.items()}
+    if args.profile:
+        _profile(steps["ours"], args.profile / f"mfu_profile_{name}.txt", args.device)
     tok = shape["batch"] * shape["seq"]
     return {
         "mfu": flops / secs["ours"] / args.peak, "hf_mfu": flops / secs["hf"] / args.peak,
@@ -129,6 +133,22 @@ def measure(name: str, shape: dict[str, int], args: argparse.Namespace) -> dict[
         "flops_per_step": flops, "params": sum(p.numel() for p in ours.parameters()),
         "shape": shape,
     }  # fmt: skip
+
+
+def _profile(step: Callable[[], None], path: Path, device: str) -> None:
+    """Where our step's time goes: ``torch.profiler`` over two steps, the top 40 ops by self
+    device time (CPU time on the CPU), written to ``path``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    on_gpu = device.startswith("cuda")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_gpu else [])
+    with profile(activities=activities) as prof:
+        for _ in range(2):
+            step()
+        _sync(device)
+    sort = "self_device_time_total" if on_gpu else "self_cpu_time_total"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(prof.key_averages().table(sort_by=sort, row_limit=40, max_name_column_width=90))
 
 
 def _sync(device: str) -> None:
@@ -146,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--peak-tflops", type=float, help="the device's dense peak, if not in the table")
+    p.add_argument("--profile", type=Path, metavar="DIR", help="write our step's top ops per model here")
     args = p.parse_args(argv)
     args.steps = args.steps or (2 if args.smoke else 10)
     on_gpu = args.device.startswith("cuda")
