@@ -98,7 +98,8 @@ def _ours(workdir: Path, dtype: str, device: str, fused: bool) -> Callable[[torc
     load_full_state_dict(model, adapters, strict=False)
     model.train()
     ddp = DistributedDataParallel(model, ps, DDPConfig(grad_reduce_in_fp32=True))
-    opt_cfg = OptimizerConfig(lr=LR, min_lr=LR, weight_decay=0.0, clip_grad=0.0, bf16=dtype == "bfloat16")
+    # the optimizer sees only the float32 adapters beside the frozen base, as in mlm-finetune sft
+    opt_cfg = OptimizerConfig(lr=LR, min_lr=LR, weight_decay=0.0, clip_grad=0.0)
     opt = build_optimizer(opt_cfg, [ddp], ps)
     opt.set_lr(LR)
 

@@ -110,7 +110,7 @@ def test_model_step_equals_the_plain_path(case: str, monkeypatch: pytest.MonkeyP
 
 @pytest.mark.parametrize("block", [1 << 23, 3 * 50])  # one block; blocks of 3 rows (the last short)
 def test_lm_head_cross_entropy_equals_plain(block: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(lm_loss, "_BLOCK_ELEMENTS", block)
+    monkeypatch.setattr(lm_loss, "_CPU_BLOCK_ELEMENTS", block)
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, 7, 16, generator=gen, requires_grad=True)
     w = torch.randn(50, 16, generator=gen)

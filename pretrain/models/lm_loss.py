@@ -18,14 +18,16 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-_BLOCK_ELEMENTS = 1 << 23  # elements of the reused logits block (32 MiB in fp32)
+from pretrain.tensor_parallel.cross_entropy import block_elements
+
+_CPU_BLOCK_ELEMENTS = 1 << 23  # elements of the reused logits block on the CPU (32 MiB in fp32)
 
 
 class _LMHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         n, v = x.shape[0], weight.shape[0]
-        rows = max(1, min(n, _BLOCK_ELEMENTS // max(v, 1)))
+        rows = max(1, min(n, block_elements(x.device, cpu=_CPU_BLOCK_ELEMENTS) // max(v, 1)))
         buf = x.new_empty(rows, v)
         loss = x.new_empty(n)
         grad_x = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
