@@ -14,6 +14,7 @@ models so machine noise hits both alike; median step times are compared.
     python benchmarks/bench_mfu.py             # on a GPU: both presets, bf16
     python benchmarks/bench_mfu.py --smoke     # CPU: tiny shapes, 2 steps (what the test runs)
     python benchmarks/bench_mfu.py --profile DIR   # also each model's top kernels (ours, 2 steps)
+    python benchmarks/bench_mfu.py --fused-kernels # ours with the compiled RMSNorm/SwiGLU loops
 
 Last line JSON: ``{"mfu": lowest of the models, "ratio": lowest, "device": ..., "models": {name:
 {"mfu", "hf_mfu", "ratio", "tokens_per_s", "hf_tokens_per_s", "params", "shape"}}}``.
@@ -54,10 +55,10 @@ PRESETS: dict[str, dict[str, dict[str, int]]] = {
 }  # fmt: skip
 
 
-def model_config(name: str, shape: dict[str, int], dtype: str) -> Any:
+def model_config(name: str, shape: dict[str, int], dtype: str, fused_kernels: bool = False) -> Any:
     from pretrain.config import ModelConfig
 
-    common = dict(num_layers=shape["layers"], hidden_size=shape["hidden"], num_attention_heads=shape["heads"],
+    common = dict(fused_kernels=fused_kernels, num_layers=shape["layers"], hidden_size=shape["hidden"], num_attention_heads=shape["heads"],
                   vocab_size=shape["vocab"], max_position_embeddings=shape["seq"], ffn_hidden_size=shape["ffn"],
                   hidden_dropout=0.0, attention_dropout=0.0, params_dtype=dtype)  # fmt: skip
     if name.startswith("gpt2"):
@@ -102,7 +103,7 @@ def measure(name: str, shape: dict[str, int], args: argparse.Namespace) -> dict[
     from pretrain.parallel.state import ParallelState
     from pretrain.training.flops import gpt_flops_per_iteration
 
-    cfg = model_config(name, shape, args.dtype)
+    cfg = model_config(name, shape, args.dtype, args.fused_kernels)
     ours = GPTModel(cfg, ParallelState.single(device=args.device))
     init_model_parameters(ours, seed=0)
     hf = hf_model(name, shape).to(device=args.device, dtype=getattr(torch, args.dtype))
@@ -166,6 +167,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dtype", choices=["bfloat16", "float16", "float32"], default="bfloat16")
     p.add_argument("--peak-tflops", type=float, help="the device's dense peak, if not in the table")
+    p.add_argument("--fused-kernels", action="store_true",
+                   help="ours with the compiled RMSNorm/SwiGLU loops (mlm-pretrain --fused-kernels)")  # fmt: skip
     p.add_argument("--profile", type=Path, metavar="DIR", help="write our step's top ops per model here")
     args = p.parse_args(argv)
     args.steps = args.steps or (2 if args.smoke else 10)
@@ -189,6 +192,7 @@ def main(argv: list[str] | None = None) -> int:
         "mfu": min(r["mfu"] for r in models.values()),
         "ratio": min(r["ratio"] for r in models.values()),
         "device": device, "dtype": args.dtype, "peak_tflops": args.peak / 1e12, "smoke": args.smoke,
+        "fused_kernels": args.fused_kernels,
         "models": models,
     }  # fmt: skip
     print(json.dumps(result))

@@ -1,5 +1,5 @@
-"""Fused elementwise kernels (``--fused-kernels``): RMSNorm, SwiGLU and the RoPE split of the QKV
-output, each forward and input gradient compiled into one loop with ``torch.compile``.
+"""Fused elementwise kernels (``--fused-kernels``): RMSNorm (frozen or trained), SwiGLU and the RoPE
+split of the QKV output, each forward and gradient compiled into one loop with ``torch.compile``.
 
 Megatron fuses the same regions (``jit_fuser``: ``torch.compile``, or TorchScript on older
 PyTorch; ``--bias-swiglu-fusion``, ``--apply-rope-fusion``, Transformer Engine's fused norms). In
@@ -35,7 +35,15 @@ import torch.nn.functional as F
 
 from pretrain.utils.errors import UserError
 
-__all__ = ["check_compiler", "rms_norm_backward", "rms_norm_forward", "swiglu_backward", "swiglu_forward"]
+__all__ = [
+    "check_compiler",
+    "rms_norm_backward",
+    "rms_norm_forward",
+    "rms_norm_train_backward",
+    "rms_norm_train_forward",
+    "swiglu_backward",
+    "swiglu_forward",
+]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -95,6 +103,34 @@ def rms_norm_backward(
     gw = grad * weight
     coef = (gw * x).sum(-1, keepdim=True) * rstd.pow(3) / x.shape[-1]
     return gw * rstd - x * coef
+
+
+# --- RMSNorm with a trained weight (pretrain.models.norms._TrainedRMSNorm) ----------------------
+
+
+@_compiled
+def rms_norm_train_forward(
+    x: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(weight * normed, rstd)`` for ``x [..., h]`` of any float dtype: ``normed = (x r)`` cast to
+    ``x``'s dtype, ``r = rsqrt(mean(x^2) + eps) [..., 1]`` in float32 (:class:`RMSNorm`'s plain path)."""
+    h = x.float()
+    rstd = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (h * rstd).to(x.dtype), rstd
+
+
+@_compiled
+def rms_norm_train_backward(
+    grad: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(d x [..., h], d weight [h])``: ``d weight = sum over rows of grad * normed``, ``d x = r gw -
+    x r^3 mean(gw x)`` with ``gw = grad * weight`` in float32."""
+    h = x.float()
+    normed = (h * rstd).to(x.dtype)
+    grad_weight = (grad.float() * normed.float()).reshape(-1, x.shape[-1]).sum(0)
+    gw = (grad * weight).float()
+    coef = (gw * h).sum(-1, keepdim=True) * rstd.pow(3) / x.shape[-1]
+    return (gw * rstd - h * coef).to(x.dtype), grad_weight.to(weight.dtype)
 
 
 # --- SwiGLU (pretrain.models.swiglu._SwiGLU) ------------------------------------------------------

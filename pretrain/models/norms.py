@@ -43,7 +43,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.grad_group = grad_group
-        self.fused = fused  # a frozen fp32 norm runs pretrain.models.fused_kernels' loops
+        self.fused = fused  # run pretrain.models.fused_kernels' loops (not per-head norms under TP)
         self.weight = nn.Parameter(torch.empty(size, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -55,6 +55,8 @@ class RMSNorm(nn.Module):
             and torch.is_grad_enabled()
         ):
             return _FrozenRMSNorm.apply(x, self.weight, self.eps, self.fused)  # type: ignore[no-any-return]
+        if self.fused and self.weight.requires_grad and self.grad_group is None and torch.is_grad_enabled():
+            return _TrainedRMSNorm.apply(x, self.weight, self.eps)  # type: ignore[no-any-return]
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return _shared(self.weight, self.grad_group) * h.to(x.dtype)
@@ -90,6 +92,27 @@ class _FrozenRMSNorm(torch.autograd.Function):
         gw = g * weight
         coef = (gw * x).sum(-1, keepdim=True) * rstd.pow(3) / x.shape[-1]
         return gw.mul_(rstd).addcmul_(x, coef, value=-1.0), None, None, None
+
+
+class _TrainedRMSNorm(torch.autograd.Function):
+    """:class:`RMSNorm` of ``x [..., h]`` with a trained ``weight [h]`` (``--fused-kernels``): the plain
+    path's formulas (statistics in float32, the normalized input cast to ``x``'s dtype before the
+    scale) as one compiled loop forward and one backward, which also sums the weight's gradient.
+    Eager autograd runs about seven kernels forward and ten backward over ``[..., h]``, keeping a
+    float32 copy of ``x``; this keeps ``x`` and ``rstd [..., 1]``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # type: ignore[override]
+        y, rstd = fused_kernels.rms_norm_train_forward(x, weight, eps)
+        ctx.save_for_backward(x, weight, rstd)
+        return y  # type: ignore[no-any-return]
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, None]:  # type: ignore[override]
+        x, weight, rstd = ctx.saved_tensors
+        grad_x, grad_weight = fused_kernels.rms_norm_train_backward(g.contiguous(), x, weight, rstd)
+        return (grad_x if ctx.needs_input_grad[0] else None), grad_weight, None
 
 
 def _shared(w: torch.Tensor, group: ProcessGroup | None) -> torch.Tensor:
