@@ -1,6 +1,7 @@
-"""``--fused-kernels``: the frozen RMSNorm and SwiGLU as compiled loops
-(:mod:`pretrain.models.fused_kernels`) compute the eager paths' values and input gradients within
-fp32 rounding, also after a new shape (a dynamic recompile); a LoRA model step with them equals
+"""``--fused-kernels``: the frozen and the trained RMSNorm and SwiGLU as compiled loops
+(:mod:`pretrain.models.fused_kernels`) compute the eager paths' values and gradients (the trained
+norm's weight gradient too) within fp32 rounding, also after a new shape (a dynamic recompile); a
+full-parameter model step with them equals the eager step and transformers' loss; a LoRA model step with them equals
 the eager step and PEFT's on transformers' Llama; checkpoints never record the option; a missing
 compiler is refused in one line before any work (``mlm-pretrain``, ``mlm-finetune sft``) and a
 failed compilation is one line too; ``mlm-finetune sft --fused-kernels`` at tp2 equals one eager
@@ -8,6 +9,7 @@ process (slow: torchrun). Tests that compile are marked slow."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -16,9 +18,11 @@ import torch
 
 from pretrain.config import ModelConfig
 from pretrain.models import fused_kernels
+from pretrain.models.gpt import GPTModel
 from pretrain.models.lora import is_lora_name
 from pretrain.models.norms import RMSNorm
 from pretrain.models.swiglu import swiglu
+from pretrain.parallel.state import ParallelState
 from pretrain.utils.errors import UserError
 from tests.lora_fixtures import ours_from_hf, peft_model, randomise_adapters, tiny_hf
 
@@ -117,6 +121,49 @@ def _loss_and_grads(model, ids):
     loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if is_lora_name(n)}
+
+
+@SLOW
+def test_full_parameter_step_with_fused_kernels_equals_eager_and_transformers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Pretraining / full fine-tuning: every norm trains, so the trained-norm loops run (all
+    2 * layers + 1 norms), and loss and every gradient equal the eager step's; the loss equals
+    transformers' Llama on the same weights."""
+    from pretrain.models.families import llama as hf_llama
+
+    from pretrain.models.sharding import load_full_state_dict
+
+    hf = tiny_hf("llama3")
+    models = []
+    for fused in (False, True):
+        cfg = dataclasses.replace(hf_llama.model_config_from_hf(hf.config), fused_kernels=fused)
+        model = GPTModel(cfg, ParallelState.single())
+        load_full_state_dict(model, hf_llama.hf_to_canonical(hf.state_dict(), cfg))
+        models.append(model.train())
+    calls: list[str] = []
+    kernel = fused_kernels.rms_norm_train_backward
+    monkeypatch.setattr(
+        fused_kernels, "rms_norm_train_backward", lambda *a: calls.append("norm") or kernel(*a)
+    )
+    ids = torch.randint(0, 301, (2, 25), generator=torch.Generator().manual_seed(2))
+    results = []
+    for model in models:
+        model.zero_grad(set_to_none=True)
+        loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
+        loss.backward()
+        results.append((loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    layers = hf.config.num_hidden_layers
+    assert len(calls) == 2 * layers + 1
+    (ref_loss, ref_grads), (loss, grads) = results
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert ref_grads.keys() == grads.keys() and any("layernorm" in n for n in grads)
+    for name, g in ref_grads.items():
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}")
+    with torch.no_grad():
+        logits = hf.eval()(ids[:, :-1]).logits
+    want = torch.nn.functional.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten())
+    torch.testing.assert_close(loss, want, rtol=1e-5, atol=1e-6)
 
 
 @SLOW
