@@ -131,7 +131,6 @@ def test_full_parameter_step_with_fused_kernels_equals_eager_and_transformers(
     2 * layers + 1 norms), and loss and every gradient equal the eager step's; the loss equals
     transformers' Llama on the same weights."""
     from pretrain.models.families import llama as hf_llama
-
     from pretrain.models.sharding import load_full_state_dict
 
     hf = tiny_hf("llama3")

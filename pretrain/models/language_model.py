@@ -141,9 +141,15 @@ def parallel_lm_logits(
     x = copy_to_tp_region(hidden, ps.tp_group)
     if valid == word_embeddings.shape[0]:
         return F.linear(x, word_embeddings)
-    if hidden.device.type == "cpu":
+    if not gemm_over_padded_rows(hidden.device):
         return F.linear(x, word_embeddings[:valid])
     return F.linear(x, word_embeddings)[..., :valid]
+
+
+def gemm_over_padded_rows(device: torch.device) -> bool:
+    """Whether :func:`parallel_lm_logits` multiplies the padded vocabulary rows too (then drops
+    their columns): on accelerators, whose GEMM libraries want aligned widths; not on the CPU."""
+    return device.type != "cpu"
 
 
 def gather_vocab_logits(
