@@ -81,12 +81,16 @@ def test_tasks_are_package_data() -> None:
     [
         ("ckpt={ckpt},batchsize=4", "--model_args batchsize=4: not an option of --model mlm (options: "),
         ("ckpt={ckpt},batch_size=four", "batch_size=four: expected a positive integer or 'auto'"),
+        ("batch_size=4", "--model mlm needs --model_args ckpt=DIR"),
+        ("ckpt={ckpt}/missing", "missing: no such directory"),
+        ('{{"ckpt": "{ckpt}", "batchsize": 4}}', "--model_args batchsize=4: not an option of --model mlm"),
     ],
 )
 def test_bad_model_args_are_one_line(
     trained_gpt: dict[str, str], tmp_path: Path, model_args: str, needle: str
 ) -> None:
-    """Through the real command (a fresh process: the harness configures logging once per process)."""
+    """Through the real command (a fresh process: the harness configures logging once per process),
+    refused before the harness loads its tasks or starts evaluating (no INFO line of its evaluator)."""
     argv = ["--model", "mlm", "--model_args", model_args.format(ckpt=trained_gpt["ckpt"]), "--include_path",
             str(TASKS_DIR), "--tasks", "mlm_sample_lambada", "--device", "cpu"]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
@@ -94,6 +98,5 @@ def test_bad_model_args_are_one_line(
                           cwd=tmp_path, env=env, timeout=300, check=False)  # fmt: skip
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert proc.returncode == 2 and len(errors) == 1 and needle in errors[0], proc.stderr[-2000:]
-    assert "Traceback" not in proc.stderr and proc.stderr.rstrip().endswith(
-        errors[0]
-    )  # after the harness's INFO lines
+    assert "Traceback" not in proc.stderr and proc.stderr.rstrip().endswith(errors[0])
+    assert "Setting random seed" not in proc.stderr and "Initializing mlm model" not in proc.stderr

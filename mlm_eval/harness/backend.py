@@ -17,6 +17,8 @@ from __future__ import annotations
 import atexit
 import inspect
 import json
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import lm_eval.models  # noqa: F401  (the harness's own models first: it skips them if the registry is not empty)
@@ -130,13 +132,7 @@ class MLMHarnessLM(TemplateLM):
         """``--model_args`` over the harness-wide settings: a key given in both (``batch_size``,
         ``device``, ``max_batch_size``) takes the ``--model_args`` value, where the harness's own
         ``create_from_arg_*`` pass it twice (``TypeError``); an unknown key is one line naming it."""
-        known = model_arg_names()
-        unknown = sorted(set(arg_dict) - known)
-        if unknown:
-            raise UserError(
-                f"--model_args {unknown[0]}={arg_dict[unknown[0]]}: not an option of --model mlm "
-                f"(options: {', '.join(sorted(known))})"
-            )
+        check_model_args(arg_dict)
         harness = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
         return cls(**arg_dict, **harness)
 
@@ -266,6 +262,29 @@ class MLMHarnessLM(TemplateLM):
 
         ids = self.engine.generate(prompts, gen, stop=stop, progress=bar.update)
         return [postprocess_generated_text(self.tok_decode(x), until, None) for x in ids]
+
+
+def check_model_args(arg_dict: Mapping[str, object]) -> None:
+    """What ``--model_args`` of ``--model mlm`` can be checked without loading anything, with the
+    lines the constructor's own checks give: every key an option, ``ckpt`` given and present,
+    ``batch_size`` a positive integer or ``auto``, ``chat_template`` a readable template file.
+    ``mlm-lm-eval`` runs this before the harness indexes and loads its tasks (seconds)."""
+    known = model_arg_names()
+    unknown = sorted(set(arg_dict) - known)
+    if unknown:
+        raise UserError(
+            f"--model_args {unknown[0]}={arg_dict[unknown[0]]}: not an option of --model mlm "
+            f"(options: {', '.join(sorted(known))})"
+        )
+    ckpt = arg_dict.get("ckpt")
+    if not ckpt:
+        raise UserError("--model mlm needs --model_args ckpt=DIR")
+    if not Path(str(ckpt)).exists():
+        raise UserError(f"--ckpt {ckpt}: no such directory")
+    if "batch_size" in arg_dict:
+        _batch_size(arg_dict["batch_size"])  # type: ignore[arg-type]
+    if arg_dict.get("chat_template") is not None:
+        read_template_file(str(arg_dict["chat_template"]), flag="chat_template")
 
 
 def model_arg_names() -> set[str]:

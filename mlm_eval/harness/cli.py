@@ -13,7 +13,9 @@ registers every installed ``lm_eval.models`` entry point lazily, then runs the h
 
 from __future__ import annotations
 
+import argparse
 import importlib.metadata as md
+import json
 import os
 import sys
 
@@ -32,14 +34,38 @@ def register_entry_points() -> list[str]:
     return names
 
 
+def _mlm_model_args(argv: list[str]) -> dict[str, object] | None:
+    """``--model_args`` as the harness will parse them when ``--model`` is ours (``{}`` when not
+    given); ``None`` for another model or arguments the harness parses otherwise (it reports those)."""
+    from lm_eval.utils import simple_parse_args_string
+
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    parser.add_argument("--model")
+    parser.add_argument("--model_args")
+    known, _ = parser.parse_known_args(argv)
+    if known.model not in ("mlm", "mlm-toolkit"):
+        return None
+    text = (known.model_args or "").strip()
+    if text.startswith("{"):  # harness versions that take JSON model_args
+        try:
+            parsed = json.loads(text)
+        except json.JSONDecodeError:
+            return None
+        return parsed if isinstance(parsed, dict) else None
+    return dict(simple_parse_args_string(text)) if text else {}
+
+
 @cli_entry
 def main(argv: list[str] | None = None) -> int:
     """Run the harness CLI (``lm_eval``'s ``cli_evaluate``) with our backend available."""
     if argv is not None:
         sys.argv = [sys.argv[0], *argv]
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    import mlm_eval.harness.backend  # noqa: F401  (registers "mlm" even when not pip-installed)
+    from mlm_eval.harness.backend import check_model_args  # registers "mlm" even when not pip-installed
 
+    model_args = _mlm_model_args(sys.argv[1:])
+    if model_args is not None:  # before the harness spends seconds indexing and loading its tasks
+        check_model_args(model_args)
     register_entry_points()
     from lm_eval.__main__ import cli_evaluate
 
