@@ -15,7 +15,6 @@ the same source streamed from the memory-mapped weight files, one canonical tens
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import functools
 import json
@@ -32,6 +31,7 @@ from pretrain.models.families import Family, export_family, family_of_model_type
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.tokenizer.record import PROBE_TEXT
 from pretrain.utils.errors import UserError
+from tools.forked_job import ForkedJob
 from tools.hf_shards import DEFAULT_MAX_SHARD_SIZE
 
 if TYPE_CHECKING:
@@ -39,6 +39,10 @@ if TYPE_CHECKING:
 
     from pretrain.config import ModelConfig
     from tools.hf_plan import HFPlan
+
+# to-hf's config and tokenizer files from a forked child (tools.forked_job); tests switch it off to
+# compare with the files made in-process
+FORK_HF_FILES = True
 
 __all__ = ["check_exportable", "export_hf", "hf_tokenizer_of", "import_hf", "open_hf", "read_hf_state"]
 
@@ -203,8 +207,7 @@ def export_hf(
     (optional; ``to-hf`` verifies the export with it) runs on the complete directory before it is
     renamed to ``save``: when it raises, nothing is left at ``save``. ``split``: under torchrun
     each process writes its share of the shard files, rank 0 the rest and runs ``check``."""
-    from tools.hf_plan import plan_hf_tensors, stream_hf_tensors
-    from tools.hf_shards import ShardWriter, parse_shard_size
+    from tools.hf_shards import parse_shard_size
 
     check_exportable(spec, family)  # refused before any work
     if tokenizer is not None and tokenizer.vocab_size > spec.cfg.vocab_size:
@@ -214,39 +217,26 @@ def export_hf(
     max_bytes = parse_shard_size(max_shard_size)
     names, get, metas = _tensor_access(tensors)
     fam = export_family_of(spec, family)  # resolved once: the per-layer conversion maps tensors only
-    # transformers' config and tokenizer objects (seconds of imports) are made while the weights
-    # are written: the writer's copies and writes run outside the GIL
-    # (rank 0 alone writes them under torchrun)
-    hf_files = None
-    if split.leader:
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hf-config")
-        hf_files = pool.submit(_hf_config_and_tokenizer, fam, spec, tokenizer)
-        pool.shutdown(wait=False)  # the job runs on; no thread is left once it is done
-
     convert, layer_convert = _export_converters(fam, spec)
     hf_metas = convert(dict(metas))
-    written = progress(len(hf_metas)) if progress is not None and split.leader else None
-    # each shard's header from the tensors' dtypes and shapes, so every byte is written once
-    plan = plan_hf_tensors(names, metas, convert, layer_convert)
     with split.directory(save) as tmp:
-        if split.parallel and plan is not None:
-            _write_share(tmp, split, plan, max_bytes, stream=functools.partial(stream_hf_tensors, names, get, convert,
-                         metas, plan))  # fmt: skip
-        elif split.leader:  # (no plan under torchrun: rank 0 writes every shard)
-            writer = ShardWriter(tmp, max_shard_size=max_bytes, plan=None if plan is None else plan.tensors)
-            for name, t in stream_hf_tensors(names, get, convert, metas, plan):
-                writer.add(name, t)
-                if written is not None:
-                    written(name)
-            writer.close()
-        split.agree()  # every shard is written
+        # transformers' config and tokenizer files (seconds of imports that hold the GIL) are made
+        # by a forked child while this process writes the weights (rank 0 alone under torchrun)
+        hf_files = None
         if split.leader:
-            assert hf_files is not None
-            config, hf_tok = hf_files.result()
-            config.dtype = _weights_dtype(hf_metas)  # as save_pretrained records the model's dtype
-            _write_configs(tmp, config, spec, hf_tok)
-            if check is not None:
-                check(tmp)
+            make = functools.partial(_write_hf_files, tmp, fam, spec, tokenizer, _weights_dtype(hf_metas))
+            hf_files = ForkedJob(make, fork=FORK_HF_FILES)
+        try:
+            _write_weights(tmp, split, names, get, convert, layer_convert, metas, max_bytes,
+                           progress(len(hf_metas)) if progress is not None and split.leader else None)  # fmt: skip
+            split.agree()  # every shard is written
+            if hf_files is not None:
+                hf_files.wait()
+                if check is not None:
+                    check(tmp)
+        finally:
+            if hf_files is not None:
+                hf_files.cancel()
     return save
 
 
@@ -274,6 +264,40 @@ def _export_converters(fam: Family, spec: ModelSpec) -> tuple[TensorMap, Callabl
         return None if cfg is None else of_config(cfg)
 
     return convert, layer_convert
+
+
+def _write_weights(
+    tmp: Path, split: WorkSplit, names: list[str], get: Callable[[str], torch.Tensor], convert: TensorMap,
+    layer_convert: Callable[[int], TensorMap | None], metas: dict[str, torch.Tensor], max_bytes: int,
+    written: Callable[[str], object] | None,
+) -> None:  # fmt: skip
+    """The safetensors shards (and index) of the HF tensors of ``names`` into ``tmp``: this process's
+    share under torchrun, else all of them; each shard's header from the tensors' dtypes and
+    shapes (the plan), so every byte is written once."""
+    from tools.hf_plan import plan_hf_tensors, stream_hf_tensors
+    from tools.hf_shards import ShardWriter
+
+    plan = plan_hf_tensors(names, metas, convert, layer_convert)
+    if split.parallel and plan is not None:
+        _write_share(tmp, split, plan, max_bytes, stream=functools.partial(stream_hf_tensors, names, get, convert,
+                     metas, plan))  # fmt: skip
+    elif split.leader:  # (no plan under torchrun: rank 0 writes every shard)
+        writer = ShardWriter(tmp, max_shard_size=max_bytes, plan=None if plan is None else plan.tensors)
+        for name, t in stream_hf_tensors(names, get, convert, metas, plan):
+            writer.add(name, t)
+            if written is not None:
+                written(name)
+        writer.close()
+
+
+def _write_hf_files(
+    tmp: Path, fam: Family, spec: ModelSpec, tokenizer: Tokenizer | None, dtype: torch.dtype | None
+) -> None:
+    """``config.json`` (recording ``dtype``, as ``save_pretrained`` records the model's),
+    ``generation_config.json`` and the tokenizer's files into ``tmp``."""
+    config, hf_tok = _hf_config_and_tokenizer(fam, spec, tokenizer)
+    config.dtype = dtype
+    _write_configs(tmp, config, spec, hf_tok)
 
 
 def _write_configs(
