@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from pretrain.checkpoint.types import RowPieces
 from pretrain.config import ModelConfig
 from pretrain.models.bert import BertModel
 from pretrain.models.gpt import GPTModel
@@ -172,8 +173,10 @@ def _perturbing_writer(monkeypatch: pytest.MonkeyPatch, target: str) -> None:
 
     original = ShardWriter.add
 
-    def add(self: ShardWriter, name: str, tensor: torch.Tensor) -> None:
-        original(self, name, tensor * 1.5 if name == target else tensor)
+    def add(self: ShardWriter, name: str, tensor: torch.Tensor | RowPieces) -> None:
+        if name == target:  # rows written from the checkpoint's blocks (tools.hf_row_select) too
+            tensor = (torch.cat(tensor.parts) if isinstance(tensor, RowPieces) else tensor) * 1.5
+        original(self, name, tensor)
 
     monkeypatch.setattr(ShardWriter, "add", add)
 

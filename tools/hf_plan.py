@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pretrain.checkpoint.tensor_meta import meta_like
+from pretrain.checkpoint.types import RowPieces
 from pretrain.utils.errors import UserError
 from pretrain.utils.shape_probe import ShapeProbeMode
 
@@ -121,15 +122,17 @@ def _one_source_each(group: list[tuple[str, str | None]]) -> bool:
 def stream_hf_tensors(
     names: Sequence[str], get: Callable[[str], torch.Tensor], convert: Convert,
     metas: dict[str, torch.Tensor] | None = None, plan: HFPlan | None = None,
-    wanted: set[str] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:  # fmt: skip
+    wanted: set[str] | None = None, row_pieces: Callable[[str], RowPieces | None] | None = None,
+) -> Iterator[tuple[str, torch.Tensor | RowPieces]]:  # fmt: skip
     """``(hf_name, tensor)`` for every output of ``convert`` (canonical dict -> HF dict), computed one
     layer group at a time; ``metas``: each canonical tensor's dtype and shape on the ``meta`` device
     (default: ``meta_like(get(name))``, reading every tensor once more). With ``plan``, a group whose
     outputs each come from one canonical tensor is converted one tensor at a time, in the same order
     (memory: one canonical tensor and its outputs, not the layer's), and a group the plan can
     convert alone (:class:`LocalGroup`) is. ``wanted`` (with ``plan``): only these outputs, in the
-    same order; a group with none of them is not read."""
+    same order; a group with none of them is not read. ``row_pieces`` (with ``plan``): a source
+    tensor's row blocks where it has them; an output that is whole rows of one is yielded as
+    :class:`RowPieces` of those blocks (:mod:`tools.hf_row_select`: nothing joined or copied)."""
     if metas is None:
         metas = {n: meta_like(get(n)) for n in names}
     expected = set(plan.outputs) if plan is not None and plan.outputs else set(convert(dict(metas)))
@@ -143,17 +146,7 @@ def stream_hf_tensors(
         local = plan.local[i] if plan is not None and i < len(plan.local) else None
         run = local.run if local is not None else functools.partial(_real_outputs, convert, metas)
         if plan is not None and _one_source_each(plan.groups[i]):
-            source: str | None = None
-            made: dict[str, torch.Tensor] = {}
-            for hf_name, src in plan.groups[i]:
-                assert src is not None
-                if wanted is not None and hf_name not in wanted:
-                    continue
-                if src != source:
-                    made = {}  # the previous tensor's outputs go before the next is read
-                    made, source = run({src: get(src)}), src
-                seen.add(hf_name)
-                yield hf_name, made.pop(hf_name)
+            yield from _one_source_outputs(plan, i, run, get, wanted, row_pieces, seen)
             continue
         try:
             out = run({n: get(n) for n in group})
@@ -169,6 +162,35 @@ def stream_hf_tensors(
 
 
 Run = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def _one_source_outputs(
+    plan: HFPlan, i: int, run: Run, get: Callable[[str], torch.Tensor], wanted: set[str] | None,
+    row_pieces: Callable[[str], RowPieces | None] | None, seen: set[str],
+) -> Iterator[tuple[str, torch.Tensor | RowPieces]]:  # fmt: skip
+    """Group ``i`` of ``plan``, whose outputs each come from one tensor, one source tensor at a
+    time (its outputs are dropped before the next is read); row selections as :class:`RowPieces`."""
+    from tools.hf_row_select import row_selected
+
+    planned = {t.name: t for t in plan.tensors}
+    by_source: dict[str, list[str]] = {}
+    for hf_name, src in plan.groups[i]:
+        assert src is not None
+        if wanted is None or hf_name in wanted:
+            by_source.setdefault(src, []).append(hf_name)
+    for src, outs in by_source.items():
+        pieces = row_pieces(src) if row_pieces is not None else None
+        rows = None if pieces is None else row_selected(run, src, pieces, [planned[n] for n in outs])
+        made: dict[str, torch.Tensor | RowPieces]
+        if rows is None:  # joined and converted as a whole (the join releases its own pages)
+            made, pieces = dict(run({src: get(src)})), None
+        else:
+            made = dict(rows)
+        for hf_name in outs:
+            seen.add(hf_name)
+            yield hf_name, made.pop(hf_name)
+        if pieces is not None and pieces.release is not None:
+            pieces.release()  # every output of this source is written: its pages go
 
 
 def _sources(run: Run, group: list[str], outputs: list[str],

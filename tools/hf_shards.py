@@ -23,6 +23,7 @@ from typing import BinaryIO
 import torch
 
 from pretrain.checkpoint.tensor_meta import meta_like
+from pretrain.checkpoint.types import RowPieces
 from pretrain.utils.errors import UserError
 from tools.hf_plan import Planned
 
@@ -109,11 +110,12 @@ class ShardWriter:
         self._header: dict[str, dict[str, object]] = {}
         self._offset = 0
 
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        t = tensor.detach().to("cpu").contiguous()
+    def add(self, name: str, tensor: torch.Tensor | RowPieces) -> None:
+        """Append ``tensor`` (or its rows as :class:`RowPieces`, written block by block where they lie)."""
+        t, chunks = _data(tensor)
         if t.dtype not in SAFETENSORS_DTYPES:
             raise UserError(f"to-hf: tensor {name} has dtype {t.dtype}, which safetensors cannot store")
-        nbytes = t.numel() * t.element_size()
+        nbytes = sum(len(c) for c in chunks)
         if self._file is not None and self._offset and self._offset + nbytes > self.max_bytes:
             self._finish_shard()
         if self._file is None:
@@ -123,8 +125,8 @@ class ShardWriter:
             if i >= len(self._expect) or self._expect[i] != Planned(name, t.dtype, tuple(t.shape)):
                 self._expect = self._planned = None  # departed from the plan: rewrite this shard's header
         assert self._file is not None
-        if nbytes:
-            self._file.write(t.reshape(-1).view(torch.uint8).numpy().data)
+        for chunk in chunks:
+            self._file.write(chunk)
         self._header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                               "data_offsets": [self._offset, self._offset + nbytes]}  # fmt: skip
         self._offset += nbytes
@@ -190,9 +192,23 @@ def write_index(directory: Path, weight_map: dict[str, str], total: int) -> None
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
+def _data(tensor: torch.Tensor | RowPieces) -> tuple[torch.Tensor, list[memoryview]]:
+    """A tensor's dtype and shape (a ``meta`` tensor for row pieces) and its bytes in order."""
+    if isinstance(tensor, RowPieces):
+        parts = [p.detach().to("cpu").contiguous() for p in tensor.parts]
+        meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+        return meta, [_bytes(p) for p in parts if p.numel()]
+    t = tensor.detach().to("cpu").contiguous()
+    return t, [_bytes(t)] if t.numel() else []
+
+
+def _bytes(t: torch.Tensor) -> memoryview:
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
 def write_planned_shards(
     directory: Path, shards: Sequence[Sequence[Planned]], owned: Sequence[bool],
-    tensors: Iterable[tuple[str, torch.Tensor]], *, metadata: dict[str, str] | None = None,
+    tensors: Iterable[tuple[str, torch.Tensor | RowPieces]], *, metadata: dict[str, str] | None = None,
 ) -> None:  # fmt: skip
     """The ``owned`` shard files of ``shards`` (:func:`split_shards` of the plan) under their final
     names, from ``tensors`` (exactly the owned shards' tensors, in order): the bytes
@@ -205,7 +221,7 @@ def write_planned_shards(
     try:
         for name, tensor in tensors:
             i, planned = next(expected, (-1, None))
-            t = tensor.detach().to("cpu").contiguous()
+            t, chunks = _data(tensor)
             if planned is None or planned != Planned(name, t.dtype, tuple(t.shape)):
                 raise RuntimeError(
                     f"to-hf: tensor {name} {tuple(t.shape)} departs from the shard plan ({planned})"
@@ -217,8 +233,8 @@ def write_planned_shards(
                 fh.write(_header(_entries(shards[i]), head))
                 current = i
             assert fh is not None
-            if t.numel():
-                fh.write(t.reshape(-1).view(torch.uint8).numpy().data)
+            for chunk in chunks:
+                fh.write(chunk)
         if next(expected, None) is not None:
             raise RuntimeError("to-hf: fewer tensors than the shard plan")
     finally:

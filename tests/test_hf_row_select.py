@@ -1,0 +1,124 @@
+"""to-hf writes HF tensors that are whole rows of one checkpoint tensor from the checkpoint's row
+blocks (:mod:`tools.hf_row_select`), byte for byte the files the joined-and-converted path writes.
+
+The probes recognise a row selection (the family mappings' QKV split with GQA, SwiGLU halves, the
+vocabulary's rows) and nothing else: a transpose, a cast, arithmetic or a reshape of the rows'
+contents leaves the source to the ordinary path.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import tools.hf_io
+import tools.hf_row_select
+from pretrain.checkpoint.types import RowPieces
+from pretrain.models.families.llama import split_qkv
+from tests.convert_fixtures import write_ours
+from tests.gpt_fixtures import full_weights, tiny_config
+from tools.convert_cli import main
+from tools.hf_plan import Planned
+from tools.hf_row_select import row_selected
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False)
+
+
+def _pieces(full: torch.Tensor, rows: list[int]) -> RowPieces:
+    return RowPieces(tuple(full.split(rows)))
+
+
+def _joined(pieces: RowPieces) -> torch.Tensor:
+    return torch.cat(pieces.parts)
+
+
+def test_a_gqa_qkv_split_is_rows_of_the_blocks_it_came_from() -> None:
+    groups, head_dim, hidden = 2, 4, 6
+    qkv = torch.randn(groups * (3 + 2) * head_dim, hidden)  # 3 query heads per group
+    pieces = _pieces(qkv, [20, 20])  # the two tensor-parallel ranks' blocks (a group each)
+
+    def run(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        q, k, v = split_qkv(tensors["qkv"], groups=groups, head_dim=head_dim)
+        return {"q": q, "k": k, "v": v}
+
+    want = run({"qkv": qkv})
+    outputs = [Planned(n, qkv.dtype, tuple(t.shape)) for n, t in want.items()]
+    got = row_selected(run, "qkv", pieces, outputs)
+    assert got is not None
+    for name, t in want.items():
+        assert torch.equal(_joined(got[name]), t)
+        assert all(p.data_ptr() >= qkv.data_ptr() for p in got[name].parts)  # views, not copies
+    assert len(got["q"].parts) == 2 and len(got["k"].parts) == 2  # one run per group
+
+
+@pytest.mark.parametrize(
+    "mapping",
+    [
+        lambda t: t.t().contiguous(),  # a transpose (GPT-2's Conv1D)
+        lambda t: t + 1,  # arithmetic (a stored norm offset)
+        lambda t: t.flip(0) * -1 + (t.shape[0] - 1) - t.flip(0) + t.flip(0),  # values, not rows
+        lambda t: t.to(torch.float32),  # a cast: the bytes would not be the source's
+        lambda t: t[:, :2],  # a cut of the rows' contents
+    ],
+)
+def test_anything_but_a_row_selection_is_left_to_the_joined_path(mapping) -> None:
+    src = torch.randn(8, 4, dtype=torch.float64)
+    want = mapping(src)
+    planned = [Planned("out", want.dtype, tuple(want.shape))]
+    assert row_selected(lambda d: {"out": mapping(d["w"])}, "w", _pieces(src, [4, 4]), planned) is None
+
+
+def _legacy(tmp_path: Path, tp: int, pp: int, **overrides: object) -> Path:
+    cfg = tiny_config(num_layers=4, **overrides)
+    return write_ours(tmp_path / "ck", cfg, full_weights(cfg), tp=tp, pp=pp)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "rows_expected"),
+    [
+        (dict(LLAMA, num_query_groups=2, num_attention_heads=8), True),  # GQA QKV, SwiGLU fc1
+        (dict(LLAMA, untie_embeddings_and_output_weights=True), True),
+        ({}, False),  # GPT-2: Conv1D weights are transposed; only the embeddings are rows
+    ],
+)
+def test_to_hf_from_row_blocks_is_byte_identical(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: dict[str, object], rows_expected: bool
+) -> None:
+    ck = _legacy(tmp_path, tp=2, pp=2, **overrides)
+    calls: list[bool] = []
+    real = tools.hf_row_select.row_selected
+
+    def counted(*args, **kwargs):
+        made = real(*args, **kwargs)
+        calls.append(made is not None)
+        return made
+
+    monkeypatch.setattr(tools.hf_row_select, "row_selected", counted)
+    outs = {}
+    for rows in (True, False):
+        monkeypatch.setattr(tools.hf_io, "ROW_PIECES", rows)
+        outs[rows] = tmp_path / f"hf_rows_{rows}"
+        argv = [
+            "to-hf",
+            "--weights-only",
+            "--vocab-size",
+            "1003",
+            "--load",
+            str(ck),
+            "--save",
+            str(outs[rows]),
+        ]
+        assert main(argv) == 0
+    files = sorted(p.name for p in outs[True].iterdir())
+    assert files == sorted(p.name for p in outs[False].iterdir()) and any(
+        f.endswith(".safetensors") for f in files
+    )
+    for name in files:
+        assert (outs[True] / name).read_bytes() == (outs[False] / name).read_bytes(), name
+    if rows_expected:
+        assert sum(calls) >= 2 * 4  # QKV and fc1 of every layer at least
+    assert any(calls)  # the word embeddings' vocabulary rows, in every family

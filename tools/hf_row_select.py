@@ -1,0 +1,96 @@
+"""HF tensors that are whole rows of one checkpoint tensor, written from where those rows lie.
+
+A legacy checkpoint keeps a column-parallel tensor as one block of rows per tensor-parallel rank
+(:meth:`LegacyReader.row_pieces <pretrain.checkpoint.legacy.reader.LegacyReader.row_pieces>`).
+Most of a decoder's HF tensors are whole rows of such a tensor: ``q_proj``/``k_proj``/``v_proj``
+are row groups of the fused QKV, ``gate_proj``/``up_proj`` the two halves of ``fc1``, the
+embeddings and output layer the vocabulary's rows. Joining the ranks' blocks and then copying the
+split views contiguous cost a 3B ``to-hf`` 4.5 of its 13 s; the rows can instead be written from
+the mapped checkpoint files as they are.
+
+Which rows each output takes is read off the family's own mapping, run on probes: a float64
+tensor ``[R, 1, ...]`` whose row ``i`` holds ``i`` (and a second, ``2 i + 7``, to tell selection
+from arithmetic). An output that is a row selection comes out as its rows' indices in both; any
+other step (a transpose, a cast, a reshape of the row contents, arithmetic) does not, and that
+source is then converted as before. The dtype must stay the source's: the bytes are the source's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from pretrain.checkpoint.types import RowPieces
+from tools.hf_plan import Planned
+
+__all__ = ["row_selected"]
+
+Run = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def row_selected(
+    run: Run, source: str, pieces: RowPieces, outputs: Sequence[Planned]
+) -> dict[str, RowPieces] | None:
+    """Each of ``outputs`` (``source``'s HF tensors, as planned) as runs of ``pieces``' rows, or
+    ``None`` when the mapping ``run`` (canonical tensors -> HF tensors) does more than select
+    whole rows of ``source`` for any of them."""
+    shape = pieces.shape
+    rows = shape[0]
+    if (
+        not outputs
+        or rows >= 2**52
+        or any(p.dtype != pieces.dtype or p.shape[1:] != tuple(shape[1:]) for p in outputs)
+    ):
+        return None
+    probe = torch.arange(rows, dtype=torch.float64).reshape(rows, *([1] * (len(shape) - 1)))
+    try:
+        made, made2 = run({source: probe}), run({source: probe * 2 + 7})
+    except Exception:  # noqa: BLE001 - the mapping needs the real row contents: not a selection
+        return None
+    selected = {}
+    for planned in outputs:
+        index = _row_index(made.get(planned.name), planned, len(shape), rows)
+        index2 = _row_index(made2.get(planned.name), planned, len(shape), None)
+        if index is None or index2 is None or not torch.equal(index2, index * 2 + 7):
+            return None
+        selected[planned.name] = _runs(pieces, index.long())
+    return selected
+
+
+def _row_index(
+    made: torch.Tensor | None, planned: Planned, ndim: int, rows: int | None
+) -> torch.Tensor | None:
+    """The probe's output as row indices ``[n]`` (float64), if it has the planned rows, one value per
+    row and (given ``rows``) only whole indices below ``rows``."""
+    if made is None or made.dtype != torch.float64 or made.device.type != "cpu":
+        return None
+    if tuple(made.shape) != (planned.shape[0], *([1] * (ndim - 1))):
+        return None
+    index = made.reshape(-1)
+    if (
+        rows is not None
+        and index.numel()
+        and (not torch.equal(index, index.round()) or index.min() < 0 or index.max() >= rows)
+    ):
+        return None
+    return index
+
+
+def _runs(pieces: RowPieces, index: torch.Tensor) -> RowPieces:
+    """Rows ``index [n]`` of ``pieces`` as contiguous row slices, consecutive rows of one piece
+    joined (no release: the source's pieces are released once, after all its outputs are written)."""
+    sizes = torch.tensor([p.shape[0] for p in pieces.parts])
+    starts = torch.cumsum(sizes, 0) - sizes
+    piece = torch.searchsorted(starts, index, right=True) - 1
+    breaks = (index[1:] != index[:-1] + 1) | (piece[1:] != piece[:-1])
+    bounds = [0, *(breaks.nonzero().reshape(-1) + 1).tolist(), index.numel()]
+    slices = []
+    for lo, hi in zip(bounds[:-1], bounds[1:]):
+        if hi > lo:
+            k = int(piece[lo])
+            first = int(index[lo] - starts[k])
+            slices.append(pieces.parts[k][first : first + (hi - lo)])
+    if not slices:  # an output with no rows: an empty slice keeps its dtype and row shape
+        slices.append(pieces.parts[0][:0])
+    return RowPieces(tuple(slices))
