@@ -18,15 +18,28 @@ source is then converted as before. The dtype must stay the source's: the bytes 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 
 from pretrain.checkpoint.types import RowPieces
-from tools.hf_plan import Planned
 
 __all__ = ["row_selected"]
 
 Run = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+class Planned(Protocol):
+    """An HF tensor as the export plan announces it (:class:`tools.hf_plan.Planned`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def shape(self) -> tuple[int, ...]: ...
 
 
 def row_selected(
