@@ -20,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from pretrain.checkpoint.types import RowPieces
@@ -65,39 +66,38 @@ def row_selected(
     for planned in outputs:
         index = _row_index(made.get(planned.name), planned, len(shape), rows)
         index2 = _row_index(made2.get(planned.name), planned, len(shape), None)
-        if index is None or index2 is None or not torch.equal(index2, index * 2 + 7):
+        if index is None or index2 is None or not np.array_equal(index2, index * 2 + 7):
             return None
-        selected[planned.name] = _runs(pieces, index.long())
+        selected[planned.name] = _runs(pieces, index.astype(np.int64))
     return selected
 
 
-def _row_index(
-    made: torch.Tensor | None, planned: Planned, ndim: int, rows: int | None
-) -> torch.Tensor | None:
+def _row_index(made: torch.Tensor | None, planned: Planned, ndim: int, rows: int | None) -> np.ndarray | None:
     """The probe's output as row indices ``[n]`` (float64), if it has the planned rows, one value per
-    row and (given ``rows``) only whole indices below ``rows``."""
+    row and (given ``rows``) only whole indices below ``rows``. In NumPy: these small single
+    passes cost more as torch ops (an OpenMP region each) than they compute."""
     if made is None or made.dtype != torch.float64 or made.device.type != "cpu":
         return None
     if tuple(made.shape) != (planned.shape[0], *([1] * (ndim - 1))):
         return None
-    index = made.reshape(-1)
+    index = made.reshape(-1).numpy()
     if (
         rows is not None
-        and index.numel()
-        and (not torch.equal(index, index.round()) or index.min() < 0 or index.max() >= rows)
+        and index.size
+        and (not np.array_equal(index, np.round(index)) or index.min() < 0 or index.max() >= rows)
     ):
         return None
     return index
 
 
-def _runs(pieces: RowPieces, index: torch.Tensor) -> RowPieces:
+def _runs(pieces: RowPieces, index: np.ndarray) -> RowPieces:
     """Rows ``index [n]`` of ``pieces`` as contiguous row slices, consecutive rows of one piece
     joined (no release: the source's pieces are released once, after all its outputs are written)."""
-    sizes = torch.tensor([p.shape[0] for p in pieces.parts])
-    starts = torch.cumsum(sizes, 0) - sizes
-    piece = torch.searchsorted(starts, index, right=True) - 1
-    breaks = (index[1:] != index[:-1] + 1) | (piece[1:] != piece[:-1])
-    bounds = [0, *(breaks.nonzero().reshape(-1) + 1).tolist(), index.numel()]
+    sizes = np.array([p.shape[0] for p in pieces.parts])
+    starts = np.cumsum(sizes) - sizes
+    piece = np.searchsorted(starts, index, side="right") - 1
+    breaks = np.flatnonzero((index[1:] != index[:-1] + 1) | (piece[1:] != piece[:-1])) + 1
+    bounds = [0, *breaks.tolist(), index.size]
     slices = []
     for lo, hi in zip(bounds[:-1], bounds[1:]):
         if hi > lo:
