@@ -235,8 +235,12 @@ def test_peak_memory_is_flat_in_output_file_size(tmp_path: Path) -> None:
     many = _peak_anon(tmp_path, [*hf, "--save", str(tmp_path / "b"), "--max-shard-size", "10MB"])
     print(base, one_file, one_shard, many, model_bytes, largest)
     assert model_bytes > 100e6 and largest < 2e6
-    for peak in (one_file, one_shard, many):
-        assert peak - base < 4 * largest + 30e6, (peak, base, model_bytes)
+    assert one_file - base < 4 * largest + 30e6, (one_file, base, model_bytes)
+    # to-hf's forked child (tools/forked_job.py: transformers' config and tokenizer files) holds
+    # its import beside the writer, and the pages either process touches after the fork are
+    # counted in both: about 21 MB more than the thread it replaced, the same for any model size
+    for peak in (one_shard, many):
+        assert peak - base < 4 * largest + 55e6, (peak, base, model_bytes)
     assert abs(one_shard - many) < 2 * largest + 20e6, (one_shard, many)
 
 
