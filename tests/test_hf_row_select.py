@@ -60,7 +60,7 @@ def test_a_gqa_qkv_split_is_rows_of_the_blocks_it_came_from() -> None:
     [
         lambda t: t.t().contiguous(),  # a transpose (GPT-2's Conv1D)
         lambda t: t + 1,  # arithmetic (a stored norm offset)
-        lambda t: t.flip(0) * -1 + (t.shape[0] - 1) - t.flip(0) + t.flip(0),  # values, not rows
+        lambda t: (t.shape[0] - 1) - t.flip(0),  # arithmetic that maps the index probe to itself
         lambda t: t.to(torch.float32),  # a cast: the bytes would not be the source's
         lambda t: t[:, :2],  # a cut of the rows' contents
     ],

@@ -137,6 +137,7 @@ def stream_hf_tensors(
         metas = {n: meta_like(get(n)) for n in names}
     expected = set(plan.outputs) if plan is not None and plan.outputs else set(convert(dict(metas)))
     seen: set[str] = set()
+    planned = {} if plan is None or row_pieces is None else {t.name: t for t in plan.tensors}  # built once
     if wanted is not None:
         assert plan is not None, "wanted needs the plan"
         expected &= wanted
@@ -146,7 +147,7 @@ def stream_hf_tensors(
         local = plan.local[i] if plan is not None and i < len(plan.local) else None
         run = local.run if local is not None else functools.partial(_real_outputs, convert, metas)
         if plan is not None and _one_source_each(plan.groups[i]):
-            yield from _one_source_outputs(plan, i, run, get, wanted, row_pieces, seen)
+            yield from _one_source_outputs(plan, i, run, get, wanted, row_pieces, seen, planned)
             continue
         try:
             out = run({n: get(n) for n in group})
@@ -166,13 +167,12 @@ Run = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 def _one_source_outputs(
     plan: HFPlan, i: int, run: Run, get: Callable[[str], torch.Tensor], wanted: set[str] | None,
-    row_pieces: Callable[[str], RowPieces | None] | None, seen: set[str],
+    row_pieces: Callable[[str], RowPieces | None] | None, seen: set[str], planned: dict[str, Planned],
 ) -> Iterator[tuple[str, torch.Tensor | RowPieces]]:  # fmt: skip
     """Group ``i`` of ``plan``, whose outputs each come from one tensor, one source tensor at a
     time (its outputs are dropped before the next is read); row selections as :class:`RowPieces`."""
     from tools.hf_row_select import row_selected
 
-    planned = {t.name: t for t in plan.tensors}
     by_source: dict[str, list[str]] = {}
     for hf_name, src in plan.groups[i]:
         assert src is not None
