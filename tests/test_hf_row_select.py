@@ -1,14 +1,16 @@
 """to-hf writes HF tensors that are whole rows of one checkpoint tensor from the checkpoint's row
-blocks (:mod:`tools.hf_row_select`), byte for byte the files the joined-and-converted path writes.
+blocks, and tensors passed through unchanged from its column blocks (:mod:`tools.hf_row_select`),
+byte for byte the files the joined-and-converted path writes.
 
 The probes recognise a row selection (the family mappings' QKV split with GQA, SwiGLU halves, the
-vocabulary's rows) and nothing else: a transpose, a cast, arithmetic or a reshape of the rows'
-contents leaves the source to the ordinary path.
+vocabulary's rows) or a pass-through (``o_proj``, ``down_proj``) and nothing else: a transpose, a
+cast, arithmetic or a reshape of the rows' contents leaves the source to the ordinary path.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -16,13 +18,14 @@ import torch
 
 import tools.hf_io
 import tools.hf_row_select
-from pretrain.checkpoint.types import RowPieces
+from pretrain.checkpoint.types import ColumnPieces, RowPieces
 from pretrain.models.families.llama import split_qkv
 from tests.convert_fixtures import write_ours
 from tests.gpt_fixtures import full_weights, tiny_config
 from tools.convert_cli import main
 from tools.hf_plan import Planned
-from tools.hf_row_select import row_selected
+from tools.hf_row_select import row_selected, unchanged
+from tools.hf_shards import ShardWriter, write_chunks
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False)
@@ -72,6 +75,69 @@ def test_anything_but_a_row_selection_is_left_to_the_joined_path(mapping) -> Non
     assert row_selected(lambda d: {"out": mapping(d["w"])}, "w", _pieces(src, [4, 4]), planned) is None
 
 
+def test_a_pass_through_is_recognised_from_a_probe_never_written() -> None:
+    pieces = ColumnPieces((torch.randn(6, 3, dtype=torch.bfloat16), torch.randn(6, 5, dtype=torch.bfloat16)))
+    planned = [Planned("out", torch.bfloat16, (6, 8))]
+    same: list[Callable[[torch.Tensor], torch.Tensor]] = [
+        lambda t: t, lambda t: t.contiguous(), lambda t: t.reshape(6, 8), lambda t: t.t().t(),
+    ]  # fmt: skip
+    for mapping in same:
+
+        def run(
+            d: dict[str, torch.Tensor], f: Callable[[torch.Tensor], torch.Tensor] = mapping
+        ) -> dict[str, torch.Tensor]:
+            return {"out": f(d["w"])}
+
+        assert unchanged(run, "w", pieces, planned) == "out"
+
+
+@pytest.mark.parametrize(
+    "mapping",
+    [
+        lambda t: t.clone(),  # a copy: the probe's values are not the source's
+        lambda t: t.contiguous().mul_(2),  # arithmetic on a copy
+        lambda t: t.mul_(2),  # in place: the probe's version counter moves
+        lambda t: (t[:, :4].zero_(), t)[1],  # in place through a view
+        lambda t: t + 0,
+        lambda t: t.to(torch.float32),  # a cast
+        lambda t: t.t(),  # a transpose (GPT-2's Conv1D) has other strides
+        lambda t: t[1:],  # a cut
+    ],
+)
+def test_anything_but_a_pass_through_is_left_to_the_joined_path(mapping) -> None:
+    pieces = ColumnPieces((torch.randn(6, 3, dtype=torch.bfloat16), torch.randn(6, 5, dtype=torch.bfloat16)))
+    planned = [Planned("out", torch.bfloat16, (6, 8))]
+    assert unchanged(lambda d: {"out": mapping(d["w"])}, "w", pieces, planned) is None
+    two = [*planned, Planned("other", torch.bfloat16, (6, 8))]  # one output alone, not several
+    assert unchanged(lambda d: {"out": d["w"], "other": d["w"]}, "w", pieces, two) is None
+
+
+def test_column_pieces_are_written_as_the_joined_tensor(tmp_path: Path) -> None:
+    """Gathered rows (2 x 700 > IOV_MAX chunks, odd widths) are the joined tensor's bytes."""
+    parts = (torch.randn(700, 3, dtype=torch.bfloat16), torch.randn(700, 5, dtype=torch.bfloat16))
+    for name, tensor in (("cols", ColumnPieces(parts)), ("joined", torch.cat(parts, dim=1))):
+        writer = ShardWriter(tmp_path / name, max_shard_size=1 << 30)
+        (tmp_path / name).mkdir()
+        writer.add("w", tensor)
+        writer.add("n", torch.arange(5, dtype=torch.float32))
+        writer.close()
+    assert (tmp_path / "cols" / "model.safetensors").read_bytes() == (
+        tmp_path / "joined" / "model.safetensors"
+    ).read_bytes()
+
+
+def test_short_gathered_writes_are_completed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``os.writev`` may write less than asked (a signal, over 2 GiB): the rest follows in order."""
+    real = os.writev
+    monkeypatch.setattr(
+        os, "writev", lambda fd, bufs: real(fd, [bufs[0][: len(bufs[0]) // 2]])
+    )  # half a chunk
+    chunks = [memoryview(bytes(j % 251 for j in range(i, i + 7))) for i in range(0, 3000, 7)]
+    with open(tmp_path / "f", "wb", buffering=0) as fh:
+        write_chunks(fh, chunks)
+    assert (tmp_path / "f").read_bytes() == b"".join(bytes(c) for c in chunks)
+
+
 def _legacy(tmp_path: Path, tp: int, pp: int, **overrides: object) -> Path:
     cfg = tiny_config(num_layers=4, **overrides)
     return write_ours(tmp_path / "ck", cfg, full_weights(cfg), tp=tp, pp=pp)
@@ -97,7 +163,16 @@ def test_to_hf_from_row_blocks_is_byte_identical(
         calls.append(made is not None)
         return made
 
+    passed: list[bool] = []
+    real_unchanged = tools.hf_row_select.unchanged
+
+    def counted_unchanged(*args, **kwargs):
+        made = real_unchanged(*args, **kwargs)
+        passed.append(made is not None)
+        return made
+
     monkeypatch.setattr(tools.hf_row_select, "row_selected", counted)
+    monkeypatch.setattr(tools.hf_row_select, "unchanged", counted_unchanged)
     outs = {}
     for rows in (True, False):
         monkeypatch.setattr(tools.hf_io, "ROW_PIECES", rows)
@@ -121,4 +196,7 @@ def test_to_hf_from_row_blocks_is_byte_identical(
         assert (outs[True] / name).read_bytes() == (outs[False] / name).read_bytes(), name
     if rows_expected:
         assert sum(calls) >= 2 * 4  # QKV and fc1 of every layer at least
+        assert sum(passed) == 2 * 4  # o_proj and down_proj of every layer, from their column blocks
+    else:
+        assert not any(passed)  # GPT-2's row-parallel weights are transposed for Conv1D
     assert any(calls)  # the word embeddings' vocabulary rows, in every family

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pretrain.checkpoint.types import RowPieces
+from pretrain.checkpoint.types import ColumnPieces, RowPieces
 from pretrain.config import ModelConfig
 from pretrain.models.bert import BertModel
 from pretrain.models.gpt import GPTModel
@@ -173,9 +173,11 @@ def _perturbing_writer(monkeypatch: pytest.MonkeyPatch, target: str) -> None:
 
     original = ShardWriter.add
 
-    def add(self: ShardWriter, name: str, tensor: torch.Tensor | RowPieces) -> None:
-        if name == target:  # rows written from the checkpoint's blocks (tools.hf_row_select) too
-            tensor = (torch.cat(tensor.parts) if isinstance(tensor, RowPieces) else tensor) * 1.5
+    def add(self: ShardWriter, name: str, tensor: torch.Tensor | RowPieces | ColumnPieces) -> None:
+        if name == target:  # rows or columns written from the checkpoint's blocks (tools.hf_row_select) too
+            if isinstance(tensor, RowPieces | ColumnPieces):
+                tensor = torch.cat(tensor.parts, dim=0 if isinstance(tensor, RowPieces) else 1)
+            tensor = tensor * 1.5
         original(self, name, tensor)
 
     monkeypatch.setattr(ShardWriter, "add", add)

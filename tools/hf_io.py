@@ -25,7 +25,15 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from pretrain.checkpoint.plan import ModelSpec
-from pretrain.checkpoint.types import DictSource, LazySource, RowPieces, RowPieceSource, TensorSource
+from pretrain.checkpoint.types import (
+    ColumnPieces,
+    ColumnPieceSource,
+    DictSource,
+    LazySource,
+    RowPieces,
+    RowPieceSource,
+    TensorSource,
+)
 from pretrain.checkpoint.work_split import SINGLE, WorkSplit
 from pretrain.models.families import Family, export_family, family_of_model_type, supported_model_types
 from pretrain.tokenizer.base import Tokenizer
@@ -43,8 +51,8 @@ if TYPE_CHECKING:
 # to-hf's config and tokenizer files from a forked child (tools.forked_job); tests switch it off to
 # compare with the files made in-process
 FORK_HF_FILES = True
-# HF tensors that are whole rows of a checkpoint tensor written from its row blocks (tools.hf_row_select);
-# tests switch it off to compare with the joined-and-converted bytes
+# HF tensors that are whole rows of a checkpoint tensor, or one passed through, written from its
+# stored row or column blocks (tools.hf_row_select); tests switch it off to compare with the joined-and-converted bytes
 ROW_PIECES = True
 
 __all__ = ["check_exportable", "export_hf", "hf_tokenizer_of", "import_hf", "open_hf", "read_hf_state"]
@@ -231,7 +239,8 @@ def export_hf(
             hf_files = ForkedJob(make, fork=FORK_HF_FILES)
         try:
             rows = tensors.row_pieces if isinstance(tensors, RowPieceSource) and ROW_PIECES else None
-            _write_weights(tmp, split, names, get, convert, layer_convert, metas, max_bytes, rows,
+            columns = tensors.column_pieces if isinstance(tensors, ColumnPieceSource) and ROW_PIECES else None
+            _write_weights(tmp, split, names, get, convert, layer_convert, metas, max_bytes, (rows, columns),
                            progress(len(hf_metas)) if progress is not None and split.leader else None)  # fmt: skip
             split.agree()  # every shard is written
             if hf_files is not None:
@@ -273,23 +282,31 @@ def _export_converters(fam: Family, spec: ModelSpec) -> tuple[TensorMap, Callabl
 def _write_weights(
     tmp: Path, split: WorkSplit, names: list[str], get: Callable[[str], torch.Tensor], convert: TensorMap,
     layer_convert: Callable[[int], TensorMap | None], metas: dict[str, torch.Tensor], max_bytes: int,
-    row_pieces: Callable[[str], RowPieces | None] | None, written: Callable[[str], object] | None,
+    stored: tuple[Callable[[str], RowPieces | None] | None, Callable[[str], ColumnPieces | None] | None],
+    written: Callable[[str], object] | None,
 ) -> None:  # fmt: skip
     """The safetensors shards (and index) of the HF tensors of ``names`` into ``tmp``: this process's
     share under torchrun, else all of them; each shard's header from the tensors' dtypes and
-    shapes (the plan), so every byte is written once. ``row_pieces``: the source's row blocks, so
-    that outputs that are whole rows of one are written from where they lie (no join, no copy)."""
+    shapes (the plan), so every byte is written once. ``stored``: the source's row blocks and
+    column blocks, so that outputs that are whole rows of one, or one passed through, are written
+    from where they lie (no join, no copy)."""
     from tools.hf_plan import plan_hf_tensors, stream_hf_tensors
     from tools.hf_shards import ShardWriter
 
     plan = plan_hf_tensors(names, metas, convert, layer_convert)
     if split.parallel and plan is not None:
         _write_share(tmp, split, plan, max_bytes, stream=functools.partial(stream_hf_tensors, names, get, convert,
-                     metas, plan, row_pieces=row_pieces))  # fmt: skip
+                     metas, plan, row_pieces=stored[0], column_pieces=stored[1]))  # fmt: skip
     elif split.leader:  # (no plan under torchrun: rank 0 writes every shard)
         writer = ShardWriter(tmp, max_shard_size=max_bytes, plan=None if plan is None else plan.tensors)
         for name, t in stream_hf_tensors(
-            names, get, convert, metas, plan, row_pieces=row_pieces if plan else None
+            names,
+            get,
+            convert,
+            metas,
+            plan,
+            row_pieces=stored[0] if plan else None,
+            column_pieces=stored[1] if plan else None,
         ):
             writer.add(name, t)
             if written is not None:
@@ -328,7 +345,7 @@ def _weights_dtype(hf_metas: dict[str, torch.Tensor]) -> torch.dtype | None:
 
 def _write_share(
     tmp: Path, split: WorkSplit, plan: HFPlan, max_bytes: int, *,
-    stream: Callable[..., Iterable[tuple[str, torch.Tensor | RowPieces]]],
+    stream: Callable[..., Iterable[tuple[str, torch.Tensor | RowPieces | ColumnPieces]]],
 ) -> None:  # fmt: skip
     """This process's shard files of a split export (balanced by bytes; only their source tensors
     are read), and on rank 0 the index, made from the plan."""

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pretrain.checkpoint.tensor_meta import meta_like
-from pretrain.checkpoint.types import RowPieces
+from pretrain.checkpoint.types import ColumnPieces, RowPieces
 from pretrain.utils.errors import UserError
 from pretrain.utils.shape_probe import ShapeProbeMode
 
@@ -123,7 +123,8 @@ def stream_hf_tensors(
     names: Sequence[str], get: Callable[[str], torch.Tensor], convert: Convert,
     metas: dict[str, torch.Tensor] | None = None, plan: HFPlan | None = None,
     wanted: set[str] | None = None, row_pieces: Callable[[str], RowPieces | None] | None = None,
-) -> Iterator[tuple[str, torch.Tensor | RowPieces]]:  # fmt: skip
+    column_pieces: Callable[[str], ColumnPieces | None] | None = None,
+) -> Iterator[tuple[str, torch.Tensor | RowPieces | ColumnPieces]]:  # fmt: skip
     """``(hf_name, tensor)`` for every output of ``convert`` (canonical dict -> HF dict), computed one
     layer group at a time; ``metas``: each canonical tensor's dtype and shape on the ``meta`` device
     (default: ``meta_like(get(name))``, reading every tensor once more). With ``plan``, a group whose
@@ -132,7 +133,9 @@ def stream_hf_tensors(
     convert alone (:class:`LocalGroup`) is. ``wanted`` (with ``plan``): only these outputs, in the
     same order; a group with none of them is not read. ``row_pieces`` (with ``plan``): a source
     tensor's row blocks where it has them; an output that is whole rows of one is yielded as
-    :class:`RowPieces` of those blocks (:mod:`tools.hf_row_select`: nothing joined or copied)."""
+    :class:`RowPieces` of those blocks (:mod:`tools.hf_row_select`: nothing joined or copied).
+    ``column_pieces`` (with ``row_pieces``): a source tensor's column blocks where it has them; an
+    output that is that tensor unchanged is yielded as those :class:`ColumnPieces`."""
     if metas is None:
         metas = {n: meta_like(get(n)) for n in names}
     expected = set(plan.outputs) if plan is not None and plan.outputs else set(convert(dict(metas)))
@@ -147,7 +150,9 @@ def stream_hf_tensors(
         local = plan.local[i] if plan is not None and i < len(plan.local) else None
         run = local.run if local is not None else functools.partial(_real_outputs, convert, metas)
         if plan is not None and _one_source_each(plan.groups[i]):
-            yield from _one_source_outputs(plan, i, run, get, wanted, row_pieces, seen, planned)
+            yield from _one_source_outputs(
+                plan, i, run, get, wanted, (row_pieces, column_pieces), seen, planned
+            )
             continue
         try:
             out = run({n: get(n) for n in group})
@@ -167,30 +172,52 @@ Run = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
 def _one_source_outputs(
     plan: HFPlan, i: int, run: Run, get: Callable[[str], torch.Tensor], wanted: set[str] | None,
-    row_pieces: Callable[[str], RowPieces | None] | None, seen: set[str], planned: dict[str, Planned],
-) -> Iterator[tuple[str, torch.Tensor | RowPieces]]:  # fmt: skip
+    stored: tuple[Callable[[str], RowPieces | None] | None, Callable[[str], ColumnPieces | None] | None],
+    seen: set[str], planned: dict[str, Planned],
+) -> Iterator[tuple[str, torch.Tensor | RowPieces | ColumnPieces]]:  # fmt: skip
     """Group ``i`` of ``plan``, whose outputs each come from one tensor, one source tensor at a
-    time (its outputs are dropped before the next is read); row selections as :class:`RowPieces`."""
-    from tools.hf_row_select import row_selected
-
+    time (its outputs are dropped before the next is read); row selections as :class:`RowPieces`,
+    pass-throughs of stored column blocks as :class:`ColumnPieces` (``stored``: the source's
+    ``row_pieces`` and ``column_pieces``)."""
     by_source: dict[str, list[str]] = {}
     for hf_name, src in plan.groups[i]:
         assert src is not None
         if wanted is None or hf_name in wanted:
             by_source.setdefault(src, []).append(hf_name)
     for src, outs in by_source.items():
-        pieces = row_pieces(src) if row_pieces is not None else None
-        rows = None if pieces is None else row_selected(run, src, pieces, [planned[n] for n in outs])
-        made: dict[str, torch.Tensor | RowPieces]
-        if rows is None:  # joined and converted as a whole (the join releases its own pages)
-            made, pieces = dict(run({src: get(src)})), None
+        found = (
+            _where_they_lie(run, src, [planned[n] for n in outs], stored) if stored[0] is not None else None
+        )
+        made: dict[str, torch.Tensor | RowPieces | ColumnPieces]
+        if found is None:  # joined and converted as a whole (the join releases its own pages)
+            made, release = dict(run({src: get(src)})), None
         else:
-            made = dict(rows)
+            made, release = dict(found[0]), found[1]
         for hf_name in outs:
             seen.add(hf_name)
             yield hf_name, made.pop(hf_name)
-        if pieces is not None and pieces.release is not None:
-            pieces.release()  # every output of this source is written: its pages go
+        if release is not None:
+            release()  # every output of this source is written: its pages go
+
+
+def _where_they_lie(
+    run: Run, src: str, outs: list[Planned],
+    stored: tuple[Callable[[str], RowPieces | None] | None, Callable[[str], ColumnPieces | None] | None],
+) -> tuple[dict[str, RowPieces | ColumnPieces], Callable[[], None] | None] | None:  # fmt: skip
+    """``src``'s outputs ``outs`` as the source's stored blocks (and the blocks' page release), or
+    ``None`` where the mapping does more than select its rows or pass it through."""
+    from tools.hf_row_select import row_selected, unchanged
+
+    row_pieces, column_pieces = stored
+    rows = row_pieces(src) if row_pieces is not None else None
+    selected = None if rows is None else row_selected(run, src, rows, outs)
+    if rows is not None and selected is not None:
+        return dict(selected), rows.release
+    columns = column_pieces(src) if column_pieces is not None else None
+    same = None if columns is None else unchanged(run, src, columns, outs)
+    if columns is None or same is None:
+        return None
+    return {same: columns}, columns.release
 
 
 def _sources(run: Run, group: list[str], outputs: list[str],

@@ -13,6 +13,14 @@ tensor ``[R, 1, ...]`` whose row ``i`` holds ``i`` (and a second, ``2 i + 7``, t
 from arithmetic). An output that is a row selection comes out as its rows' indices in both; any
 other step (a transpose, a cast, a reshape of the row contents, arithmetic) does not, and that
 source is then converted as before. The dtype must stay the source's: the bytes are the source's.
+
+A row-parallel tensor (``o_proj``, ``down_proj``) is kept as one block of columns per rank; when
+the family's mapping passes it through unchanged, its HF tensor is those blocks' rows gathered in
+order (:class:`ColumnPieces`), again with no join. "Unchanged" is read off a probe whose memory is
+never touched (``torch.empty`` of the source's shape): the mapping must hand back that very tensor
+(same storage, shape and strides) and must not have written into it (its version counter, which
+every in-place op bumps, is as it was). Any copy, transpose, cast or arithmetic makes a different
+tensor, and the source is converted as before.
 """
 
 from __future__ import annotations
@@ -23,9 +31,9 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from pretrain.checkpoint.types import RowPieces
+from pretrain.checkpoint.types import ColumnPieces, RowPieces
 
-__all__ = ["row_selected"]
+__all__ = ["row_selected", "unchanged"]
 
 Run = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -107,3 +115,27 @@ def _runs(pieces: RowPieces, index: np.ndarray) -> RowPieces:
     if not slices:  # an output with no rows: an empty slice keeps its dtype and row shape
         slices.append(pieces.parts[0][:0])
     return RowPieces(tuple(slices))
+
+
+def unchanged(run: Run, source: str, pieces: ColumnPieces, outputs: Sequence[Planned]) -> str | None:
+    """The one output of ``outputs`` that the mapping ``run`` makes by passing ``source`` through
+    as it is (so its bytes are ``pieces``' rows gathered), else ``None``."""
+    if len(outputs) != 1 or outputs[0].dtype != pieces.dtype or outputs[0].shape != tuple(pieces.shape):
+        return None
+    probe = torch.empty(tuple(pieces.shape), dtype=pieces.dtype)  # untouched pages: no memory used
+    version = probe._version
+    try:
+        made = run({source: probe}).get(outputs[0].name)
+    except Exception:  # noqa: BLE001 - the mapping needs the real contents: not a pass-through
+        return None
+    if (
+        made is None
+        or made.dtype != probe.dtype
+        or made.shape != probe.shape
+        or made.stride() != probe.stride()
+        or made.data_ptr() != probe.data_ptr()
+        or made.device != probe.device
+        or probe._version != version  # written in place
+    ):
+        return None
+    return outputs[0].name

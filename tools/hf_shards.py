@@ -23,11 +23,11 @@ from typing import BinaryIO
 import torch
 
 from pretrain.checkpoint.tensor_meta import meta_like
-from pretrain.checkpoint.types import RowPieces
+from pretrain.checkpoint.types import ColumnPieces, RowPieces
 from pretrain.utils.errors import UserError
 from tools.hf_plan import Planned
 
-__all__ = ["Planned", "ShardWriter", "meta_like", "split_shards", "write_planned_shards"]
+__all__ = ["Planned", "ShardWriter", "meta_like", "split_shards", "write_chunks", "write_planned_shards"]
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 INDEX_FILE = "model.safetensors.index.json"
@@ -110,12 +110,13 @@ class ShardWriter:
         self._header: dict[str, dict[str, object]] = {}
         self._offset = 0
 
-    def add(self, name: str, tensor: torch.Tensor | RowPieces) -> None:
-        """Append ``tensor`` (or its rows as :class:`RowPieces`, written block by block where they lie)."""
+    def add(self, name: str, tensor: torch.Tensor | RowPieces | ColumnPieces) -> None:
+        """Append ``tensor`` (or its rows as :class:`RowPieces`, written block by block where they
+        lie, or its :class:`ColumnPieces`, each row gathered from them)."""
         t, chunks = _data(tensor)
         if t.dtype not in SAFETENSORS_DTYPES:
             raise UserError(f"to-hf: tensor {name} has dtype {t.dtype}, which safetensors cannot store")
-        nbytes = sum(len(c) for c in chunks)
+        nbytes = t.numel() * t.element_size()  # (the chunks' lengths summed: one per gathered row)
         if self._file is not None and self._offset and self._offset + nbytes > self.max_bytes:
             self._finish_shard()
         if self._file is None:
@@ -125,8 +126,7 @@ class ShardWriter:
             if i >= len(self._expect) or self._expect[i] != Planned(name, t.dtype, tuple(t.shape)):
                 self._expect = self._planned = None  # departed from the plan: rewrite this shard's header
         assert self._file is not None
-        for chunk in chunks:
-            self._file.write(chunk)
+        write_chunks(self._file, chunks)
         self._header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                               "data_offsets": [self._offset, self._offset + nbytes]}  # fmt: skip
         self._offset += nbytes
@@ -136,13 +136,13 @@ class ShardWriter:
         i = len(self.shards)
         if self._planned is not None and i < len(self._planned):
             self._expect = self._planned[i]
-            self._file = open(self.directory / f".shard{i}.safetensors", "wb")  # noqa: SIM115
+            self._file = open(self.directory / f".shard{i}.safetensors", "wb", buffering=0)  # noqa: SIM115
             head = _header(_entries(self._expect), self.metadata)
-            self._file.write(head)
+            write_chunks(self._file, [memoryview(head)])
             self._data_start = len(head)
         else:
             self._expect = self._planned = None
-            self._file = open(self.directory / f".shard{i}.data", "wb")  # noqa: SIM115
+            self._file = open(self.directory / f".shard{i}.data", "wb", buffering=0)  # noqa: SIM115
             self._data_start = 0
 
     def _finish_shard(self) -> None:
@@ -192,8 +192,11 @@ def write_index(directory: Path, weight_map: dict[str, str], total: int) -> None
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def _data(tensor: torch.Tensor | RowPieces) -> tuple[torch.Tensor, list[memoryview]]:
-    """A tensor's dtype and shape (a ``meta`` tensor for row pieces) and its bytes in order."""
+def _data(tensor: torch.Tensor | RowPieces | ColumnPieces) -> tuple[torch.Tensor, list[memoryview]]:
+    """A tensor's dtype and shape (a ``meta`` tensor for pieces) and its bytes in order."""
+    if isinstance(tensor, ColumnPieces):
+        meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
+        return meta, _gathered_rows(tensor) if meta.numel() else []
     if isinstance(tensor, RowPieces):
         parts = [p.detach().to("cpu").contiguous() for p in tensor.parts]
         meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
@@ -202,13 +205,49 @@ def _data(tensor: torch.Tensor | RowPieces) -> tuple[torch.Tensor, list[memoryvi
     return t, [_bytes(t)] if t.numel() else []
 
 
+def _gathered_rows(pieces: ColumnPieces) -> list[memoryview]:
+    """The joined tensor's bytes as ``[rows x parts]`` slices: row ``r`` of each part in turn."""
+    flats = [_bytes(p.detach().to("cpu").contiguous()) for p in pieces.parts]
+    widths = [p.shape[1] * p.element_size() for p in pieces.parts]
+    return [f[r * w : (r + 1) * w] for r in range(pieces.shape[0]) for f, w in zip(flats, widths)]
+
+
 def _bytes(t: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data
 
 
+_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
+
+
+def write_chunks(fh: BinaryIO, chunks: Sequence[memoryview]) -> None:
+    """Append the byte ``chunks`` (1-D memoryviews) to the unbuffered file ``fh`` in order: gathered
+    by ``os.writev``, up to ``IOV_MAX`` chunks a call (one call for a thousand gathered rows), short
+    writes completed."""
+    fd = fh.fileno()
+    if not hasattr(os, "writev"):  # (not on Windows)
+        for chunk in chunks:
+            _write_from(fd, chunk)
+        return
+    for lo in range(0, len(chunks), _IOV_MAX):
+        batch = chunks[lo : lo + _IOV_MAX]
+        done = os.writev(fd, batch)
+        if done < sum(map(len, batch)):  # a short write (a signal, a chunk over 2 GiB): the rest in turn
+            for chunk in batch:
+                if done >= len(chunk):
+                    done -= len(chunk)
+                    continue
+                _write_from(fd, chunk[done:])
+                done = 0
+
+
+def _write_from(fd: int, view: memoryview) -> None:
+    while len(view):
+        view = view[os.write(fd, view) :]
+
+
 def write_planned_shards(
     directory: Path, shards: Sequence[Sequence[Planned]], owned: Sequence[bool],
-    tensors: Iterable[tuple[str, torch.Tensor | RowPieces]], *, metadata: dict[str, str] | None = None,
+    tensors: Iterable[tuple[str, torch.Tensor | RowPieces | ColumnPieces]], *, metadata: dict[str, str] | None = None,
 ) -> None:  # fmt: skip
     """The ``owned`` shard files of ``shards`` (:func:`split_shards` of the plan) under their final
     names, from ``tensors`` (exactly the owned shards' tensors, in order): the bytes
@@ -229,12 +268,11 @@ def write_planned_shards(
             if i != current:
                 if fh is not None:
                     fh.close()
-                fh = open(directory / names[i], "wb")  # noqa: SIM115
-                fh.write(_header(_entries(shards[i]), head))
+                fh = open(directory / names[i], "wb", buffering=0)  # noqa: SIM115
+                write_chunks(fh, [memoryview(_header(_entries(shards[i]), head))])
                 current = i
             assert fh is not None
-            for chunk in chunks:
-                fh.write(chunk)
+            write_chunks(fh, chunks)
         if next(expected, None) is not None:
             raise RuntimeError("to-hf: fewer tensors than the shard plan")
     finally:

@@ -139,6 +139,26 @@ class RowPieces:
         return RowPieces(tuple(kept), self.release)
 
 
+@dataclass(frozen=True)
+class ColumnPieces:
+    """A 2-D tensor as contiguous column blocks, in order: ``parts`` (each ``[R, c_i]``, one dtype)
+    joined along dim 1 are the tensor (a row-parallel tensor's TP shards as stored). Its bytes in
+    row-major order are, for each row, that row of each part in turn: a writer gathers them from
+    where they lie instead of joining a copy (:meth:`LegacyReader.column_pieces
+    <pretrain.checkpoint.legacy.reader.LegacyReader.column_pieces>`)."""
+
+    parts: tuple[torch.Tensor, ...]
+    release: Callable[[], None] | None = None  # called once they are written (a reader's page release)
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.parts[0].shape[0], sum(p.shape[1] for p in self.parts)))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0].dtype
+
+
 @runtime_checkable
 class TensorSource(Protocol):
     """Canonical full tensors by name: a checkpoint reader (legacy ``torch``, ``torch_dist``), a
@@ -168,6 +188,14 @@ class RowPieceSource(Protocol):
     joining them: ``row_pieces(name)`` is None where the tensor is not stored that way."""
 
     def row_pieces(self, name: str) -> RowPieces | None: ...
+
+
+@runtime_checkable
+class ColumnPieceSource(Protocol):
+    """A source that can give a 2-D tensor as its stored column blocks (:class:`ColumnPieces`):
+    ``column_pieces(name)`` is None where the tensor is not stored that way."""
+
+    def column_pieces(self, name: str) -> ColumnPieces | None: ...
 
 
 class CheckpointReader(TensorSource, Protocol):

@@ -33,7 +33,7 @@ from pretrain.checkpoint.legacy.pages import PageReleaser
 from pretrain.checkpoint.metadata import CheckpointMetadata, as_mapping, read_metadata
 from pretrain.checkpoint.plan import ModelSpec, Slot, chunk_slots, layers_from_counts
 from pretrain.checkpoint.safe_unpickle import load_untrusted
-from pretrain.checkpoint.types import CheckpointInfo, RowPieces
+from pretrain.checkpoint.types import CheckpointInfo, ColumnPieces, RowPieces
 from pretrain.checkpoint.upstream.args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
 from pretrain.checkpoint.upstream.args_semantics import is_zero_centred_norm, untie_head_names
 from pretrain.checkpoint.upstream.names import is_qkv, qkv_to_canonical, to_local_name
@@ -132,6 +132,23 @@ class LegacyReader:
         release = None if self.pages is None else functools.partial(_release_parts, self.pages, parts)
         rows = RowPieces(tuple(ordered), release)
         return rows[: cfg.vocab_size] if slot.vocab else rows
+
+    def column_pieces(self, name: str) -> ColumnPieces | None:
+        """:meth:`tensor` as its TP shards' column blocks in order, where joining them is a plain
+        concatenation along dim 1 of 2-D shards (row-parallel linears: ``o_proj``, ``down_proj``):
+        a writer gathers each row from the mapped files instead of joining a copy. None elsewhere
+        (one shard, expert shards, a separate output-layer copy)."""
+        entry = self.entries.get(name)
+        if entry is None or name in self.head_copies or len(entry.parts) < 2:
+            return None
+        slot = entry.slot
+        if slot.dim != 1 or slot.shards is not None or slot.vocab:
+            return None
+        parts = self._checked_parts(name, entry)
+        if not all(p.dim() == 2 and p.is_contiguous() for p in parts):
+            return None
+        release = None if self.pages is None else functools.partial(_release_parts, self.pages, parts)
+        return ColumnPieces(tuple(parts), release)
 
     def _assemble(self, name: str, entry: _Entry) -> torch.Tensor:
         cfg, slot, tp = self.spec.cfg, entry.slot, self.info.tp
