@@ -40,8 +40,9 @@ from pretrain.checkpoint.safe_unpickle import load_untrusted, load_untrusted_byt
 from pretrain.checkpoint.torch_dist.dcp_failures import dcp_failures, first_line
 from pretrain.checkpoint.torch_dist.keys import Ref as _Ref
 from pretrain.checkpoint.torch_dist.keys import map_keys as _map_keys
+from pretrain.checkpoint.torch_dist.mapped import MappedTiles
 from pretrain.checkpoint.torch_dist.storage import SafeFileSystemReader, read_dcp_metadata
-from pretrain.checkpoint.types import CheckpointInfo, CheckpointMetadata
+from pretrain.checkpoint.types import CheckpointInfo, CheckpointMetadata, ColumnPieces, RowPieces
 from pretrain.checkpoint.upstream.args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
 from pretrain.checkpoint.upstream.args_semantics import OUTPUT_LAYER, is_zero_centred_norm
 from pretrain.checkpoint.vocab_view import vocab_view
@@ -141,6 +142,7 @@ class TorchDistReader:
     norm_1p: bool = False  # upstream apply_layernorm_1p: norm weights are stored minus 1
     args: dict[str, Any] = field(default_factory=dict)  # common.pt's args (names the tokenizer)
     common: dict[str, Any] = field(default_factory=dict)  # all of common.pt (optimizer, scheduler), read once
+    mapped: MappedTiles | None = field(default=None, repr=False)  # the data files mapped, once asked for
 
     def names(self) -> list[str]:
         return list(self.refs)
@@ -183,6 +185,34 @@ class TorchDistReader:
         if self.norm_1p and is_zero_centred_norm(name):
             full = full + 1
         return full
+
+    def row_pieces(self, name: str) -> RowPieces | None:
+        """:meth:`tensor` as the stored chunks' rows in order, views of the mapped files (see
+        :mod:`~pretrain.checkpoint.torch_dist.mapped`); None where :meth:`tensor` does more (halves
+        joined, the output layer's copy compared, stored norm offsets) or the chunks do not tile
+        the rows."""
+        views = self._stored_views(name, 0)
+        if views is None:
+            return None
+        rows = RowPieces(tuple(views))
+        return rows[: self.spec.cfg.vocab_size] if is_vocab_tensor(name) else rows
+
+    def column_pieces(self, name: str) -> ColumnPieces | None:
+        """A 2-D :meth:`tensor` as the stored chunks' column blocks in order (mapped views)."""
+        views = self._stored_views(name, -1)
+        if views is None or views[0].dim() != 2 or is_vocab_tensor(name):
+            return None
+        return ColumnPieces(tuple(views))
+
+    def _stored_views(self, name: str, axis: int) -> list[torch.Tensor] | None:
+        ref = self.refs.get(name)
+        if ref is None or ref.halves is not None or self.storage is None:
+            return None
+        if (name == _EMB and self.head is not None) or (self.norm_1p and is_zero_centred_norm(name)):
+            return None
+        if self.mapped is None:
+            self.mapped = MappedTiles(self.path, self.storage)
+        return self.mapped.tiles(ref.key, self.meta[ref.key], ref.index, axis)
 
     def tensor_meta(self, name: str) -> torch.Tensor:
         """``tensor(name)``'s dtype and shape as a ``meta`` tensor, from ``.metadata`` (no data read)."""

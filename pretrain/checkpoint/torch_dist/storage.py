@@ -18,13 +18,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 import torch._weights_only_unpickler as weights_only_unpickler
 from torch.distributed._shard._utils import narrow_tensor_by_index
 from torch.distributed.checkpoint import FileSystemReader
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.futures import Future
 
@@ -78,21 +78,10 @@ class SafeFileSystemReader(FileSystemReader):
 
     def _read_mapped(self, path: Path, items: list[ReadItem], planner: LoadPlanner) -> None:
         """Copy each item's region of its stored tensor into the planner's target."""
-        whole = torch.UntypedStorage.from_file(str(path), shared=False, nbytes=os.path.getsize(path))
+        whole = map_data_file(path)
         with open(path, "rb") as fh:
             for item in items:
-                info = self.storage_data[item.storage_index]
-                if info.offset + info.length > whole.nbytes():
-                    raise UserError(f"{path}: ends before tensor {item.storage_index.fqn} (truncated?)")
-                archive = torch._C.PyTorchFileReader(self._slice_file(fh, info))
-                stored = torch.serialization._load(  # type: ignore[attr-defined]
-                    archive, "cpu", weights_only_unpickler,
-                    overall_storage=whole[info.offset : info.offset + info.length],
-                )  # fmt: skip
-                if not isinstance(stored, torch.Tensor):
-                    raise UserError(
-                        f"{path}: tensor {item.storage_index.fqn} holds a {type(stored).__name__}"
-                    )
+                stored = self.stored_tensor(path, whole, fh, item.storage_index)
                 region = narrow_tensor_by_index(stored, item.storage_offsets, item.lengths)
                 target = planner.resolve_tensor(item).detach()
                 if target.size() != region.size():
@@ -102,3 +91,29 @@ class SafeFileSystemReader(FileSystemReader):
                     )
                 target.copy_(region)
                 planner.commit_tensor(item, target)
+
+    def stored_tensor(
+        self, path: Path, whole: torch.UntypedStorage, fh: BinaryIO, index: MetadataIndex
+    ) -> torch.Tensor:
+        """The tensor stored under ``index`` in the data file ``path`` (open as ``fh``, mapped as
+        ``whole`` by :func:`map_data_file`): its archive loaded over the mapped bytes, a view of
+        the file's pages (no copy)."""
+        assert self._metadata is not None
+        info = self._metadata.storage_data[index]
+        if info.offset + info.length > whole.nbytes():
+            raise UserError(f"{path}: ends before tensor {index.fqn} (truncated?)")
+        archive = torch._C.PyTorchFileReader(self._slice_file(fh, info))
+        stored = torch.serialization._load(  # type: ignore[attr-defined]
+            archive,
+            "cpu",
+            weights_only_unpickler,
+            overall_storage=whole[info.offset : info.offset + info.length],
+        )
+        if not isinstance(stored, torch.Tensor):
+            raise UserError(f"{path}: tensor {index.fqn} holds a {type(stored).__name__}")
+        return stored
+
+
+def map_data_file(path: Path) -> torch.UntypedStorage:
+    """The data file ``path`` mapped privately: the page cache's pages, read on first touch."""
+    return torch.UntypedStorage.from_file(str(path), shared=False, nbytes=os.path.getsize(path))  # type: ignore[return-value]
