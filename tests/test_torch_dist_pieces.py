@@ -5,7 +5,9 @@ and to-hf writes the HF tensors from them byte for byte what the read-and-joined
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,7 +34,7 @@ LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope
 
 
 def _md(
-    size: tuple[int, ...], chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]
+    size: tuple[int, ...], chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]
 ) -> TensorStorageMetadata:
     return TensorStorageMetadata(
         TensorProperties(dtype=torch.bfloat16),
@@ -79,7 +81,7 @@ def test_chunks_tiling_the_columns_of_a_layer_are_its_column_pieces(geometry_onl
     ],
 )
 def test_chunks_that_do_not_tile_the_rows_are_refused(
-    geometry_only: MappedTiles, chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]
+    geometry_only: MappedTiles, chunks: Sequence[tuple[tuple[int, ...], tuple[int, ...]]]
 ) -> None:
     views = geometry_only.tiles("k", _md((2, 8, 6), chunks), (0,), 0)
     assert (views is not None) == (chunks[0][1][0] == 2)
@@ -102,7 +104,12 @@ def test_to_hf_from_torch_dist_pieces_is_byte_identical(
         assert cols is None or torch.equal(torch.cat(cols.parts, dim=1), want), name
     reads: list[str] = []
     real = torch_dist_reader.read_region
-    monkeypatch.setattr(torch_dist_reader, "read_region", lambda *a, **k: reads.append(a[2]) or real(*a, **k))
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        reads.append(args[2])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch_dist_reader, "read_region", counted)
     outs = {}
     for pieces in (True, False):
         monkeypatch.setattr(tools.hf_io, "ROW_PIECES", pieces)
