@@ -76,7 +76,7 @@ def row_selected(
         index2 = _row_index(made2.get(planned.name), planned, len(shape), None)
         if index is None or index2 is None or not np.array_equal(index2, index * 2 + 7):
             return None
-        selected[planned.name] = _runs(pieces, index.astype(np.int64))
+        selected[planned.name] = pieces.take(index.astype(np.int64))
     return selected
 
 
@@ -96,25 +96,6 @@ def _row_index(made: torch.Tensor | None, planned: Planned, ndim: int, rows: int
     ):
         return None
     return index
-
-
-def _runs(pieces: RowPieces, index: np.ndarray) -> RowPieces:
-    """Rows ``index [n]`` of ``pieces`` as contiguous row slices, consecutive rows of one piece
-    joined (no release: the source's pieces are released once, after all its outputs are written)."""
-    sizes = np.array([p.shape[0] for p in pieces.parts])
-    starts = np.cumsum(sizes) - sizes
-    piece = np.searchsorted(starts, index, side="right") - 1
-    breaks = np.flatnonzero((index[1:] != index[:-1] + 1) | (piece[1:] != piece[:-1])) + 1
-    bounds = [0, *breaks.tolist(), index.size]
-    slices = []
-    for lo, hi in zip(bounds[:-1], bounds[1:]):
-        if hi > lo:
-            k = int(piece[lo])
-            first = int(index[lo] - starts[k])
-            slices.append(pieces.parts[k][first : first + (hi - lo)])
-    if not slices:  # an output with no rows: an empty slice keeps its dtype and row shape
-        slices.append(pieces.parts[0][:0])
-    return RowPieces(tuple(slices))
 
 
 def unchanged(run: Run, source: str, pieces: ColumnPieces, outputs: Sequence[Planned]) -> str | None:

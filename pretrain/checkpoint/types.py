@@ -16,10 +16,12 @@ This module imports nothing from the readers or writers, so every one of them ca
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol, Self, runtime_checkable
 
+import numpy as np
 import torch
 
 from pretrain.checkpoint.plan import ModelSpec
@@ -137,6 +139,27 @@ class RowPieces:
             kept.append(part[:left])
             left -= part.shape[0]
         return RowPieces(tuple(kept), self.release)
+
+    def take(self, index: np.ndarray) -> RowPieces:
+        """Rows ``index`` (int64 ``[n]``, in that order) as contiguous row slices of the parts,
+        consecutive rows of one part joined into one slice (no copy; no release: the caller
+        releases these pieces). In NumPy: one pass, not a Python step per row."""
+        sizes = np.array([p.shape[0] for p in self.parts])
+        starts = np.cumsum(sizes) - sizes
+        if index.size and (index.min() < 0 or index.max() >= sizes.sum()):
+            raise IndexError(f"rows outside the {int(sizes.sum())} rows of the pieces")
+        piece = np.searchsorted(starts, index, side="right") - 1
+        breaks = np.flatnonzero((index[1:] != index[:-1] + 1) | (piece[1:] != piece[:-1])) + 1
+        bounds = [0, *breaks.tolist(), index.size]
+        slices = []
+        for lo, hi in itertools.pairwise(bounds):
+            if hi > lo:
+                k = int(piece[lo])
+                first = int(index[lo] - starts[k])
+                slices.append(self.parts[k][first : first + (hi - lo)])
+        if not slices:  # no rows: an empty slice keeps the dtype and row shape
+            slices.append(self.parts[0][:0])
+        return RowPieces(tuple(slices))
 
 
 @dataclass(frozen=True)

@@ -34,6 +34,7 @@ from pretrain.checkpoint.legacy.module_names import chunk_to_file
 from pretrain.checkpoint.legacy.stream_save import LazyTensor, stream_save_all
 from pretrain.checkpoint.metadata import to_args
 from pretrain.checkpoint.plan import LayoutPlan, Slot
+from pretrain.checkpoint.shard_views import shard_from_pieces
 from pretrain.checkpoint.tensor_meta import tensor_meta
 from pretrain.checkpoint.types import (
     CheckpointMetadata,
@@ -49,6 +50,10 @@ from pretrain.parallel.config import ParallelConfig
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.atomic import atomic_open
 from pretrain.utils.errors import UserError
+
+# target shards cut from the source's stored blocks where it keeps them (pretrain.checkpoint.shard_views);
+# tests switch it off to compare with the shards cut from the joined tensors
+SHARDS_FROM_PIECES = True
 
 __all__ = ["DictSource", "WriteOptions", "check_output_dir", "vocab_rows", "write_layout"]
 
@@ -138,7 +143,17 @@ def _chunk_state(
     file writer reaches it (:mod:`~pretrain.checkpoint.legacy.stream_save`)."""
 
     def maker(slot: Slot) -> Callable[[], torch.Tensor]:
-        return lambda: _shard(last.get(slot), slot, tp_rank=tp_rank, tp=tp, padded=padded)
+        def make() -> torch.Tensor:
+            view = (
+                shard_from_pieces(last.source, slot, tp_rank=tp_rank, tp=tp) if SHARDS_FROM_PIECES else None
+            )
+            return (
+                view
+                if view is not None
+                else _shard(last.get(slot), slot, tp_rank=tp_rank, tp=tp, padded=padded)
+            )
+
+        return make
 
     return {
         slot.local: LazyTensor(tensor_meta(last.source, slot.canonical).dtype, tuple(slot.shape), maker(slot))

@@ -40,6 +40,7 @@ class MappedTiles:
         self._storage = storage
         self._reader = SafeFileSystemReader(it_dir, storage)
         self._files: dict[str, tuple[torch.UntypedStorage, BinaryIO]] = {}
+        self._stored: dict[MetadataIndex, torch.Tensor] = {}  # chunks loaded (each target rank asks again)
 
     def tiles(
         self, key: str, md: TensorStorageMetadata, lead: tuple[int, ...], axis: int
@@ -75,6 +76,10 @@ class MappedTiles:
         self, key: str, chunk: ChunkStorageMetadata, lead: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor | None:
         index = MetadataIndex(key, chunk.offsets)
+        if index in self._stored:
+            stored = self._stored[index]
+            view = stored[tuple(i - o for i, o in zip(lead, chunk.offsets, strict=False))]
+            return view if view.is_contiguous() else None
         info = self._storage.storage_data.get(index)
         if info is None or getattr(info, "transform_descriptors", None):
             return None
@@ -92,5 +97,6 @@ class MappedTiles:
             ) from None
         if stored.dtype != dtype or tuple(stored.shape) != tuple(chunk.sizes):
             return None
+        self._stored[index] = stored  # (a view of the mapped file: no memory of its own)
         view = stored[tuple(i - o for i, o in zip(lead, chunk.offsets, strict=False))]
         return view if view.is_contiguous() else None

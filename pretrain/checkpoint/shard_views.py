@@ -1,0 +1,74 @@
+"""A target rank's tensor-parallel shard cut from the source's stored blocks, not from a joined copy.
+
+A reshard (and any legacy write from a checkpoint) used to join every split tensor of the source
+(a copy of the whole model, into fresh pages) and then cut each target shard out of the join. The
+sources keep their tensors as blocks already: a legacy checkpoint one block of rows (column-
+parallel) or columns (row-parallel) per TP rank, a ``torch_dist`` checkpoint its stored chunks
+(:meth:`row_pieces`, :meth:`column_pieces`). A target shard is usually rows of one block (tp 2 ->
+4: half a rank's rows) or a column range of one: a view, written from where it lies.
+
+Which rows (columns) a shard takes is read off :func:`~pretrain.models.sharding.shard_tensor`
+itself, run on an index probe (a float64 ``[R, 1]`` tensor whose row ``i`` holds ``i``), so the
+SwiGLU blocks and GQA groups (replicated or not) follow the same rule as the joined path. Rows from
+several blocks (SwiGLU's gate and up halves) are joined into one pooled buffer: a copy of the
+shard's bytes alone. Vocabulary tensors (padding rows) and expert-TP shards take the joined path.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from pretrain.checkpoint.plan import Slot
+from pretrain.checkpoint.types import ColumnPieceSource, RowPieceSource, TensorSource
+from pretrain.models.sharding import shard_tensor
+from pretrain.utils.buffer_pool import pooled_cat
+
+__all__ = ["shard_from_pieces"]
+
+
+def shard_from_pieces(source: TensorSource, slot: Slot, *, tp_rank: int, tp: int) -> torch.Tensor | None:
+    """TP rank ``tp_rank``'s shard (of ``tp``) of ``slot``'s tensor, from ``source``'s stored
+    blocks: a view where it lies in one block, else the blocks' rows joined into a pooled buffer.
+    ``None`` where the source does not keep the tensor as blocks or the shard is not cut so
+    (the caller joins the full tensor as before)."""
+    if slot.vocab or slot.shards is not None or slot.dim is None or tp == 1:
+        return None
+    if slot.dim == 0 and isinstance(source, RowPieceSource):
+        out = _rows(source, slot, tp_rank, tp)
+    elif slot.dim == 1 and isinstance(source, ColumnPieceSource):
+        out = _columns(source, slot, tp_rank, tp)
+    else:
+        return None
+    return out if out is not None and tuple(out.shape) == tuple(slot.shape) else None
+
+
+def _rows(source: RowPieceSource, slot: Slot, tp_rank: int, tp: int) -> torch.Tensor | None:
+    pieces = source.row_pieces(slot.canonical)
+    if pieces is None:
+        return None
+    rows = pieces.shape[0]
+    probe = torch.arange(rows, dtype=torch.float64).reshape(rows, *([1] * (len(pieces.shape) - 1)))
+    index = shard_tensor(probe, dim=0, tp_rank=tp_rank, tp=tp, layout=slot.layout, copy=False)
+    taken = pieces.take(index.reshape(-1).numpy().astype(np.int64)).parts
+    return taken[0] if len(taken) == 1 else pooled_cat(list(taken), 0)
+
+
+def _columns(source: ColumnPieceSource, slot: Slot, tp_rank: int, tp: int) -> torch.Tensor | None:
+    pieces = source.column_pieces(slot.canonical)
+    if pieces is None:
+        return None
+    cols = pieces.shape[1]
+    probe = torch.arange(cols, dtype=torch.float64).reshape(1, cols)
+    index = shard_tensor(probe, dim=1, tp_rank=tp_rank, tp=tp, layout=None, copy=False).reshape(-1).numpy()
+    if index.size == 0 or not np.array_equal(index, np.arange(index[0], index[0] + index.size)):
+        return None  # not one column range
+    first = int(index[0])
+    for part in pieces.parts:  # the range within one block: a (strided) view of it
+        width = part.shape[1]
+        if first + index.size <= width:
+            return part if first == 0 and index.size == width else part[:, first : first + index.size]
+        first -= width
+        if first < 0:
+            return None  # it spans two blocks
+    return None
