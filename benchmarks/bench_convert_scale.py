@@ -11,8 +11,8 @@ process whose whole process tree's RssAnon is sampled (:mod:`benchmarks.anon_mem
 * ``torch_dist_to_hf``: the generated ``torch_dist`` -> HF.
 
 Each reports ``mb_per_s`` (source bytes / wall time, start-up included), ``time_over_cp``
-(wall time / the time ``cp -r`` of the same source takes on the same disk, measured in the same
-run), ``cpu_s`` (user + system seconds of its processes: comparable on a loaded host) and
+(wall time / the time ``cp -r`` of the same source takes on the same disk, timed just before
+this conversion: the paired ``cp_s``), ``cpu_s`` (user + system seconds of its processes: comparable on a loaded host) and
 ``peak_anon_gb``; per size ``largest_tensor_gb`` and the bound 2 x largest + 0.5 GB.
 ``anon_slope_gb_per_b_params`` is the least-squares slope of peak anonymous memory against
 parameters (billions), per conversion (goal about 0). The last line is one JSON object.
@@ -138,8 +138,11 @@ def convert_command(argv: list[str], nproc: int) -> list[str]:
     return [sys.executable, *launch, "-m", "tools.convert_cli", *argv]
 
 
-def _convert(name: str, argv: list[str], source: Path, cp_s: float) -> dict[str, float]:
-    """Run ``python -m tools.convert_cli ARGV`` from :data:`REPO` (``--repo``), measured."""
+def _convert(name: str, argv: list[str], source: Path, work: Path) -> dict[str, float]:
+    """Run ``python -m tools.convert_cli ARGV`` from :data:`REPO` (``--repo``), measured, right
+    after a ``cp -r`` of its source on the same disk (the disk's speed drifts by 3x within minutes
+    on a shared host: a copy timed once per size is not this conversion's baseline)."""
+    cp_s = _cp_seconds(source, work / f"cp_{name}")
     cmd = convert_command(argv, NPROC)
     _flush()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -153,6 +156,7 @@ def _convert(name: str, argv: list[str], source: Path, cp_s: float) -> dict[str,
         "wall_s": round(m.wall_s, 2),
         "mb_per_s": round(src_bytes / 1e6 / m.wall_s, 1),
         "time_over_cp": round(m.wall_s / cp_s, 2),
+        "cp_s": round(cp_s, 2),  # the paired copy
         "cpu_s": round(cpu_s, 2),  # user + system: what the conversion costs on a loaded host
         "peak_anon_gb": round(m.peak_anon_bytes / GB, 3),
         "source_gb": round(src_bytes / GB, 3),
@@ -169,33 +173,29 @@ def measure_size(size: str, work: Path, only: frozenset[str] = frozenset(CONVERS
     t0 = time.perf_counter()
     legacy, dist = _generate(size, work)
     generate_s = time.perf_counter() - t0
-    cp_legacy = _cp_seconds(legacy, work / "cp_legacy")
-    cp_dist = _cp_seconds(dist, work / "cp_torch_dist")
     hf, out = work / "hf", work / "out"
     runs: dict[str, dict[str, float]] = {}
     runs["to_hf"] = _convert("to_hf", ["to-hf", "--load", str(legacy), "--save", str(hf), "--weights-only",
-                                       "--no-verify", "--max-shard-size", "2GB"], legacy, cp_legacy)  # fmt: skip
-    cp_hf = _cp_seconds(hf, work / "cp_hf")
+                                       "--no-verify", "--max-shard-size", "2GB"], legacy, work)  # fmt: skip
     commands = {
         "reshard": (["reshard", "--load", str(legacy), "--save", str(out), "--target-tp", "4", "--target-pp", "1"],
-                    legacy, cp_legacy),
+                    legacy),
         "from_hf": (["from-hf", "--load", str(hf), "--save", str(out), "--tp", "2", "--pp", "2", "--weights-only"],
-                    hf, cp_hf),
+                    hf),
         "to_torch_dist": (["reshard", "--load", str(legacy), "--save", str(out), "--target-tp", "2",
-                           "--target-pp", "2", "--ckpt-format", "torch_dist"], legacy, cp_legacy),
+                           "--target-pp", "2", "--ckpt-format", "torch_dist"], legacy),
         "torch_dist_to_hf": (["to-hf", "--load", str(dist), "--save", str(out), "--weights-only", "--no-verify",
-                              "--max-shard-size", "2GB"], dist, cp_dist),
+                              "--max-shard-size", "2GB"], dist),
     }  # fmt: skip
-    for name, (argv, source, cp_s) in commands.items():
+    for name, (argv, source) in commands.items():
         if name in only:
-            runs[name] = _convert(name, argv, source, cp_s)
+            runs[name] = _convert(name, argv, source, work)
             shutil.rmtree(out)
     shutil.rmtree(work)
     return {
         "size": size, "params": params, "model_gb": round(params * 2 / GB, 3),
         "largest_tensor_gb": round(largest / GB, 3), "anon_bound_gb": round((2 * largest + 0.5 * GB) / GB, 3),
         "generate_s": round(generate_s, 1),
-        "cp_s": {"legacy": round(cp_legacy, 2), "torch_dist": round(cp_dist, 2), "hf": round(cp_hf, 2)},
         **runs,
     }  # fmt: skip
 
