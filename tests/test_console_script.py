@@ -89,3 +89,19 @@ def test_huge_pages_asked_for_unless_the_user_chose(tmp_path: Path, given: str |
     body = "import os\nrun_console_script(lambda: print(os.environ['THP_MEM_ALLOC_ENABLE']))\n"
     done = _run(body, tmp_path, env=env)
     assert (done.returncode, done.stdout.strip()) == (0, seen)
+
+
+@pytest.mark.parametrize(("given", "seen"), [(None, "PASSIVE"), ("ACTIVE", "ACTIVE")])
+def test_mlm_convert_lets_openmp_threads_sleep_unless_the_user_chose(given: str | None, seen: str) -> None:
+    """``mlm-convert`` sets ``OMP_WAIT_POLICY`` before torch (and libgomp) load, unless the user did."""
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if given is not None:
+        env["OMP_WAIT_POLICY"] = given
+    body = (
+        "import os, sys\nimport tools.convert_cli as cli\n"
+        "cli.main = lambda: print(os.environ['OMP_WAIT_POLICY'], 'torch' in sys.modules)\ncli.console_main()\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", body], capture_output=True, text=True, env=env, timeout=120, check=False
+    )
+    assert (done.returncode, done.stdout.split()) == (0, [seen, "False"]), done.stderr
