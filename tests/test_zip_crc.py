@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from pretrain.checkpoint.legacy.stream_save import LazyTensor, stream_save
+from pretrain.checkpoint.types import RowPieces
 from pretrain.checkpoint.zip_crc import crc32, fill_crc32, zip_records
 
 
@@ -64,6 +65,35 @@ def test_stream_save_into_a_file_is_torch_save_with_its_crcs(
     got, want = (tmp_path / "b" / "model.pt").read_bytes(), (tmp_path / "a" / "model.pt").read_bytes()
     assert got == want
     with zipfile.ZipFile(tmp_path / "b" / "model.pt") as zf:
+        assert zf.testzip() is None
+
+
+def test_pieces_and_column_ranges_are_gathered_into_their_records(tmp_path: Path) -> None:
+    """A shard given as row pieces, or as a column range of a block (rows apart in memory), is
+    written into its record where it lies (torch writes the header and leaves room; the rows go
+    into it): the bytes of ``torch.save`` of the joined tensors, every CRC right."""
+    gen = torch.Generator().manual_seed(2)
+    block = torch.randn(40, 24, generator=gen).bfloat16()
+    made: dict[str, torch.Tensor | RowPieces] = {
+        "columns": block[:, 8:20],  # a row-parallel shard of a stored block
+        "pieces": RowPieces((block[:7], block[30:], block[10:11])),  # SwiGLU halves, GQA groups
+        "whole": block,
+        "one_row": block[3:4, 2:5],
+        "empty": block[:0, :4],
+    }
+    # each its own storage with row-major strides, as the shards' records are (a view would share
+    # the block's storage in torch.save; a clone keeps a size-1 axis's stride)
+    joined = {
+        k: torch.cat(v.parts) if isinstance(v, RowPieces) else v.new_empty(v.shape).copy_(v)
+        for k, v in made.items()
+    }
+    with open(tmp_path / "want.pt", "wb") as out:
+        torch.save(joined, out)
+    lazy = {k: LazyTensor(v.dtype, tuple(v.shape), lambda v=v: v) for k, v in made.items()}  # type: ignore[misc]
+    with open(tmp_path / "got.pt", "w+b") as fh:
+        stream_save(lazy, fh)
+    assert (tmp_path / "got.pt").read_bytes() == (tmp_path / "want.pt").read_bytes()
+    with zipfile.ZipFile(tmp_path / "got.pt") as zf:
         assert zf.testzip() is None
 
 

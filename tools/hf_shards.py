@@ -25,6 +25,7 @@ import torch
 from pretrain.checkpoint.tensor_meta import meta_like
 from pretrain.checkpoint.types import ColumnPieces, RowPieces
 from pretrain.utils.errors import UserError
+from pretrain.utils.gathered_write import write_gathered
 from tools.hf_plan import Planned
 
 __all__ = ["Planned", "ShardWriter", "meta_like", "split_shards", "write_chunks", "write_planned_shards"]
@@ -216,33 +217,10 @@ def _bytes(t: torch.Tensor) -> memoryview:
     return t.reshape(-1).view(torch.uint8).numpy().data
 
 
-_IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
-
-
 def write_chunks(fh: BinaryIO, chunks: Sequence[memoryview]) -> None:
-    """Append the byte ``chunks`` (1-D memoryviews) to the unbuffered file ``fh`` in order: gathered
-    by ``os.writev``, up to ``IOV_MAX`` chunks a call (one call for a thousand gathered rows), short
-    writes completed."""
-    fd = fh.fileno()
-    if not hasattr(os, "writev"):  # (not on Windows)
-        for chunk in chunks:
-            _write_from(fd, chunk)
-        return
-    for lo in range(0, len(chunks), _IOV_MAX):
-        batch = chunks[lo : lo + _IOV_MAX]
-        done = os.writev(fd, batch)
-        if done < sum(map(len, batch)):  # a short write (a signal, a chunk over 2 GiB): the rest in turn
-            for chunk in batch:
-                if done >= len(chunk):
-                    done -= len(chunk)
-                    continue
-                _write_from(fd, chunk[done:])
-                done = 0
-
-
-def _write_from(fd: int, view: memoryview) -> None:
-    while len(view):
-        view = view[os.write(fd, view) :]
+    """Append the byte ``chunks`` (1-D memoryviews) to the unbuffered file ``fh`` in order, gathered
+    (:func:`~pretrain.utils.gathered_write.write_gathered`: up to ``IOV_MAX`` chunks a call)."""
+    write_gathered(fh.fileno(), chunks)
 
 
 def write_planned_shards(

@@ -10,8 +10,9 @@ parallel) or columns (row-parallel) per TP rank, a ``torch_dist`` checkpoint its
 Which rows (columns) a shard takes is read off :func:`~pretrain.models.sharding.shard_tensor`
 itself, run on an index probe (a float64 ``[R, 1]`` tensor whose row ``i`` holds ``i``), so the
 SwiGLU blocks and GQA groups (replicated or not) follow the same rule as the joined path. Rows from
-several blocks (SwiGLU's gate and up halves) are joined into one pooled buffer: a copy of the
-shard's bytes alone. Vocabulary tensors (padding rows) and expert-TP shards take the joined path.
+several blocks (SwiGLU's gate and up halves) stay :class:`RowPieces`, which the file writer
+gathers into the shard's record (:mod:`~pretrain.checkpoint.legacy.stream_save`), as it gathers
+the rows of a column range. Vocabulary tensors (padding rows) and expert-TP shards take the joined path.
 """
 
 from __future__ import annotations
@@ -20,16 +21,17 @@ import numpy as np
 import torch
 
 from pretrain.checkpoint.plan import Slot
-from pretrain.checkpoint.types import ColumnPieceSource, RowPieceSource, TensorSource
+from pretrain.checkpoint.types import ColumnPieceSource, RowPieces, RowPieceSource, TensorSource
 from pretrain.models.sharding import shard_tensor
-from pretrain.utils.buffer_pool import pooled_cat
 
 __all__ = ["shard_from_pieces"]
 
 
-def shard_from_pieces(source: TensorSource, slot: Slot, *, tp_rank: int, tp: int) -> torch.Tensor | None:
+def shard_from_pieces(
+    source: TensorSource, slot: Slot, *, tp_rank: int, tp: int
+) -> torch.Tensor | RowPieces | None:
     """TP rank ``tp_rank``'s shard (of ``tp``) of ``slot``'s tensor, from ``source``'s stored
-    blocks: a view where it lies in one block, else the blocks' rows joined into a pooled buffer.
+    blocks: a view where it lies in one block, else the blocks' row runs as :class:`RowPieces`.
     ``None`` where the source does not keep the tensor as blocks or the shard is not cut so
     (the caller joins the full tensor as before)."""
     if slot.vocab or slot.shards is not None or slot.dim is None or tp == 1:
@@ -43,15 +45,15 @@ def shard_from_pieces(source: TensorSource, slot: Slot, *, tp_rank: int, tp: int
     return out if out is not None and tuple(out.shape) == tuple(slot.shape) else None
 
 
-def _rows(source: RowPieceSource, slot: Slot, tp_rank: int, tp: int) -> torch.Tensor | None:
+def _rows(source: RowPieceSource, slot: Slot, tp_rank: int, tp: int) -> torch.Tensor | RowPieces | None:
     pieces = source.row_pieces(slot.canonical)
     if pieces is None:
         return None
     rows = pieces.shape[0]
     probe = torch.arange(rows, dtype=torch.float64).reshape(rows, *([1] * (len(pieces.shape) - 1)))
     index = shard_tensor(probe, dim=0, tp_rank=tp_rank, tp=tp, layout=slot.layout, copy=False)
-    taken = pieces.take(index.reshape(-1).numpy().astype(np.int64)).parts
-    return taken[0] if len(taken) == 1 else pooled_cat(list(taken), 0)
+    taken = pieces.take(index.reshape(-1).numpy().astype(np.int64))
+    return taken.parts[0] if len(taken.parts) == 1 else taken
 
 
 def _columns(source: ColumnPieceSource, slot: Slot, tp_rank: int, tp: int) -> torch.Tensor | None:

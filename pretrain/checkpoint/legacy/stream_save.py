@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import collections
 import io
+import os
 import pickle
+import struct
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -31,8 +33,10 @@ from typing import IO
 import torch
 import torch.serialization as ser
 
+from pretrain.checkpoint.types import RowPieces
 from pretrain.checkpoint.zip_crc import crc32, fill_crc32
 from pretrain.utils.buffer_pool import pooled_copy
+from pretrain.utils.gathered_write import write_gathered
 
 
 @dataclass(frozen=True, eq=False)
@@ -41,12 +45,14 @@ class LazyTensor:
 
     dtype: torch.dtype
     shape: tuple[int, ...]
-    make: Callable[[], torch.Tensor]
+    make: Callable[[], torch.Tensor | RowPieces]  # (row pieces: written where they lie, not joined)
 
     def __reduce_ex__(self, protocol: object) -> tuple[object, ...]:
         """What a contiguous CPU tensor reduces to (``torch.Tensor._reduce_ex_internal``)."""
         if self.dtype in torch.storage._new_dtypes():  # the v3 rebuild path: a real tensor, made now
-            return self.make().__reduce_ex__(protocol)  # type: ignore[arg-type]
+            made = self.make()
+            real = torch.cat(made.parts) if isinstance(made, RowPieces) else made
+            return real.__reduce_ex__(protocol)  # type: ignore[arg-type]
         stride, step = [], 1
         for n in reversed(self.shape):
             stride.append(step)
@@ -98,21 +104,49 @@ class _Pickler(pickle.Pickler):
 
 
 def _write_tensor(archive: _Archive, name: str, lazy: LazyTensor) -> None:
-    t = lazy.make()
-    if t.dtype != lazy.dtype or tuple(t.shape) != tuple(lazy.shape):
+    made = lazy.make()
+    if made.dtype != lazy.dtype or tuple(made.shape) != tuple(lazy.shape):
         raise RuntimeError(
             f"stream_save: {name} was announced as {lazy.dtype} {tuple(lazy.shape)}, "
-            f"made as {t.dtype} {tuple(t.shape)}"
+            f"made as {made.dtype} {tuple(made.shape)}"
         )
+    nbytes = _numel(tuple(made.shape)) * made.dtype.itemsize
+    chunks = _gathered(made) if archive.crcs is not None else None
+    if chunks is not None:  # its pieces or rows where they lie, gathered into the record: no copy
+        archive.write_gathered(name, chunks, nbytes)
+        return
+    t = torch.cat(made.parts) if isinstance(made, RowPieces) else made
     t = t.detach().to("cpu")
     if not t.is_contiguous():  # a row-parallel shard: copied into a pooled buffer during a conversion
         t = pooled_copy(t)
-    nbytes = t.numel() * t.element_size()
     # its bytes where they lie: a view of a larger storage (a TP shard cut from the full tensor)
     # is written from a storage slice, which shares the memory (no copy first)
     start = t.storage_offset() * t.element_size()
     archive.write(name, t.untyped_storage()[start : start + nbytes], nbytes,
                   lambda: crc32(t.reshape(-1).view(torch.uint8).numpy()))  # fmt: skip
+
+
+def _gathered(made: torch.Tensor | RowPieces) -> list[memoryview] | None:
+    """The record's bytes as chunks where they lie: each piece of :class:`RowPieces`, or each row
+    of a 2-D CPU view whose rows are contiguous (a column range of a block); ``None`` for anything
+    else (written as before). Contiguous tensors are written from their storage as before."""
+    parts = made.parts if isinstance(made, RowPieces) else (made,)
+    if any(p.device.type != "cpu" for p in parts):
+        return None
+    if isinstance(made, RowPieces):
+        return [_flat_bytes(p) for p in parts if p.numel()] if all(p.is_contiguous() for p in parts) else None
+    if made.is_contiguous() or made.dim() != 2 or made.stride(1) != 1 or made.numel() == 0:
+        return None
+    width = made.shape[1] * made.element_size()
+    step = made.stride(0) * made.element_size()
+    start = made.storage_offset() * made.element_size()
+    span = made.untyped_storage()[start : start + step * (made.shape[0] - 1) + width]
+    whole = torch.empty(0, dtype=torch.uint8).set_(span).numpy().data  # type: ignore[call-overload]
+    return [whole[r * step : r * step + width] for r in range(made.shape[0])]
+
+
+def _flat_bytes(t: torch.Tensor) -> memoryview:
+    return t.reshape(-1).view(torch.uint8).numpy().data
 
 
 @dataclass
@@ -123,11 +157,34 @@ class _Archive:
     zf: torch._C.PyTorchFileWriter
     records: list[torch.UntypedStorage | LazyTensor | None]
     crcs: dict[str, int] | None
+    fh: IO[bytes]
 
     def write(self, name: str, data: object, nbytes: int, crc_of: Callable[[], int]) -> None:
         if self.crcs is not None:
             self.crcs[name] = crc_of()
         self.zf.write_record(name, data, nbytes)  # type: ignore[arg-type]
+
+    def write_gathered(self, name: str, chunks: list[memoryview], nbytes: int) -> None:
+        """Record ``name`` from ``chunks`` in order: torch writes its header and leaves room for
+        the data (``write_record_metadata``, what ``torch.save`` does for skipped data), then the
+        chunks go into that room (``pwritev``); its CRC-32 from the chunks (filled in at the end)."""
+        assert self.crcs is not None
+        crc = 0
+        for chunk in chunks:
+            crc = crc32(chunk, crc)
+        self.crcs[name] = crc
+        self.fh.flush()
+        header = self.fh.tell()  # the record's local header starts here
+        self.zf.write_record_metadata(name, nbytes)  # type: ignore[attr-defined]
+        self.fh.flush()
+        fd = self.fh.fileno()
+        # the data follows the 30-byte local header, its name and its extra field (torch's alignment
+        # padding); a data descriptor may follow the data, so the end of the record is no guide
+        fixed = os.pread(fd, 30, header)
+        if len(fixed) != 30 or fixed[:4] != b"PK\x03\x04":
+            raise RuntimeError(f"stream_save: no local header for {name} at byte {header}")
+        name_len, extra_len = struct.unpack("<HH", fixed[26:30])
+        write_gathered(fd, chunks, header + 30 + name_len + extra_len)
 
 
 def _fills_crc(fh: IO[bytes]) -> bool:
@@ -147,7 +204,7 @@ def _begin(obj: object, fh: IO[bytes]) -> _Archive:
     data = buf.getvalue()
     fill = _fills_crc(fh)
     zf = torch._C.PyTorchFileWriter(fh, not fill and ser.get_crc32_options(), ser._get_storage_alignment())
-    archive = _Archive(zf, list(pickler.records), {} if fill else None)
+    archive = _Archive(zf, list(pickler.records), {} if fill else None, fh)
     archive.write("data.pkl", data, len(data), lambda: crc32(data))
     for record, value in ((".format_version", "1"), (".storage_alignment", str(ser._get_storage_alignment())),
                           ("byteorder", sys.byteorder)):  # fmt: skip

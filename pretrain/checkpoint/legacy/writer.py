@@ -41,6 +41,7 @@ from pretrain.checkpoint.types import (
     DictSource,
     FinetuneRecord,
     Provenance,
+    RowPieces,
     TensorSource,
     TokenizerRecord,
 )
@@ -143,7 +144,7 @@ def _chunk_state(
     file writer reaches it (:mod:`~pretrain.checkpoint.legacy.stream_save`)."""
 
     def maker(slot: Slot) -> Callable[[], torch.Tensor]:
-        def make() -> torch.Tensor:
+        def make() -> torch.Tensor | RowPieces:
             view = (
                 shard_from_pieces(last.source, slot, tp_rank=tp_rank, tp=tp) if SHARDS_FROM_PIECES else None
             )
