@@ -101,8 +101,20 @@ def _shard(full: torch.Tensor, slot: Slot, *, tp_rank: int, tp: int, padded: int
             f"tensor {slot.canonical}: target shard shape {tuple(out.shape)} != expected {slot.shape} "
             f"(source full shape {tuple(full.shape)})"
         )
-    # a row-parallel shard stays a strided view: the file writer copies it into a pooled buffer
+    # a row-parallel shard stays a strided view: the file writer gathers its rows
     return out
+
+
+def _block_pieces(full: torch.Tensor, slot: Slot, *, tp_rank: int, tp: int) -> RowPieces | None:
+    """A SwiGLU shard (the rank's rows of each of ``[gate; up]``) as the two row blocks of ``full``,
+    which the file writer gathers into the record (:func:`_shard` joins them); None elsewhere."""
+    lay = slot.layout
+    if lay is None or lay.blocks < 2 or slot.dim != 0 or slot.vocab or slot.shards is not None or tp < 2:
+        return None
+    pieces = RowPieces(tuple(b.chunk(tp, dim=0)[tp_rank] for b in full.chunk(lay.blocks, dim=0)))
+    return (
+        pieces if tuple(pieces.shape) == slot.shape and all(p.is_contiguous() for p in pieces.parts) else None
+    )
 
 
 def vocab_rows(source: TensorSource, name: str, padded: int) -> torch.Tensor:
@@ -143,16 +155,16 @@ def _chunk_state(
     """The chunk's tensors as placeholders: each shard is cut from its full tensor only when the
     file writer reaches it (:mod:`~pretrain.checkpoint.legacy.stream_save`)."""
 
-    def maker(slot: Slot) -> Callable[[], torch.Tensor]:
+    def maker(slot: Slot) -> Callable[[], torch.Tensor | RowPieces]:
         def make() -> torch.Tensor | RowPieces:
             view = (
                 shard_from_pieces(last.source, slot, tp_rank=tp_rank, tp=tp) if SHARDS_FROM_PIECES else None
             )
-            return (
-                view
-                if view is not None
-                else _shard(last.get(slot), slot, tp_rank=tp_rank, tp=tp, padded=padded)
-            )
+            if view is not None:
+                return view
+            full = last.get(slot)
+            blocks = _block_pieces(full, slot, tp_rank=tp_rank, tp=tp)
+            return blocks if blocks is not None else _shard(full, slot, tp_rank=tp_rank, tp=tp, padded=padded)
 
         return make
 
