@@ -116,3 +116,19 @@ def _mcore_key(name: str) -> str:
     if name.startswith("word_embeddings_for_head"):
         return "output_layer.weight"
     return name.replace("language_model.", "")
+
+
+BF16_LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
+                  num_query_groups=2, untie_embeddings_and_output_weights=True, params_dtype="bfloat16")  # fmt: skip
+
+
+def write_bf16_llama_torch_dist(root: Path, *, tp: int, pp: int) -> dict[str, torch.Tensor]:
+    """A tiny 4-layer bf16 Llama (GQA, untied head) as a ``torch_dist`` checkpoint at ``root``
+    written at tp/pp; its full tensors."""
+    from pretrain.checkpoint.torch_dist.writer import write_torch_dist
+    from tests.gpt_fixtures import full_weights, tiny_config
+
+    cfg = tiny_config(num_layers=4, **BF16_LLAMA)  # type: ignore[arg-type]
+    full = {k: v.bfloat16() for k, v in full_weights(cfg).items()}
+    write_torch_dist(DictSource(ModelSpec(kind="gpt", cfg=cfg), full), root, ParallelConfig(tp=tp, pp=pp))
+    return full

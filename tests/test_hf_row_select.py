@@ -143,6 +143,20 @@ def _legacy(tmp_path: Path, tp: int, pp: int, **overrides: object) -> Path:
     return write_ours(tmp_path / "ck", cfg, full_weights(cfg), tp=tp, pp=pp)
 
 
+def _made_or_not(monkeypatch: pytest.MonkeyPatch, name: str) -> list[bool]:
+    """Whether each call of ``tools.hf_row_select.<name>`` found its rows or pass-through."""
+    seen: list[bool] = []
+    real = getattr(tools.hf_row_select, name)
+
+    def counted(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+        made = real(*args, **kwargs)
+        seen.append(made is not None)
+        return made
+
+    monkeypatch.setattr(tools.hf_row_select, name, counted)
+    return seen
+
+
 @pytest.mark.parametrize(
     ("overrides", "rows_expected"),
     [
@@ -155,24 +169,8 @@ def test_to_hf_from_row_blocks_is_byte_identical(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: dict[str, object], rows_expected: bool
 ) -> None:
     ck = _legacy(tmp_path, tp=2, pp=2, **overrides)
-    calls: list[bool] = []
-    real = tools.hf_row_select.row_selected
-
-    def counted(*args, **kwargs):
-        made = real(*args, **kwargs)
-        calls.append(made is not None)
-        return made
-
-    passed: list[bool] = []
-    real_unchanged = tools.hf_row_select.unchanged
-
-    def counted_unchanged(*args, **kwargs):
-        made = real_unchanged(*args, **kwargs)
-        passed.append(made is not None)
-        return made
-
-    monkeypatch.setattr(tools.hf_row_select, "row_selected", counted)
-    monkeypatch.setattr(tools.hf_row_select, "unchanged", counted_unchanged)
+    calls = _made_or_not(monkeypatch, "row_selected")
+    passed = _made_or_not(monkeypatch, "unchanged")
     outs = {}
     for rows in (True, False):
         monkeypatch.setattr(tools.hf_io, "ROW_PIECES", rows)

@@ -11,25 +11,14 @@ from torch.distributed.checkpoint import FileSystemReader
 
 import pretrain.checkpoint.torch_dist.storage as storage
 from pretrain.checkpoint.opener import open_checkpoint
-from pretrain.checkpoint.plan import ModelSpec
-from pretrain.checkpoint.torch_dist.writer import write_torch_dist
-from pretrain.checkpoint.types import DictSource
-from pretrain.parallel.config import ParallelConfig
-from tests.gpt_fixtures import full_weights, tiny_config
-
-LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
-             num_query_groups=2, untie_embeddings_and_output_weights=True)  # fmt: skip
+from tests.convert_fixtures import write_bf16_llama_torch_dist
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(1, 1), (2, 2)])
 def test_mapped_reads_equal_dcps_reader(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int, pp: int
 ) -> None:
-    cfg = tiny_config(num_layers=4, params_dtype="bfloat16", **LLAMA)  # type: ignore[arg-type]
-    full = {k: v.bfloat16() for k, v in full_weights(cfg).items()}
-    write_torch_dist(
-        DictSource(ModelSpec(kind="gpt", cfg=cfg), full), tmp_path / "ck", ParallelConfig(tp=tp, pp=pp)
-    )
+    full = write_bf16_llama_torch_dist(tmp_path / "ck", tp=tp, pp=pp)
     dcp_reads: list[int] = []
     real = FileSystemReader.read_data
 

@@ -20,17 +20,11 @@ from torch.distributed.checkpoint.metadata import (
 import pretrain.checkpoint.torch_dist.reader as torch_dist_reader
 import tools.hf_io
 from pretrain.checkpoint.opener import open_checkpoint
-from pretrain.checkpoint.plan import ModelSpec
 from pretrain.checkpoint.torch_dist.mapped import MappedTiles
-from pretrain.checkpoint.torch_dist.writer import write_torch_dist
-from pretrain.checkpoint.types import DictSource
-from pretrain.parallel.config import ParallelConfig
-from tests.gpt_fixtures import full_weights, tiny_config
+from tests.convert_fixtures import write_bf16_llama_torch_dist
 from tools.convert_cli import main
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False,
-             num_query_groups=2, untie_embeddings_and_output_weights=True)  # fmt: skip
 
 
 def _md(
@@ -91,11 +85,7 @@ def test_chunks_that_do_not_tile_the_rows_are_refused(
 def test_to_hf_from_torch_dist_pieces_is_byte_identical(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int, pp: int
 ) -> None:
-    cfg = tiny_config(num_layers=4, params_dtype="bfloat16", **LLAMA)  # type: ignore[arg-type]
-    full = {k: v.bfloat16() for k, v in full_weights(cfg).items()}
-    write_torch_dist(
-        DictSource(ModelSpec(kind="gpt", cfg=cfg), full), tmp_path / "ck", ParallelConfig(tp=tp, pp=pp)
-    )
+    write_bf16_llama_torch_dist(tmp_path / "ck", tp=tp, pp=pp)
     reader = open_checkpoint(tmp_path / "ck")
     for name in reader.names():  # the views are the tensors
         rows, cols = reader.row_pieces(name), reader.column_pieces(name)  # type: ignore[attr-defined]
