@@ -20,12 +20,13 @@ import tools.hf_io
 import tools.hf_row_select
 from pretrain.checkpoint.types import ColumnPieces, RowPieces
 from pretrain.models.families.llama import split_qkv
+from pretrain.utils.gathered_write import write_gathered
 from tests.convert_fixtures import write_ours
 from tests.gpt_fixtures import full_weights, tiny_config
 from tools.convert_cli import main
 from tools.hf_plan import Planned
 from tools.hf_row_select import row_selected, unchanged
-from tools.hf_shards import ShardWriter, write_chunks
+from tools.hf_shards import ShardWriter
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 LLAMA = dict(normalization="RMSNorm", swiglu=True, position_embedding_type="rope", add_bias_linear=False)
@@ -126,16 +127,23 @@ def test_column_pieces_are_written_as_the_joined_tensor(tmp_path: Path) -> None:
     ).read_bytes()
 
 
-def test_short_gathered_writes_are_completed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``os.writev`` may write less than asked (a signal, over 2 GiB): the rest follows in order."""
-    real = os.writev
+@pytest.mark.parametrize("offset", [None, 5])
+def test_short_gathered_writes_are_completed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, offset: int | None
+) -> None:
+    """``os.writev``/``os.pwritev`` may write less than asked (a signal, over 2 GiB): the rest
+    follows in order, at the file position or from ``offset`` on (the bytes before it kept)."""
+    real_writev, real_pwritev = os.writev, os.pwritev
+    monkeypatch.setattr(os, "writev", lambda fd, bufs: real_writev(fd, [bufs[0][: len(bufs[0]) // 2]]))
     monkeypatch.setattr(
-        os, "writev", lambda fd, bufs: real(fd, [bufs[0][: len(bufs[0]) // 2]])
-    )  # half a chunk
+        os, "pwritev", lambda fd, bufs, at: real_pwritev(fd, [bufs[0][: len(bufs[0]) // 2]], at)
+    )
     chunks = [memoryview(bytes(j % 251 for j in range(i, i + 7))) for i in range(0, 3000, 7)]
-    with open(tmp_path / "f", "wb", buffering=0) as fh:
-        write_chunks(fh, chunks)
-    assert (tmp_path / "f").read_bytes() == b"".join(bytes(c) for c in chunks)
+    (tmp_path / "f").write_bytes(b"head!")
+    with open(tmp_path / "f", "r+b", buffering=0) as fh:
+        fh.seek(0, os.SEEK_END)
+        write_gathered(fh.fileno(), chunks, offset)
+    assert (tmp_path / "f").read_bytes() == b"head!" + b"".join(bytes(c) for c in chunks)
 
 
 def _legacy(tmp_path: Path, tp: int, pp: int, **overrides: object) -> Path:

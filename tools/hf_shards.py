@@ -25,10 +25,10 @@ import torch
 from pretrain.checkpoint.tensor_meta import meta_like
 from pretrain.checkpoint.types import ColumnPieces, RowPieces
 from pretrain.utils.errors import UserError
-from pretrain.utils.gathered_write import write_gathered
+from pretrain.utils.gathered_write import flat_bytes, row_bytes, write_gathered
 from tools.hf_plan import Planned
 
-__all__ = ["Planned", "ShardWriter", "meta_like", "split_shards", "write_chunks", "write_planned_shards"]
+__all__ = ["Planned", "ShardWriter", "meta_like", "split_shards", "write_planned_shards"]
 
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 INDEX_FILE = "model.safetensors.index.json"
@@ -127,7 +127,7 @@ class ShardWriter:
             if i >= len(self._expect) or self._expect[i] != Planned(name, t.dtype, tuple(t.shape)):
                 self._expect = self._planned = None  # departed from the plan: rewrite this shard's header
         assert self._file is not None
-        write_chunks(self._file, chunks)
+        write_gathered(self._file.fileno(), chunks)
         self._header[name] = {"dtype": SAFETENSORS_DTYPES[t.dtype], "shape": list(t.shape),
                               "data_offsets": [self._offset, self._offset + nbytes]}  # fmt: skip
         self._offset += nbytes
@@ -139,7 +139,7 @@ class ShardWriter:
             self._expect = self._planned[i]
             self._file = open(self.directory / f".shard{i}.safetensors", "wb", buffering=0)  # noqa: SIM115
             head = _header(_entries(self._expect), self.metadata)
-            write_chunks(self._file, [memoryview(head)])
+            write_gathered(self._file.fileno(), [memoryview(head)])
             self._data_start = len(head)
         else:
             self._expect = self._planned = None
@@ -201,26 +201,15 @@ def _data(tensor: torch.Tensor | RowPieces | ColumnPieces) -> tuple[torch.Tensor
     if isinstance(tensor, RowPieces):
         parts = [p.detach().to("cpu").contiguous() for p in tensor.parts]
         meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
-        return meta, [_bytes(p) for p in parts if p.numel()]
+        return meta, [flat_bytes(p) for p in parts if p.numel()]
     t = tensor.detach().to("cpu").contiguous()
-    return t, [_bytes(t)] if t.numel() else []
+    return t, [flat_bytes(t)] if t.numel() else []
 
 
 def _gathered_rows(pieces: ColumnPieces) -> list[memoryview]:
     """The joined tensor's bytes as ``[rows x parts]`` slices: row ``r`` of each part in turn."""
-    flats = [_bytes(p.detach().to("cpu").contiguous()) for p in pieces.parts]
-    widths = [p.shape[1] * p.element_size() for p in pieces.parts]
-    return [f[r * w : (r + 1) * w] for r in range(pieces.shape[0]) for f, w in zip(flats, widths)]
-
-
-def _bytes(t: torch.Tensor) -> memoryview:
-    return t.reshape(-1).view(torch.uint8).numpy().data
-
-
-def write_chunks(fh: BinaryIO, chunks: Sequence[memoryview]) -> None:
-    """Append the byte ``chunks`` (1-D memoryviews) to the unbuffered file ``fh`` in order, gathered
-    (:func:`~pretrain.utils.gathered_write.write_gathered`: up to ``IOV_MAX`` chunks a call)."""
-    write_gathered(fh.fileno(), chunks)
+    per_part = [row_bytes(p.detach().to("cpu").contiguous()) for p in pieces.parts]
+    return [chunk for row in zip(*per_part, strict=True) for chunk in row]
 
 
 def write_planned_shards(
@@ -247,10 +236,10 @@ def write_planned_shards(
                 if fh is not None:
                     fh.close()
                 fh = open(directory / names[i], "wb", buffering=0)  # noqa: SIM115
-                write_chunks(fh, [memoryview(_header(_entries(shards[i]), head))])
+                write_gathered(fh.fileno(), [memoryview(_header(_entries(shards[i]), head))])
                 current = i
             assert fh is not None
-            write_chunks(fh, chunks)
+            write_gathered(fh.fileno(), chunks)
         if next(expected, None) is not None:
             raise RuntimeError("to-hf: fewer tensors than the shard plan")
     finally:

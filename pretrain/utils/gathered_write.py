@@ -11,9 +11,30 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-__all__ = ["write_gathered"]
+import torch
+
+__all__ = ["flat_bytes", "row_bytes", "write_gathered"]
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
+
+
+def flat_bytes(t: torch.Tensor) -> memoryview:
+    """A contiguous CPU tensor's bytes (a 1-D byte view of its memory, no copy)."""
+    return t.reshape(-1).view(torch.uint8).numpy().data
+
+
+def row_bytes(t: torch.Tensor) -> list[memoryview]:
+    """A 2-D CPU tensor whose rows are each contiguous (``stride(1) == 1``; a column range of a
+    larger block, or a contiguous tensor) as one byte view per row, in order (no copy)."""
+    assert t.dim() == 2 and (t.stride(1) == 1 or t.shape[1] <= 1), "rows must be contiguous"
+    if t.numel() == 0:
+        return []
+    width = t.shape[1] * t.element_size()
+    step = t.stride(0) * t.element_size()
+    start = t.storage_offset() * t.element_size()
+    span = t.untyped_storage()[start : start + step * (t.shape[0] - 1) + width]
+    whole = torch.empty(0, dtype=torch.uint8).set_(span).numpy().data  # type: ignore[call-overload]
+    return [whole[r * step : r * step + width] for r in range(t.shape[0])]
 
 
 def write_gathered(fd: int, chunks: Sequence[memoryview], offset: int | None = None) -> None:

@@ -36,7 +36,7 @@ import torch.serialization as ser
 from pretrain.checkpoint.types import RowPieces
 from pretrain.checkpoint.zip_crc import crc32, fill_crc32
 from pretrain.utils.buffer_pool import pooled_copy
-from pretrain.utils.gathered_write import write_gathered
+from pretrain.utils.gathered_write import flat_bytes, row_bytes, write_gathered
 
 
 @dataclass(frozen=True, eq=False)
@@ -134,19 +134,10 @@ def _gathered(made: torch.Tensor | RowPieces) -> list[memoryview] | None:
     if any(p.device.type != "cpu" for p in parts):
         return None
     if isinstance(made, RowPieces):
-        return [_flat_bytes(p) for p in parts if p.numel()] if all(p.is_contiguous() for p in parts) else None
+        return [flat_bytes(p) for p in parts if p.numel()] if all(p.is_contiguous() for p in parts) else None
     if made.is_contiguous() or made.dim() != 2 or made.stride(1) != 1 or made.numel() == 0:
         return None
-    width = made.shape[1] * made.element_size()
-    step = made.stride(0) * made.element_size()
-    start = made.storage_offset() * made.element_size()
-    span = made.untyped_storage()[start : start + step * (made.shape[0] - 1) + width]
-    whole = torch.empty(0, dtype=torch.uint8).set_(span).numpy().data  # type: ignore[call-overload]
-    return [whole[r * step : r * step + width] for r in range(made.shape[0])]
-
-
-def _flat_bytes(t: torch.Tensor) -> memoryview:
-    return t.reshape(-1).view(torch.uint8).numpy().data
+    return row_bytes(made)
 
 
 @dataclass

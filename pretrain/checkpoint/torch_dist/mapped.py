@@ -75,11 +75,18 @@ class MappedTiles:
     def _view(
         self, key: str, chunk: ChunkStorageMetadata, lead: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor | None:
+        """The chunk's sub-block at ``lead`` (a contiguous view), or ``None``."""
+        stored = self._stored_chunk(key, chunk, dtype)
+        if stored is None:
+            return None
+        view = stored[tuple(i - o for i, o in zip(lead, chunk.offsets, strict=False))]
+        return view if view.is_contiguous() else None
+
+    def _stored_chunk(self, key: str, chunk: ChunkStorageMetadata, dtype: torch.dtype) -> torch.Tensor | None:
+        """The chunk's stored tensor over the mapped file, loaded once (each target rank asks again)."""
         index = MetadataIndex(key, chunk.offsets)
         if index in self._stored:
-            stored = self._stored[index]
-            view = stored[tuple(i - o for i, o in zip(lead, chunk.offsets, strict=False))]
-            return view if view.is_contiguous() else None
+            return self._stored[index]
         info = self._storage.storage_data.get(index)
         if info is None or getattr(info, "transform_descriptors", None):
             return None
@@ -98,5 +105,4 @@ class MappedTiles:
         if stored.dtype != dtype or tuple(stored.shape) != tuple(chunk.sizes):
             return None
         self._stored[index] = stored  # (a view of the mapped file: no memory of its own)
-        view = stored[tuple(i - o for i, o in zip(lead, chunk.offsets, strict=False))]
-        return view if view.is_contiguous() else None
+        return stored
