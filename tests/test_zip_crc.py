@@ -97,6 +97,37 @@ def test_pieces_and_column_ranges_are_gathered_into_their_records(tmp_path: Path
         assert zf.testzip() is None
 
 
+def test_without_header_only_records_the_pieces_are_joined(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """torch < 2.5's zip writer has no ``write_record_metadata``: the same bytes, joined first."""
+
+    class OldWriter:  # torch's writer without the header-only record
+        def __init__(self, *args: object) -> None:
+            self._zf = real(*args)  # type: ignore[call-overload]
+
+        def __getattr__(self, name: str) -> object:
+            if name == "write_record_metadata":
+                raise AttributeError(name)
+            return getattr(self._zf, name)
+
+    block = torch.randn(12, 10, generator=torch.Generator().manual_seed(3)).bfloat16()
+    made: dict[str, torch.Tensor | RowPieces] = {
+        "columns": block[:, 2:7],
+        "pieces": RowPieces((block[:3], block[8:])),
+    }
+    lazy = {k: LazyTensor(v.dtype, tuple(v.shape), lambda v=v: v) for k, v in made.items()}  # type: ignore[misc]
+    with open(tmp_path / "new.pt", "w+b") as fh:
+        stream_save(lazy, fh)
+    real = torch._C.PyTorchFileWriter
+    monkeypatch.setattr(torch._C, "PyTorchFileWriter", OldWriter)
+    with open(tmp_path / "old.pt", "w+b") as fh:
+        stream_save(lazy, fh)
+    assert (tmp_path / "old.pt").read_bytes() == (tmp_path / "new.pt").read_bytes()
+    with zipfile.ZipFile(tmp_path / "old.pt") as zf:
+        assert zf.testzip() is None
+
+
 def test_a_write_only_target_keeps_torchs_crcs(tmp_path: Path) -> None:
     state = _state()
     want = io.BytesIO()

@@ -111,7 +111,9 @@ def _write_tensor(archive: _Archive, name: str, lazy: LazyTensor) -> None:
             f"made as {made.dtype} {tuple(made.shape)}"
         )
     nbytes = _numel(tuple(made.shape)) * made.dtype.itemsize
-    chunks = _gathered(made) if archive.crcs is not None else None
+    # (torch < 2.5 lacks the header-only record: the pieces are joined there, as before)
+    gathers = archive.crcs is not None and hasattr(archive.zf, "write_record_metadata")
+    chunks = _gathered(made) if gathers else None
     if chunks is not None:  # its pieces or rows where they lie, gathered into the record: no copy
         archive.write_gathered(name, chunks, nbytes)
         return
