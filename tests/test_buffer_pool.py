@@ -125,6 +125,8 @@ def test_conversions_with_every_buffer_pooled_equal_those_without(
     with plain allocations; the pool did reuse buffers."""
     from safetensors.torch import load_file
 
+    import pretrain.checkpoint.legacy.writer as legacy_writer
+    import pretrain.checkpoint.torch_dist.writer as dist_writer
     import pretrain.utils.buffer_pool as bp
     from pretrain.checkpoint.opener import open_checkpoint
     from tests.llama_fixtures import hf_model
@@ -153,6 +155,10 @@ def test_conversions_with_every_buffer_pooled_equal_those_without(
             assert main(argv) == 0, argv
         return root
 
+    # the writers cut shards and chunks from the sources' stored blocks (no buffers: shard_views,
+    # the torch_dist pieces path); here they join the full tensors, into pooled buffers
+    monkeypatch.setattr(legacy_writer, "SHARDS_FROM_PIECES", False)
+    monkeypatch.setattr(dist_writer, "CHUNKS_FROM_PIECES", False)
     plain = convert("plain")
     monkeypatch.setattr(bp, "pooled_buffers", every_tensor_pooled)
     pooled = convert("pooled")

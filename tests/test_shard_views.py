@@ -35,6 +35,10 @@ def _files(root: Path) -> dict[str, bytes]:
         (dict(LLAMA, num_query_groups=2), 2, 4, "legacy"),  # half a block each; QKV groups replicated at tp 4
         (dict(LLAMA, num_query_groups=4), 4, 2, "legacy"),  # two blocks per shard: joined
         (dict(LLAMA, num_query_groups=4), 2, 1, "legacy"),
+        # 1003 tokens padded to a multiple of 125 tp: 1500 rows at tp 4, 1250 at tp 2 (stored rows cut),
+        # and back (zero rows added)
+        (dict(LLAMA, num_query_groups=2, make_vocab_size_divisible_by=125), 4, 2, "legacy"),
+        (dict(LLAMA, num_query_groups=2, make_vocab_size_divisible_by=125), 2, 4, "torch_dist"),
         ({}, 2, 4, "legacy"),  # GPT-2: biases, fused QKV
         (dict(LLAMA, num_query_groups=2), 2, 4, "torch_dist"),
     ],
@@ -61,10 +65,9 @@ def test_shards_from_stored_blocks_are_byte_identical(
         outs[pieces] = tmp_path / f"out_{pieces}"
         argv = ["reshard", "--load", str(ck), "--save", str(outs[pieces]), "--target-tp", str(target_tp)]
         assert main([*argv, "--target-pp", "2"]) == 0
-    if target_tp > 1:
-        assert sum(used) >= 2 * 2 * target_tp  # (at least) QKV and fc1 of each layer, every target rank
-    else:
-        assert not any(used)  # one target rank: its shard is the joined tensor
+    # (at least) QKV, fc1, proj and fc2 of each layer, every target rank; at tp 1 the shard is
+    # every block (their rows, or each row of each column block in turn)
+    assert sum(used) >= 2 * 4 * target_tp
     got, want = _files(outs[True]), _files(outs[False])
     assert got.keys() == want.keys()
     for name in want:

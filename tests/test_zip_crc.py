@@ -97,6 +97,32 @@ def test_pieces_and_column_ranges_are_gathered_into_their_records(tmp_path: Path
         assert zf.testzip() is None
 
 
+def test_column_blocks_and_stacked_chunks_are_gathered_after_other_archives(tmp_path: Path) -> None:
+    """A tensor given as column blocks (a row-parallel linear's TP shards), announced with leading
+    size-1 axes (a ``torch_dist`` chunk of a stacked tensor), written after other bytes in the same
+    file (dcp's archives back to back): from that offset on, the bytes of ``torch.save`` of the
+    joined tensor, every CRC right. A made tensor of another shape is refused."""
+    from pretrain.checkpoint.types import ColumnPieces
+
+    gen = torch.Generator().manual_seed(3)
+    blocks = ColumnPieces(
+        (torch.randn(9, 5, generator=gen).bfloat16(), torch.randn(9, 7, generator=gen).bfloat16())
+    )
+    joined = torch.cat(blocks.parts, dim=1).reshape(1, 1, 9, 12)
+    want = io.BytesIO()
+    torch.save(joined, want)
+    prefix = b"an earlier archive" * 7
+    with open(tmp_path / "got", "w+b") as fh:
+        fh.write(prefix)
+        stream_save(LazyTensor(torch.bfloat16, (1, 1, 9, 12), lambda: blocks), fh)
+    got = (tmp_path / "got").read_bytes()
+    assert got[: len(prefix)] == prefix and got[len(prefix) :] == want.getvalue()
+    with zipfile.ZipFile(io.BytesIO(got[len(prefix) :])) as zf:
+        assert zf.testzip() is None
+    with open(tmp_path / "bad", "w+b") as fh, pytest.raises(RuntimeError, match="announced as"):
+        stream_save(LazyTensor(torch.bfloat16, (2, 9, 6), lambda: blocks), fh)
+
+
 def test_without_header_only_records_the_pieces_are_joined(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

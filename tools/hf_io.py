@@ -36,6 +36,7 @@ from pretrain.checkpoint.types import (
 )
 from pretrain.checkpoint.work_split import SINGLE, WorkSplit
 from pretrain.models.families import Family, export_family, family_of_model_type, supported_model_types
+from pretrain.models.families.converter import HFImport
 from pretrain.tokenizer.base import Tokenizer
 from pretrain.tokenizer.record import PROBE_TEXT
 from pretrain.utils.errors import UserError
@@ -400,13 +401,10 @@ def read_hf_state(hf_dir: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-Makers = dict[str, Callable[[], torch.Tensor]]
-
-
-def _hf_makers(hf_dir: Path, make_vocab_size_divisible_by: int) -> tuple[ModelSpec, Makers]:
+def _hf_makers(hf_dir: Path, make_vocab_size_divisible_by: int) -> tuple[ModelSpec, HFImport]:
     """The model spec of a HF directory of a registered family and each canonical tensor's
-    maker over its (memory-mapped) weights; names, ties and the config are checked here, no
-    tensor is converted yet."""
+    maker (and, where the family gives them, row blocks) over its (memory-mapped) weights;
+    names, ties and the config are checked here, no tensor is converted yet."""
     from transformers import AutoConfig
 
     if not (hf_dir / "config.json").is_file():
@@ -424,14 +422,14 @@ def _hf_makers(hf_dir: Path, make_vocab_size_divisible_by: int) -> tuple[ModelSp
     )
     spec = ModelSpec(kind=family.kind, cfg=imported.cfg, add_binary_head=imported.add_binary_head,
                      fresh_heads=imported.fresh_heads)  # fmt: skip
-    return spec, imported.makers
+    return spec, imported
 
 
 def import_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> DictSource:
     """A local HF directory of a registered family -> canonical tensors (all in memory) and
     model spec. ``mlm-convert from-hf`` streams instead (:func:`open_hf`)."""
-    spec, makers = _hf_makers(hf_dir, make_vocab_size_divisible_by)
-    return DictSource(spec, {name: make() for name, make in makers.items()})
+    spec, imported = _hf_makers(hf_dir, make_vocab_size_divisible_by)
+    return DictSource(spec, {name: make() for name, make in imported.makers.items()})
 
 
 def open_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> LazySource:
@@ -441,7 +439,7 @@ def open_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> LazySou
     The same tensors, in the same order, as :func:`import_hf`."""
     from pretrain.checkpoint.legacy.pages import PageReleaser
 
-    spec, makers = _hf_makers(hf_dir, make_vocab_size_divisible_by)
+    spec, imported = _hf_makers(hf_dir, make_vocab_size_divisible_by)
     pages = PageReleaser(_weight_files(hf_dir))  # after the files are mapped (read_hf_state)
     pages.release_all()  # the tie checks' reads
-    return LazySource(spec, makers, after=pages.release_all)
+    return LazySource(spec, imported.makers, after=pages.release_all, row_parts=imported.row_parts)

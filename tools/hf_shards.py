@@ -25,7 +25,7 @@ import torch
 from pretrain.checkpoint.tensor_meta import meta_like
 from pretrain.checkpoint.types import ColumnPieces, RowPieces
 from pretrain.utils.errors import UserError
-from pretrain.utils.gathered_write import flat_bytes, row_bytes, write_gathered
+from pretrain.utils.gathered_write import flat_bytes, interleaved_rows, write_gathered
 from tools.hf_plan import Planned
 
 __all__ = ["Planned", "ShardWriter", "meta_like", "split_shards", "write_planned_shards"]
@@ -208,8 +208,7 @@ def _data(tensor: torch.Tensor | RowPieces | ColumnPieces) -> tuple[torch.Tensor
 
 def _gathered_rows(pieces: ColumnPieces) -> list[memoryview]:
     """The joined tensor's bytes as ``[rows x parts]`` slices: row ``r`` of each part in turn."""
-    per_part = [row_bytes(p.detach().to("cpu").contiguous()) for p in pieces.parts]
-    return [chunk for row in zip(*per_part, strict=True) for chunk in row]
+    return interleaved_rows([p.detach().to("cpu").contiguous() for p in pieces.parts])
 
 
 def write_planned_shards(

@@ -140,6 +140,15 @@ class RowPieces:
             left -= part.shape[0]
         return RowPieces(tuple(kept), self.release)
 
+    def padded(self, rows: int) -> RowPieces:
+        """The first ``rows`` rows, with zero rows after the last piece where there are fewer (a
+        vocabulary tensor padded for a target layout: only the zero rows are new memory)."""
+        have = self.shape[0]
+        if have >= rows:
+            return self[:rows]
+        zeros = torch.zeros((rows - have, *self.shape[1:]), dtype=self.dtype)
+        return RowPieces((*self.parts, zeros), self.release)
+
     def take(self, index: np.ndarray) -> RowPieces:
         """Rows ``index`` (int64 ``[n]``, in that order) as contiguous row slices of the parts,
         consecutive rows of one part joined into one slice (no copy; no release: the caller
@@ -208,9 +217,11 @@ class TensorSource(Protocol):
 @runtime_checkable
 class RowPieceSource(Protocol):
     """A source that can give a tensor as its stored row blocks (:class:`RowPieces`) instead of
-    joining them: ``row_pieces(name)`` is None where the tensor is not stored that way."""
+    joining them: ``row_pieces(name)`` is None where the tensor is not stored that way.
+    ``stored=True``: a vocabulary tensor with every row it stores (``stored_rows``: the padding
+    rows after the true vocabulary), not cut to the true vocabulary."""
 
-    def row_pieces(self, name: str) -> RowPieces | None: ...
+    def row_pieces(self, name: str, *, stored: bool = False) -> RowPieces | None: ...
 
 
 @runtime_checkable
@@ -287,6 +298,9 @@ class LazySource:
     after: Callable[[], None] | None = None
     # each tensor's dtype and shape once known (pretrain.checkpoint.tensor_meta), as a meta tensor
     meta_cache: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
+    # per name (optional): the row blocks, as views of the input, whose join is makers[name]()
+    row_parts: dict[str, Callable[[], tuple[torch.Tensor, ...]]] = field(default_factory=dict)
+    vocab_rows: tuple[int, str] | None = None  # with_vocab's cut of the vocabulary tensors (size, source)
 
     def names(self) -> list[str]:
         return list(self.makers)
@@ -302,6 +316,32 @@ class LazySource:
     def stored_rows(self, name: str) -> torch.Tensor:
         return self.tensor(name)
 
+    def row_pieces(self, name: str, *, stored: bool = False) -> RowPieces | None:
+        """:meth:`tensor` as the input's row blocks it joins, where the family gives them (see
+        :class:`~pretrain.models.families.converter.HFImport`): written and hashed where they lie.
+        ``after`` runs once they are read (:attr:`RowPieces.release`). None elsewhere. (``stored``:
+        the same rows, as :meth:`stored_rows` is :meth:`tensor` here.)"""
+        make = self.row_parts.get(name)
+        if make is None:
+            return None
+        parts = make()
+        if not parts or not all(p.is_contiguous() and p.device.type == "cpu" for p in parts):
+            return None
+        pieces = RowPieces(parts, self.after)
+        if self.vocab_rows is not None and is_vocab_tensor(name):
+            vocab_size, source = self.vocab_rows
+            _check_rows(pieces.shape[0], vocab_size, source)
+            return pieces[:vocab_size]
+        return pieces
+
+    def column_pieces(self, name: str) -> ColumnPieces | None:
+        """A 2-D tensor that is one input tensor as it lies (``o_proj``, ``down_proj``) as one column
+        block, so that a writer takes a column range of it as a view; None elsewhere."""
+        pieces = self.row_pieces(name)
+        if pieces is None or len(pieces.parts) != 1 or pieces.parts[0].dim() != 2:
+            return None
+        return ColumnPieces(pieces.parts, pieces.release)
+
     def with_vocab(self, vocab_size: int, *, source: str = "") -> LazySource:
         """Every vocabulary tensor cut to its first ``vocab_size`` rows when made."""
 
@@ -314,7 +354,8 @@ class LazySource:
             return made
 
         makers = {n: cut(m) if is_vocab_tensor(n) else m for n, m in self.makers.items()}
-        return LazySource(_spec_with_vocab(self.spec, vocab_size), makers, after=self.after)
+        return LazySource(_spec_with_vocab(self.spec, vocab_size), makers, after=self.after,
+                          row_parts=self.row_parts, vocab_rows=(vocab_size, source))  # fmt: skip
 
 
 class SourceTensors(Mapping[str, torch.Tensor]):

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
-__all__ = ["flat_bytes", "row_bytes", "write_gathered"]
+__all__ = ["flat_bytes", "interleaved_rows", "row_bytes", "write_gathered"]
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
 
@@ -35,6 +35,13 @@ def row_bytes(t: torch.Tensor) -> list[memoryview]:
     span = t.untyped_storage()[start : start + step * (t.shape[0] - 1) + width]
     whole = torch.empty(0, dtype=torch.uint8).set_(span).numpy().data  # type: ignore[call-overload]
     return [whole[r * step : r * step + width] for r in range(t.shape[0])]
+
+
+def interleaved_rows(parts: Sequence[torch.Tensor]) -> list[memoryview]:
+    """The bytes of 2-D CPU ``parts`` (each ``[R, c_i]``, rows contiguous) joined along dim 1, in
+    row-major order, where they lie: row ``r`` of each part in turn (``R x len(parts)`` views)."""
+    per_part = [row_bytes(p) for p in parts]
+    return [chunk for row in zip(*per_part, strict=True) for chunk in row]
 
 
 def write_gathered(fd: int, chunks: Sequence[memoryview], offset: int | None = None) -> None:

@@ -108,12 +108,13 @@ class LegacyReader:
                 )
         return parts
 
-    def row_pieces(self, name: str) -> RowPieces | None:
-        """:meth:`tensor` as its shards' rows in order, where joining them only stacks rows
-        (column-parallel tensors, SwiGLU's blocks, QKV groups whole on each rank): the weights
-        fingerprint hashes them where they lie instead of joining a copy. None where
-        :meth:`tensor` does more (row-parallel joins, replicated or old-order QKV, expert shards,
-        stored norm offsets, a separate output-layer copy to compare)."""
+    def row_pieces(self, name: str, *, stored: bool = False) -> RowPieces | None:
+        """:meth:`tensor` (``stored``: :meth:`stored_rows`) as its shards' rows in order, where
+        joining them only stacks rows (column-parallel tensors, SwiGLU's blocks, QKV groups whole
+        on each rank): the weights fingerprint hashes them, and writers write them, where they lie
+        instead of joining a copy. None where :meth:`tensor` does more (row-parallel joins,
+        replicated or old-order QKV, expert shards, stored norm offsets, a separate output-layer
+        copy to compare)."""
         entry = self.entries.get(name)
         if entry is None or name in self.head_copies:
             return None
@@ -131,7 +132,7 @@ class LegacyReader:
         # their pages are dropped from RSS once hashed, as after a join
         release = None if self.pages is None else functools.partial(_release_parts, self.pages, parts)
         rows = RowPieces(tuple(ordered), release)
-        return rows[: cfg.vocab_size] if slot.vocab else rows
+        return rows[: cfg.vocab_size] if slot.vocab and not stored else rows
 
     def column_pieces(self, name: str) -> ColumnPieces | None:
         """:meth:`tensor` as its TP shards' column blocks in order, where joining them is a plain

@@ -33,26 +33,27 @@ from typing import IO
 import torch
 import torch.serialization as ser
 
-from pretrain.checkpoint.types import RowPieces
+from pretrain.checkpoint.types import ColumnPieces, RowPieces
 from pretrain.checkpoint.zip_crc import crc32, fill_crc32
 from pretrain.utils.buffer_pool import pooled_copy
-from pretrain.utils.gathered_write import flat_bytes, row_bytes, write_gathered
+from pretrain.utils.gathered_write import flat_bytes, interleaved_rows, row_bytes, write_gathered
+
+Made = torch.Tensor | RowPieces | ColumnPieces  # (pieces: written where they lie, not joined)
 
 
 @dataclass(frozen=True, eq=False)
 class LazyTensor:
-    """A contiguous tensor of ``dtype`` and ``shape`` that ``make()`` produces when it is written."""
+    """A contiguous tensor of ``dtype`` and ``shape`` that ``make()`` produces when it is written
+    (of ``shape``, or of ``shape`` without leading size-1 axes: a chunk of a stacked tensor)."""
 
     dtype: torch.dtype
     shape: tuple[int, ...]
-    make: Callable[[], torch.Tensor | RowPieces]  # (row pieces: written where they lie, not joined)
+    make: Callable[[], Made]
 
     def __reduce_ex__(self, protocol: object) -> tuple[object, ...]:
         """What a contiguous CPU tensor reduces to (``torch.Tensor._reduce_ex_internal``)."""
         if self.dtype in torch.storage._new_dtypes():  # the v3 rebuild path: a real tensor, made now
-            made = self.make()
-            real = torch.cat(made.parts) if isinstance(made, RowPieces) else made
-            return real.__reduce_ex__(protocol)  # type: ignore[arg-type]
+            return _joined(self.make()).reshape(self.shape).__reduce_ex__(protocol)  # type: ignore[arg-type]
         stride, step = [], 1
         for n in reversed(self.shape):
             stride.append(step)
@@ -103,9 +104,17 @@ class _Pickler(pickle.Pickler):
         return None
 
 
+def _joined(made: Made) -> torch.Tensor:
+    if isinstance(made, RowPieces):
+        return torch.cat(made.parts)
+    return torch.cat(made.parts, dim=1) if isinstance(made, ColumnPieces) else made
+
+
 def _write_tensor(archive: _Archive, name: str, lazy: LazyTensor) -> None:
     made = lazy.make()
-    if made.dtype != lazy.dtype or tuple(made.shape) != tuple(lazy.shape):
+    lead = len(lazy.shape) - len(made.shape)
+    stacked = lead >= 0 and all(n == 1 for n in lazy.shape[:lead])  # (a chunk of a stacked tensor)
+    if made.dtype != lazy.dtype or not stacked or tuple(lazy.shape[lead:]) != tuple(made.shape):
         raise RuntimeError(
             f"stream_save: {name} was announced as {lazy.dtype} {tuple(lazy.shape)}, "
             f"made as {made.dtype} {tuple(made.shape)}"
@@ -117,8 +126,7 @@ def _write_tensor(archive: _Archive, name: str, lazy: LazyTensor) -> None:
     if chunks is not None:  # its pieces or rows where they lie, gathered into the record: no copy
         archive.write_gathered(name, chunks, nbytes)
         return
-    t = torch.cat(made.parts) if isinstance(made, RowPieces) else made
-    t = t.detach().to("cpu")
+    t = _joined(made).detach().to("cpu")
     if not t.is_contiguous():  # a row-parallel shard: copied into a pooled buffer during a conversion
         t = pooled_copy(t)
     # its bytes where they lie: a view of a larger storage (a TP shard cut from the full tensor)
@@ -128,13 +136,17 @@ def _write_tensor(archive: _Archive, name: str, lazy: LazyTensor) -> None:
                   lambda: crc32(t.reshape(-1).view(torch.uint8).numpy()))  # fmt: skip
 
 
-def _gathered(made: torch.Tensor | RowPieces) -> list[memoryview] | None:
-    """The record's bytes as chunks where they lie: each piece of :class:`RowPieces`, or each row
-    of a 2-D CPU view whose rows are contiguous (a column range of a block); ``None`` for anything
-    else (written as before). Contiguous tensors are written from their storage as before."""
-    parts = made.parts if isinstance(made, RowPieces) else (made,)
+def _gathered(made: Made) -> list[memoryview] | None:
+    """The record's bytes as chunks where they lie: each piece of :class:`RowPieces`, each row of
+    each block of :class:`ColumnPieces` in turn, or each row of a 2-D CPU view whose rows are
+    contiguous (a column range of a block); ``None`` for anything else (written as before).
+    Contiguous tensors are written from their storage as before."""
+    parts = made.parts if isinstance(made, RowPieces | ColumnPieces) else (made,)
     if any(p.device.type != "cpu" for p in parts):
         return None
+    if isinstance(made, ColumnPieces):
+        rows_whole = all(p.dim() == 2 and (p.stride(1) == 1 or p.shape[1] <= 1) for p in parts)
+        return interleaved_rows(parts) if rows_whole and made.shape.numel() else None
     if isinstance(made, RowPieces):
         return [flat_bytes(p) for p in parts if p.numel()] if all(p.is_contiguous() for p in parts) else None
     if made.is_contiguous() or made.dim() != 2 or made.stride(1) != 1 or made.numel() == 0:
@@ -151,6 +163,7 @@ class _Archive:
     records: list[torch.UntypedStorage | LazyTensor | None]
     crcs: dict[str, int] | None
     fh: IO[bytes]
+    start: int = 0  # where the archive begins in the file (one of several back to back: a .distcp)
 
     def write(self, name: str, data: object, nbytes: int, crc_of: Callable[[], int]) -> None:
         if self.crcs is not None:
@@ -196,8 +209,9 @@ def _begin(obj: object, fh: IO[bytes]) -> _Archive:
     pickler.dump(obj)
     data = buf.getvalue()
     fill = _fills_crc(fh)
+    start = fh.tell() if fill else 0
     zf = torch._C.PyTorchFileWriter(fh, not fill and ser.get_crc32_options(), ser._get_storage_alignment())
-    archive = _Archive(zf, list(pickler.records), {} if fill else None, fh)
+    archive = _Archive(zf, list(pickler.records), {} if fill else None, fh, start)
     archive.write("data.pkl", data, len(data), lambda: crc32(data))
     for record, value in ((".format_version", "1"), (".storage_alignment", str(ser._get_storage_alignment())),
                           ("byteorder", sys.byteorder)):  # fmt: skip
@@ -230,7 +244,7 @@ def stream_save_all(files: Sequence[tuple[object, IO[bytes]]]) -> None:
             archive.zf.write_end_of_file()
     for archive, (_, fh) in zip(started, files, strict=True):
         if archive.crcs is not None:  # torch's own closing records (version, id) are read back
-            fill_crc32(fh, archive.crcs)
+            fill_crc32(fh, archive.crcs, start=archive.start)
     for _, fh in files:
         fh.flush()
 
@@ -245,5 +259,6 @@ def _write_record(archive: _Archive, name: str, record: torch.UntypedStorage | L
 
 
 def stream_save(obj: object, fh: IO[bytes]) -> None:
-    """``torch.save(obj, fh)`` with each :class:`LazyTensor` of ``obj`` made only when written."""
+    """``torch.save(obj, fh)`` with each :class:`LazyTensor` of ``obj`` made only when written
+    (from ``fh``'s position on: an archive after others in one file, as dcp writes them)."""
     stream_save_all([(obj, fh)])

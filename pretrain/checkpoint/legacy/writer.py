@@ -31,7 +31,7 @@ from pretrain.checkpoint.legacy.layout import (
     write_tracker,
 )
 from pretrain.checkpoint.legacy.module_names import chunk_to_file
-from pretrain.checkpoint.legacy.stream_save import LazyTensor, stream_save_all
+from pretrain.checkpoint.legacy.stream_save import LazyTensor, Made, stream_save_all
 from pretrain.checkpoint.metadata import to_args
 from pretrain.checkpoint.plan import LayoutPlan, Slot
 from pretrain.checkpoint.shard_views import shard_from_pieces
@@ -155,8 +155,8 @@ def _chunk_state(
     """The chunk's tensors as placeholders: each shard is cut from its full tensor only when the
     file writer reaches it (:mod:`~pretrain.checkpoint.legacy.stream_save`)."""
 
-    def maker(slot: Slot) -> Callable[[], torch.Tensor | RowPieces]:
-        def make() -> torch.Tensor | RowPieces:
+    def maker(slot: Slot) -> Callable[[], Made]:
+        def make() -> Made:
             view = (
                 shard_from_pieces(last.source, slot, tp_rank=tp_rank, tp=tp) if SHARDS_FROM_PIECES else None
             )

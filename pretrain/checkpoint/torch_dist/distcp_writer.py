@@ -13,24 +13,31 @@ writes the same bytes as ``FileSystemWriter(path, thread_count=1)`` (the default
   (:mod:`pretrain.checkpoint.zip_crc`), so each archive is written with
   ``torch.serialization.set_crc32_options(False)`` and its CRCs are filled in by ISA-L from the
   bytes just written (in the page cache).
+* **Chunks from where they lie.** A planner that gives a chunk as a :class:`LazyTensor` of the
+  source's stored blocks (:class:`ChunkPieces`: a legacy checkpoint's TP shards, a Hugging Face
+  file's q/k/v rows) has it written by :func:`~pretrain.checkpoint.legacy.stream_save.stream_save`:
+  the blocks gathered into the archive's record, its CRC-32 from them; no joined copy, no read-back.
 """
 
 from __future__ import annotations
 
+import io
 import os
 import queue
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Protocol, runtime_checkable
 
 import torch
 import torch.serialization as ser
 from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import SerializationFormat, _write_item
+from torch.distributed.checkpoint.filesystem import SerializationFormat, _StorageInfo, _write_item
 from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from pretrain.checkpoint.legacy.stream_save import LazyTensor, stream_save
 from pretrain.checkpoint.zip_crc import fill_crc32
 
 _ZIP_START = b"PK\x03\x04"
@@ -52,6 +59,14 @@ def _minimal(data: torch.Tensor) -> torch.Tensor:
     a larger storage (``torch.save`` writes a tensor's whole storage)."""
     data = data.detach()
     return data.clone() if data.untyped_storage().size() != data.nbytes else data
+
+
+@runtime_checkable
+class ChunkPieces(Protocol):
+    """A save planner that can give a tensor chunk as the source's stored blocks:
+    ``resolve_pieces(item)`` is None where it cannot (the chunk is then ``resolve_data``'s)."""
+
+    def resolve_pieces(self, write_item: WriteItem) -> LazyTensor | None: ...
 
 
 class DistcpWriter(FileSystemWriter):
@@ -78,8 +93,17 @@ class DistcpWriter(FileSystemWriter):
         ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
         ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
         results = []
+        pieces = planner if isinstance(planner, ChunkPieces) and not self.transforms.extensions else None
         with torch_crc32_off(), open(path, "w+b") as stream:
             for item in ordered:
+                lazy = (
+                    pieces.resolve_pieces(item)
+                    if pieces is not None and item.type != WriteItemType.BYTE_IO
+                    else None
+                )
+                if lazy is not None:
+                    results.append(_write_pieces(stream, lazy, item, storage_key))
+                    continue
                 data = planner.resolve_data(item)
                 if isinstance(data, torch.Tensor):
                     data = _minimal(data)
@@ -95,3 +119,18 @@ class DistcpWriter(FileSystemWriter):
             stream.flush()
             os.fsync(stream.fileno())
         return results
+
+
+def _write_pieces(
+    stream: io.BufferedRandom, lazy: LazyTensor, item: WriteItem, storage_key: str
+) -> WriteResult:
+    """One chunk's archive at the end of ``stream`` from its pieces (``torch.save``'s bytes, CRCs
+    filled in), described as ``_write_item`` describes it (no stream transforms)."""
+    stream.seek(0, os.SEEK_END)
+    start = stream.tell()
+    stream_save(lazy, stream)
+    stream.seek(0, os.SEEK_END)
+    length = stream.tell() - start
+    return WriteResult(
+        index=item.index, size_in_bytes=length, storage_data=_StorageInfo(storage_key, start, length)
+    )

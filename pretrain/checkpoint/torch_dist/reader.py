@@ -186,16 +186,16 @@ class TorchDistReader:
             full = full + 1
         return full
 
-    def row_pieces(self, name: str) -> RowPieces | None:
-        """:meth:`tensor` as the stored chunks' rows in order, views of the mapped files (see
-        :mod:`~pretrain.checkpoint.torch_dist.mapped`); None where :meth:`tensor` does more (halves
-        joined, the output layer's copy compared, stored norm offsets) or the chunks do not tile
-        the rows."""
+    def row_pieces(self, name: str, *, stored: bool = False) -> RowPieces | None:
+        """:meth:`tensor` (``stored``: :meth:`stored_rows`) as the stored chunks' rows in order,
+        views of the mapped files (see :mod:`~pretrain.checkpoint.torch_dist.mapped`); None where
+        :meth:`tensor` does more (halves joined, the output layer's copy compared, stored norm
+        offsets) or the chunks do not tile the rows."""
         views = self._stored_views(name, 0)
         if views is None:
             return None
         rows = RowPieces(tuple(views))
-        return rows[: self.spec.cfg.vocab_size] if is_vocab_tensor(name) else rows
+        return rows[: self.spec.cfg.vocab_size] if is_vocab_tensor(name) and not stored else rows
 
     def column_pieces(self, name: str) -> ColumnPieces | None:
         """A 2-D :meth:`tensor` as the stored chunks' column blocks in order (mapped views)."""

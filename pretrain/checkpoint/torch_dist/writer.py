@@ -43,6 +43,7 @@ from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, Writ
 
 from pretrain.checkpoint.expert_layout import check_expert_layout
 from pretrain.checkpoint.legacy.layout import CHECKPOINT_VERSION, iteration_dir, write_tracker
+from pretrain.checkpoint.legacy.stream_save import LazyTensor
 from pretrain.checkpoint.legacy.writer import WriteOptions, _target_metadata, vocab_rows
 from pretrain.checkpoint.metadata import to_args
 from pretrain.checkpoint.optimizer.state import MCORE_STATE_PREFIX, OptimizerSource
@@ -50,7 +51,7 @@ from pretrain.checkpoint.plan import ModelSpec, chunk_slots
 from pretrain.checkpoint.torch_dist.dcp_failures import dcp_failures, first_line
 from pretrain.checkpoint.torch_dist.distcp_writer import DistcpWriter
 from pretrain.checkpoint.torch_dist.optimizer import optimizer_common, optimizer_entry_kinds
-from pretrain.checkpoint.types import TensorSource
+from pretrain.checkpoint.types import ColumnPieces, ColumnPieceSource, RowPieces, RowPieceSource, TensorSource
 from pretrain.checkpoint.upstream.expert_names import to_dist_expert
 from pretrain.checkpoint.upstream.names import MCORE_BLOCK, to_mcore_key
 from pretrain.checkpoint.work_split import SINGLE, WorkSplit
@@ -59,6 +60,10 @@ from pretrain.parallel.config import ParallelConfig
 from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.atomic import atomic_open
 from pretrain.utils.errors import UserError
+
+# chunks written from the source's stored blocks where it keeps them (DistcpWriter's pieces path);
+# tests switch it off to compare with the chunks joined first
+CHUNKS_FROM_PIECES = True
 
 METADATA_JSON = {
     "sharded_backend": "torch_dist",
@@ -178,10 +183,11 @@ class _StreamingPlanner(DefaultSavePlanner):
     """Save plan built from the entries; each chunk is fetched from the source when written."""
 
     def __init__(
-        self, entries: list[_Entry], fetch: Callable[[_Entry, str], torch.Tensor], split: WorkSplit = SINGLE
-    ) -> None:
+        self, entries: list[_Entry], fetch: Callable[[_Entry, str], torch.Tensor], split: WorkSplit = SINGLE,
+        pieces: Callable[[_Entry, str], RowPieces | ColumnPieces | None] | None = None,
+    ) -> None:  # fmt: skip
         super().__init__()
-        self.entries, self.fetch, self.split = entries, fetch, split
+        self.entries, self.fetch, self.split, self.pieces = entries, fetch, split, pieces
         self.chunk_of: dict[tuple[str, tuple[int, ...]], tuple[str, _Entry]] = {}
 
     def create_local_plan(self) -> SavePlan:
@@ -215,6 +221,16 @@ class _StreamingPlanner(DefaultSavePlanner):
         name, entry = self.chunk_of[(key, offsets)]
         t = self.fetch(entry, name).to(entry.dtype).contiguous()
         return t.reshape((1,) * len(entry.lead) + tuple(t.shape))  # its chunk of the leading axes
+
+    def resolve_pieces(self, write_item: WriteItem) -> LazyTensor | None:
+        """The chunk of ``write_item`` as the source's stored blocks, to be gathered into its
+        archive (:class:`~pretrain.checkpoint.torch_dist.distcp_writer.ChunkPieces`); None where
+        the source does not keep it so (then :meth:`resolve_data`)."""
+        name, entry = self.chunk_of[(write_item.index.fqn, tuple(write_item.index.offset or ()))]
+        made = self.pieces(entry, name) if self.pieces is not None else None
+        if made is None:
+            return None
+        return LazyTensor(entry.dtype, (1,) * len(entry.lead) + tuple(made.shape), lambda: made)
 
 
 def _chunk_bytes(e: _Entry) -> int:
@@ -252,6 +268,25 @@ def _fetcher(source: TensorSource, opt: OptimizerSource | None) -> Callable[[_En
         return full
 
     return fetch
+
+
+def _pieces_fetcher(source: TensorSource) -> Callable[[_Entry, str], RowPieces | ColumnPieces | None]:
+    def pieces(entry: _Entry, name: str) -> RowPieces | ColumnPieces | None:
+        """A weight chunk as the source's stored blocks, where it keeps them as they are written
+        (no cast; a vocabulary tensor's stored rows, then zero rows to the padded size, as
+        :func:`_fetcher` pads it); None elsewhere."""
+        if entry.state_kind is not None:
+            return None
+        made: RowPieces | ColumnPieces | None = None
+        if isinstance(source, RowPieceSource):
+            rows = source.row_pieces(name, stored=entry.pad_rows is not None)
+            made = rows.padded(entry.pad_rows) if rows is not None and entry.pad_rows is not None else rows
+        if made is None and isinstance(source, ColumnPieceSource) and entry.pad_rows is None:
+            made = source.column_pieces(name)
+        shape = tuple(entry.shape[len(entry.lead) :])
+        return made if made is not None and made.dtype == entry.dtype and tuple(made.shape) == shape else None
+
+    return pieces
 
 
 def write_torch_dist(
@@ -297,7 +332,8 @@ def write_torch_dist(
         written = dcp_failures(lambda exc: f"{save}: cannot write the torch_dist data ({first_line(exc)})")
         with written, warnings.catch_warnings():  # "assuming ... a single process": intended
             warnings.simplefilter("ignore", UserWarning)
-            planner = _StreamingPlanner(entries, _fetcher(source, optimizer), split)
+            fetch_pieces = _pieces_fetcher(source) if CHUNKS_FROM_PIECES else None
+            planner = _StreamingPlanner(entries, _fetcher(source, optimizer), split, fetch_pieces)
             dcp.save({}, storage_writer=DistcpWriter(it_dir), planner=planner, no_dist=not split.parallel)
         split.agree()  # (dcp.save already failed on every rank together, or on none)
         if not split.leader:

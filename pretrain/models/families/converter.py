@@ -8,7 +8,7 @@ functions of :class:`Converter`; tools at the edge (``tools/hf_io.py``) call onl
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -19,16 +19,24 @@ if TYPE_CHECKING:
     from pretrain.models.families.registry import Family
 
 TensorMaker = Callable[[], torch.Tensor]
+# a canonical tensor as row blocks of the HF tensors (views where they lie), joined along dim 0
+RowPartsMaker = Callable[[], tuple[torch.Tensor, ...]]
 
 
 @dataclass(frozen=True, kw_only=True)
 class HFImport:
     """A Hugging Face model read as ours: its config, a maker per canonical tensor (each builds one
     full tensor from the memory-mapped HF weights when called), and the BERT heads the HF model
-    lacked (``fresh_heads``, initialised here; ``add_binary_head``: a next-sentence head exists)."""
+    lacked (``fresh_heads``, initialised here; ``add_binary_head``: a next-sentence head exists).
+
+    ``row_parts`` (optional, per canonical name): the HF tensors' row blocks whose join along dim 0
+    is that maker's tensor, as views of the mapped weights (a fused QKV: each group's q, k and v
+    rows; SwiGLU's fc1: gate, up; a plain tensor: itself). A writer cuts its shards from them and
+    the fingerprint hashes them where they lie, with no copy of the tensor."""
 
     cfg: ModelConfig
     makers: dict[str, TensorMaker]
+    row_parts: dict[str, RowPartsMaker] = field(default_factory=dict)
     add_binary_head: bool = False
     fresh_heads: tuple[str, ...] = ()
 

@@ -25,7 +25,7 @@ import torch
 
 from pretrain.config import ModelConfig
 from pretrain.model_option_hf import absent_modules, config_kwargs_from_hf, hf_kwargs, hf_unsupported
-from pretrain.models.families.converter import HFConfig, HFImport
+from pretrain.models.families.converter import HFConfig, HFImport, RowPartsMaker
 from pretrain.models.families.registry import Family, export_family, families, family_of_model_type
 from pretrain.utils.buffer_pool import pooled_cat, pooled_copy
 from pretrain.utils.errors import UserError
@@ -56,10 +56,20 @@ def fuse_qkv(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, groups: int, head_dim: int
 ) -> torch.Tensor:
     """HF ``q [nq d, ...]``, ``k``/``v`` ``[g d, ...]`` -> rows ``[g][nq/g + 2][d]``."""
-    rest = q.shape[1:]
-    qg = q.reshape(groups, -1, head_dim, *rest)
-    kg, vg = k.reshape(groups, 1, head_dim, *rest), v.reshape(groups, 1, head_dim, *rest)
-    return pooled_cat([qg, kg, vg], dim=1).reshape(-1, *rest)
+    return pooled_cat(list(qkv_rows(q, k, v, groups=groups, head_dim=head_dim)))
+
+
+def qkv_rows(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, groups: int, head_dim: int
+) -> tuple[torch.Tensor, ...]:
+    """The row blocks of :func:`fuse_qkv`'s tensor, in order, as views of ``q``, ``k``, ``v``:
+    per group ``g`` its ``nq/g`` query heads' rows, then its key and its value head's rows."""
+    per_group = q.shape[0] // groups
+    out: list[torch.Tensor] = []
+    for g in range(groups):
+        out += [q[g * per_group : (g + 1) * per_group], k[g * head_dim : (g + 1) * head_dim],
+                v[g * head_dim : (g + 1) * head_dim]]  # fmt: skip
+    return tuple(out)
 
 
 def split_qkv(
@@ -190,6 +200,23 @@ def lazy_hf_to_canonical(
         else:
             out[ours] = functools.partial(_cat, ts)
     return out
+
+
+def hf_row_parts(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, RowPartsMaker]:
+    """Each canonical tensor of :func:`lazy_hf_to_canonical` (names already checked there) as the
+    HF tensors' row blocks that its maker joins: views, no copy (:class:`HFImport`)."""
+    out: dict[str, RowPartsMaker] = {ours: functools.partial(_whole, hf[h]) for ours, h in name_pairs(cfg)}
+    for ours, parts, kind in fused_names(cfg):
+        ts = tuple(hf[p] for p in parts)
+        if kind == "qkv":
+            out[ours] = functools.partial(qkv_rows, *ts, groups=cfg.query_groups, head_dim=cfg.head_dim)
+        else:
+            out[ours] = functools.partial(_whole, *ts)
+    return out
+
+
+def _whole(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    return ts
 
 
 def _copy(t: torch.Tensor) -> torch.Tensor:
@@ -336,7 +363,7 @@ def import_hf(
     state: Mapping[str, torch.Tensor], hf_config: HFConfig, family: Family, **overrides: object
 ) -> HFImport:
     cfg = config_from_hf(hf_config, family, **overrides)
-    return HFImport(cfg=cfg, makers=lazy_hf_to_canonical(state, cfg))
+    return HFImport(cfg=cfg, makers=lazy_hf_to_canonical(state, cfg), row_parts=hf_row_parts(state, cfg))
 
 
 def check_exportable(cfg: ModelConfig, *, family: Family | None = None) -> None:
