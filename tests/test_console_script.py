@@ -105,3 +105,32 @@ def test_mlm_convert_lets_openmp_threads_sleep_unless_the_user_chose(given: str 
         [sys.executable, "-c", body], capture_output=True, text=True, env=env, timeout=120, check=False
     )
     assert (done.returncode, done.stdout.split()) == (0, [seen, "False"]), done.stderr
+
+
+def test_torch_is_imported_with_the_collector_paused_then_frozen(tmp_path: Path) -> None:
+    """``import_torch_frozen``: torch imported, no collection ran during the import, every object
+    alive then in the permanent generation, and the collector on again for what comes after."""
+    body = """
+    import gc
+    from pretrain.utils.console import import_torch_frozen
+    collections = []
+    gc.callbacks.append(lambda phase, info: collections.append(info["generation"]) if phase == "start" else None)
+    assert "torch" not in sys.modules
+    import_torch_frozen()
+    print("torch" in sys.modules, collections == [], gc.get_freeze_count() > 100_000, gc.isenabled())
+    import_torch_frozen()  # a second call: nothing
+    """
+    done = _run(body, tmp_path)
+    assert (done.returncode, done.stdout.split()) == (0, ["True"] * 4), done.stderr
+
+
+def test_mlm_convert_help_does_not_import_torch() -> None:
+    body = (
+        "import sys\nimport tools.convert_cli as cli\ntry:\n    cli.main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "print('torch imported:', 'torch' in sys.modules)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", body], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert done.returncode == 0 and "to-hf" in done.stdout, done.stderr
+    assert done.stdout.splitlines()[-1] == "torch imported: False"

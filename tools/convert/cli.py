@@ -31,6 +31,7 @@ from pretrain.models.families.registry import supported_architectures, supported
 from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer.flags import TokenizerFlags
 from pretrain.utils.cli import OneLineParser
+from pretrain.utils.console import import_torch_frozen
 from pretrain.utils.errors import UserError, cli_entry
 from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace, renamed_flag_errors
 from pretrain.utils.outputs import check_writable_output
@@ -157,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "inspect":
         _check_tokenizer_flags(args)
         return run_inspect(source_from_args(args), as_json=args.json)
-    from pretrain.utils.buffer_pool import pooled_buffers  # (imports torch: not for --help)
+    import_torch_frozen()  # (not for --help)
+    from pretrain.utils.buffer_pool import pooled_buffers
 
     split = WorkSplit.from_env()  # under torchrun: this process's share of the output files
     try:
