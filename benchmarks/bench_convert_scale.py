@@ -22,7 +22,8 @@ files split among the processes); ``peak_anon_gb`` is then the sum over the laun
 processes.
 
 Usage: ``python -m benchmarks.bench_convert_scale [--quick | --large] [--sizes 0.5b,1b] [--workdir DIR]
-[--nproc N] [--plot docs/convert_scale.svg]``. Disk: about 4 copies of the largest model at once (3B: 24 GB).
+[--nproc N] [--repeats N] [--plot docs/convert_scale.svg]``. ``--repeats N`` times each conversion N
+times, each right after its own ``cp -r``, and reports medians (the ratio's too) and each ratio. Disk: about 4 copies of the largest model at once (3B: 24 GB).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import argparse
 import json
 import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -130,6 +132,7 @@ def _cp_seconds(src: Path, dst: Path) -> float:
 
 REPO = Path(__file__).parents[1]
 NPROC = 1  # processes per conversion (--nproc): more than 1 runs it under torchrun
+REPEATS = 1  # (copy, conversion) pairs per conversion (--repeats): medians reported
 
 
 def convert_command(argv: list[str], nproc: int) -> list[str]:
@@ -138,7 +141,23 @@ def convert_command(argv: list[str], nproc: int) -> list[str]:
     return [sys.executable, *launch, "-m", "tools.convert_cli", *argv]
 
 
-def _convert(name: str, argv: list[str], source: Path, work: Path) -> dict[str, float]:
+def _convert(name: str, argv: list[str], source: Path, work: Path, output: Path) -> dict[str, object]:
+    """:func:`_convert_once` :data:`REPEATS` times (``output`` removed between): the medians (of
+    the paired ``time_over_cp`` ratios too), the largest ``peak_anon_gb``, and each run's ratio."""
+    runs = []
+    for i in range(REPEATS):
+        if i:
+            shutil.rmtree(output)
+        runs.append(_convert_once(name, argv, source, work))
+    out: dict[str, object] = {k: round(statistics.median(float(r[k]) for r in runs), 2) for k in runs[0]}
+    out["peak_anon_gb"] = max(r["peak_anon_gb"] for r in runs)
+    out["source_gb"] = runs[0]["source_gb"]
+    if REPEATS > 1:
+        out["time_over_cp_runs"] = [r["time_over_cp"] for r in runs]
+    return out
+
+
+def _convert_once(name: str, argv: list[str], source: Path, work: Path) -> dict[str, float]:
     """Run ``python -m tools.convert_cli ARGV`` from :data:`REPO` (``--repo``), measured, right
     after a ``cp -r`` of its source on the same disk (the disk's speed drifts by 3x within minutes
     on a shared host: a copy timed once per size is not this conversion's baseline)."""
@@ -176,7 +195,7 @@ def measure_size(size: str, work: Path, only: frozenset[str] = frozenset(CONVERS
     hf, out = work / "hf", work / "out"
     runs: dict[str, dict[str, float]] = {}
     runs["to_hf"] = _convert("to_hf", ["to-hf", "--load", str(legacy), "--save", str(hf), "--weights-only",
-                                       "--no-verify", "--max-shard-size", "2GB"], legacy, work)  # fmt: skip
+                                       "--no-verify", "--max-shard-size", "2GB"], legacy, work, hf)  # fmt: skip
     commands = {
         "reshard": (["reshard", "--load", str(legacy), "--save", str(out), "--target-tp", "4", "--target-pp", "1"],
                     legacy),
@@ -189,7 +208,7 @@ def measure_size(size: str, work: Path, only: frozenset[str] = frozenset(CONVERS
     }  # fmt: skip
     for name, (argv, source) in commands.items():
         if name in only:
-            runs[name] = _convert(name, argv, source, work)
+            runs[name] = _convert(name, argv, source, work, out)
             shutil.rmtree(out)
     shutil.rmtree(work)
     return {
@@ -236,15 +255,20 @@ def main() -> None:
     p.add_argument("--conversions", default=",".join(CONVERSIONS), help="which to run (to_hf always runs)")
     p.add_argument("--plot", type=Path, default=None, help="write the curve here (.svg)")
     p.add_argument("--nproc", type=int, default=1, help="run each conversion as torchrun --nproc-per-node N")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="time each conversion N times, each right after its own cp -r (medians)")  # fmt: skip
     p.add_argument("--repo", type=Path, default=None,
                    help="run the conversions from this checkout (e.g. main, for a before/after)")  # fmt: skip
     a = p.parse_args()
-    global REPO, NPROC
+    global REPO, NPROC, REPEATS
     if a.repo is not None:
         REPO = a.repo.resolve()
     if a.nproc < 1:
         p.error(f"--nproc {a.nproc}: must be at least 1")
     NPROC = a.nproc
+    if a.repeats < 1:
+        p.error(f"--repeats {a.repeats}: must be at least 1")
+    REPEATS = a.repeats
     sizes = QUICK if a.quick else LARGE if a.large else tuple(a.sizes.split(",")) if a.sizes else DEFAULT
     work = Path(tempfile.mkdtemp(dir=a.workdir, prefix="bench_convert_scale."))
     points = []
@@ -259,7 +283,7 @@ def main() -> None:
         from benchmarks.convert_scale_plot import write_svg
 
         write_svg(points, a.plot)
-    print(json.dumps({"benchmark": "convert_scale", "repo": str(REPO), "nproc": NPROC, "sizes": points,
+    print(json.dumps({"benchmark": "convert_scale", "repo": str(REPO), "nproc": NPROC, "repeats": REPEATS, "sizes": points,
                       **summarise(points)}))  # fmt: skip
 
 
