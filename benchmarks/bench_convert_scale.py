@@ -1,8 +1,9 @@
 """Conversion at disk speed in flat memory: the curve over model size (issue 29, part 1).
 
 Per size, a synthetic Llama-shape bf16 model (GQA, SwiGLU, untied output) is written as a legacy
-checkpoint at tp2 pp2 and as ``torch_dist``; then, each as its own ``python -m tools.convert_cli``
-process whose whole process tree's RssAnon is sampled (:mod:`benchmarks.anon_memory`):
+checkpoint at tp2 pp2 and as ``torch_dist``; then each conversion runs as its own ``python -m
+tools.convert_cli`` process, timed as a user runs it, and once more with its whole process tree's
+RssAnon sampled (:mod:`benchmarks.anon_memory`; the sampling slows it, so that run is not timed):
 
 * ``to_hf``: legacy tp2 pp2 -> Hugging Face (``--max-shard-size 2GB``, ``--no-verify``);
 * ``reshard``: legacy tp2 pp2 -> tp4 pp1;
@@ -30,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import shutil
 import statistics
@@ -142,44 +144,59 @@ def convert_command(argv: list[str], nproc: int) -> list[str]:
 
 
 def _convert(name: str, argv: list[str], source: Path, work: Path, output: Path) -> dict[str, object]:
-    """:func:`_convert_once` :data:`REPEATS` times (``output`` removed between): the medians (of
-    the paired ``time_over_cp`` ratios too), the largest ``peak_anon_gb``, and each run's ratio."""
+    """:func:`_timed` :data:`REPEATS` times (``output`` removed between), then once more measured
+    for memory (:func:`_peak_anon`; its output is kept): the medians (of the paired
+    ``time_over_cp`` ratios too) and, with repeats, each run's ratio."""
     runs = []
-    for i in range(REPEATS):
-        if i:
-            shutil.rmtree(output)
-        runs.append(_convert_once(name, argv, source, work))
-    out: dict[str, object] = {k: round(statistics.median(float(r[k]) for r in runs), 2) for k in runs[0]}
-    out["peak_anon_gb"] = max(r["peak_anon_gb"] for r in runs)
-    out["source_gb"] = runs[0]["source_gb"]
+    for _ in range(REPEATS):
+        runs.append(_timed(name, argv, source, work))
+        shutil.rmtree(output)
+    out: dict[str, object] = {k: round(statistics.median(r[k] for r in runs), 2) for k in runs[0]}
+    out["peak_anon_gb"] = _peak_anon(name, argv)
+    out["source_gb"] = round(_dir_bytes(source) / GB, 3)
     if REPEATS > 1:
-        out["time_over_cp_runs"] = [r["time_over_cp"] for r in runs]
+        out["time_over_cp_runs"] = [round(r["time_over_cp"], 2) for r in runs]
     return out
 
 
-def _convert_once(name: str, argv: list[str], source: Path, work: Path) -> dict[str, float]:
-    """Run ``python -m tools.convert_cli ARGV`` from :data:`REPO` (``--repo``), measured, right
-    after a ``cp -r`` of its source on the same disk (the disk's speed drifts by 3x within minutes
-    on a shared host: a copy timed once per size is not this conversion's baseline)."""
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
+
+
+def _timed(name: str, argv: list[str], source: Path, work: Path) -> dict[str, float]:
+    """Run ``python -m tools.convert_cli ARGV`` from :data:`REPO` (``--repo``) as a user runs it
+    (no sampler beside it), right after a ``cp -r`` of its source on the same disk (the disk's
+    speed drifts by 3x within minutes on a shared host: a copy timed once per size is not this
+    conversion's baseline): wall and CPU seconds."""
     cp_s = _cp_seconds(source, work / f"cp_{name}")
     cmd = convert_command(argv, NPROC)
     _flush()
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    m = run_measured(cmd, cwd=REPO, env={"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"})
-    if m.returncode != 0:
-        raise SystemExit(f"{name} failed ({m.returncode}): {m.output[-3000:]}")
+    start = time.perf_counter()
+    done = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, check=False)
+    wall = time.perf_counter() - start
+    if done.returncode != 0:
+        raise SystemExit(f"{name} failed ({done.returncode}): {(done.stdout + done.stderr)[-3000:]}")
     after = resource.getrusage(resource.RUSAGE_CHILDREN)  # the conversion's processes, waited for
     cpu_s = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    src_bytes = _dir_bytes(source)
     return {
-        "wall_s": round(m.wall_s, 2),
-        "mb_per_s": round(src_bytes / 1e6 / m.wall_s, 1),
-        "time_over_cp": round(m.wall_s / cp_s, 2),
-        "cp_s": round(cp_s, 2),  # the paired copy
-        "cpu_s": round(cpu_s, 2),  # user + system: what the conversion costs on a loaded host
-        "peak_anon_gb": round(m.peak_anon_bytes / GB, 3),
-        "source_gb": round(src_bytes / GB, 3),
+        "wall_s": wall,
+        "mb_per_s": _dir_bytes(source) / 1e6 / wall,
+        "time_over_cp": wall / cp_s,
+        "cp_s": cp_s,  # the paired copy
+        "cpu_s": cpu_s,  # user + system: what the conversion costs on a loaded host
     }
+
+
+def _peak_anon(name: str, argv: list[str]) -> float:
+    """Peak anonymous memory (GB) of the conversion's process tree, in a run of its own: the
+    sampler reads ``/proc`` every millisecond and the children free memory back to the OS at once
+    (:mod:`benchmarks.anon_memory`), which slows them, so no time is taken from this run."""
+    _flush()
+    m = run_measured(convert_command(argv, NPROC), cwd=REPO, env=_env())
+    if m.returncode != 0:
+        raise SystemExit(f"{name} failed ({m.returncode}): {m.output[-3000:]}")
+    return round(m.peak_anon_bytes / GB, 3)
 
 
 def measure_size(size: str, work: Path, only: frozenset[str] = frozenset(CONVERSIONS)) -> dict[str, object]:
