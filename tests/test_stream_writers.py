@@ -238,9 +238,11 @@ def test_peak_memory_is_flat_in_output_file_size(tmp_path: Path) -> None:
     assert one_file - base < 4 * largest + 30e6, (one_file, base, model_bytes)
     # to-hf's forked child (tools/forked_job.py: transformers' config and tokenizer files) holds
     # its import beside the writer, and the pages either process touches after the fork are
-    # counted in both: about 21 MB more than the thread it replaced, the same for any model size
+    # counted in both: about 21 MB more than the thread it replaced, the same for any model size;
+    # with torch's objects frozen (pretrain.utils.console.import_torch_frozen) the child shares
+    # ~15 MB fewer pages with the writer (Pss_Anon 142 -> 157 MB here), again for any model size
     for peak in (one_shard, many):
-        assert peak - base < 4 * largest + 55e6, (peak, base, model_bytes)
+        assert peak - base < 4 * largest + 75e6, (peak, base, model_bytes)
     assert abs(one_shard - many) < 2 * largest + 20e6, (one_shard, many)
 
 

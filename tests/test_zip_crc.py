@@ -304,3 +304,44 @@ def test_torch_dist_writer_keeps_no_chunk_after_writing_it(
     with monkeypatch.context() as m:
         m.setattr(writer, "DistcpWriter", lambda path: dcp.FileSystemWriter(str(path), thread_count=1))
         assert most_alive_before_each_chunk(tmp_path / "torch") > 5
+
+
+def test_files_in_lockstep_are_written_by_several_threads_with_one_threads_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``stream_save_all`` makes record ``k`` of every file here, then writes them on up to one
+    thread per CPU: each file is still ``torch.save``'s bytes, and the writes did run apart."""
+    import threading
+
+    import pretrain.checkpoint.legacy.stream_save as ss
+
+    monkeypatch.setattr(ss.os, "cpu_count", lambda: 4)
+    gen = torch.Generator().manual_seed(4)
+    states = [{"a": torch.randn(64, 32, generator=gen), "b": torch.randn(300, generator=gen).bfloat16()}
+              for _ in range(3)]  # fmt: skip
+    threads: set[str] = set()
+    real = ss._Archive.write_gathered
+    together = threading.Barrier(3, timeout=60)  # each record's three writes run at once (or this fails)
+
+    def noted(self, name, chunks, nbytes):  # noqa: ANN001, ANN202
+        threads.add(threading.current_thread().name)
+        together.wait()
+        return real(self, name, chunks, nbytes)
+
+    monkeypatch.setattr(ss._Archive, "write_gathered", noted)
+    lazy = [
+        {k: LazyTensor(v.dtype, tuple(v.shape), lambda v=v: RowPieces((v[:1], v[1:]))) for k, v in s.items()}  # type: ignore[misc]
+        for s in states
+    ]
+    paths = [tmp_path / f"got{i}.pt" for i in range(3)]
+    handles = [open(p, "w+b") for p in paths]  # noqa: SIM115
+    try:
+        ss.stream_save_all(list(zip(lazy, handles, strict=True)))
+    finally:
+        for fh in handles:
+            fh.close()
+    assert len(threads) == 3 and all(t.startswith("stream_save") for t in threads)
+    for state, path in zip(states, paths, strict=True):
+        want = io.BytesIO()
+        torch.save(state, want)
+        assert path.read_bytes() == want.getvalue()

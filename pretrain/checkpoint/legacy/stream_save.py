@@ -6,12 +6,13 @@ records, then one record ``data/<key>`` per storage in the order the pickle met 
 needs only each tensor's dtype and shape, so :func:`stream_save` pickles an object whose model
 tensors are :class:`LazyTensor` placeholders (dtype, shape, and a function making the data), then
 makes each tensor just before its record is written and drops it at once: memory stays at one
-tensor, whatever the file's size. Real tensors in the object (optimizer state, RNG state) are
-written as ``torch.save`` writes them.
+tensor, whatever the file's size (files written in lockstep hold record ``k`` of each at once: a
+pipeline stage's TP shards, views of one tensor). Real tensors in the object (optimizer state,
+RNG state) are written as ``torch.save`` writes them.
 
 The bytes are those ``torch.save`` writes for the same object with real tensors (the same
 pickle, the records in the same order, through torch's own zip writer with its alignment
-settings; ``tests/test_stream_save.py``), so ``torch.load(weights_only=True)`` and megatron-core
+settings; ``tests/test_zip_crc.py``), so ``torch.load(weights_only=True)`` and megatron-core
 read the files as before. Into a file opened for reading and writing (``w+b``), the CRC-32s are
 not computed by torch's slow writer but by :mod:`~pretrain.checkpoint.zip_crc` (ISA-L) from each
 record's bytes while they are in memory, and filled in when the archive is finished: the same
@@ -21,12 +22,14 @@ bytes, a third less time. Other targets (``wb`` files, ``BytesIO``) get torch's 
 from __future__ import annotations
 
 import collections
+import contextlib
 import io
 import os
 import pickle
 import struct
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import IO
 
@@ -110,7 +113,8 @@ def _joined(made: Made) -> torch.Tensor:
     return torch.cat(made.parts, dim=1) if isinstance(made, ColumnPieces) else made
 
 
-def _write_tensor(archive: _Archive, name: str, lazy: LazyTensor) -> None:
+def _tensor_writer(archive: _Archive, name: str, lazy: LazyTensor) -> Callable[[], None]:
+    """Make ``lazy`` now; the call returned writes it as record ``name`` (from any thread)."""
     made = lazy.make()
     lead = len(lazy.shape) - len(made.shape)
     stacked = lead >= 0 and all(n == 1 for n in lazy.shape[:lead])  # (a chunk of a stacked tensor)
@@ -124,16 +128,15 @@ def _write_tensor(archive: _Archive, name: str, lazy: LazyTensor) -> None:
     gathers = archive.crcs is not None and hasattr(archive.zf, "write_record_metadata")
     chunks = _gathered(made) if gathers else None
     if chunks is not None:  # its pieces or rows where they lie, gathered into the record: no copy
-        archive.write_gathered(name, chunks, nbytes)
-        return
+        return lambda: archive.write_gathered(name, chunks, nbytes)
     t = _joined(made).detach().to("cpu")
     if not t.is_contiguous():  # a row-parallel shard: copied into a pooled buffer during a conversion
         t = pooled_copy(t)
     # its bytes where they lie: a view of a larger storage (a TP shard cut from the full tensor)
     # is written from a storage slice, which shares the memory (no copy first)
     start = t.storage_offset() * t.element_size()
-    archive.write(name, t.untyped_storage()[start : start + nbytes], nbytes,
-                  lambda: crc32(t.reshape(-1).view(torch.uint8).numpy()))  # fmt: skip
+    return lambda: archive.write(name, t.untyped_storage()[start : start + nbytes], nbytes,
+                                 lambda: crc32(t.reshape(-1).view(torch.uint8).numpy()))  # fmt: skip
 
 
 def _gathered(made: Made) -> list[memoryview] | None:
@@ -225,18 +228,24 @@ def stream_save_all(files: Sequence[tuple[object, IO[bytes]]]) -> None:
 
     The files are written in lockstep, record ``k`` of every file before record ``k + 1`` of any:
     files of the same layout (a pipeline stage's TP ranks) then ask for the same source tensor one
-    after another, which a one-tensor cache in the caller turns into one read."""
+    after another, which a one-tensor cache in the caller turns into one read. Record ``k`` of
+    each file is made in this thread, then the files' records are written by up to one thread per
+    CPU (the kernel's copy into the page cache, most of a conversion's time, runs on every core;
+    each file has its own writer, and the files' bytes are those of one thread)."""
     started: list[_Archive] = []
     try:
         for obj, fh in files:
             started.append(_begin(obj, fh))
-        for key in range(max((len(a.records) for a in started), default=0)):
-            for archive in started:
-                if key < len(archive.records):
-                    record = archive.records[key]
-                    archive.records[key] = None  # dropped: one made tensor at a time
-                    assert record is not None
-                    _write_record(archive, f"data/{key}", record)
+        with _writers(len(started)) as write_all:
+            for key in range(max((len(a.records) for a in started), default=0)):
+                writes = []
+                for archive in started:
+                    if key < len(archive.records):
+                        record = archive.records[key]
+                        archive.records[key] = None  # dropped once written
+                        assert record is not None
+                        writes.append(_record_writer(archive, f"data/{key}", record))
+                write_all(writes)
     finally:
         # finish every archive while its file is open (also on an error or Ctrl-C: a writer left to
         # the garbage collector would finish it into a closed file and abort the process)
@@ -249,13 +258,41 @@ def stream_save_all(files: Sequence[tuple[object, IO[bytes]]]) -> None:
         fh.flush()
 
 
-def _write_record(archive: _Archive, name: str, record: torch.UntypedStorage | LazyTensor) -> None:
+@contextlib.contextmanager
+def _writers(files: int) -> Iterator[Callable[[list[Callable[[], None]]], None]]:
+    """``write_all(writes)``: run the writes (one per file) on up to one thread per CPU, and
+    return when every one has finished (the first error raised); inline for one file or one CPU.
+    On leaving, no write is running (an archive is only finished after its writes)."""
+    workers = min(files, os.cpu_count() or 1)
+    if workers < 2:
+
+        def write_each(writes: list[Callable[[], None]]) -> None:
+            for write in writes:
+                write()
+
+        yield write_each
+        return
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stream_save") as pool:
+
+        def write_all(writes: list[Callable[[], None]]) -> None:
+            futures = [pool.submit(write) for write in writes]
+            try:
+                for future in futures:
+                    future.result()
+            finally:  # (an error or Ctrl-C here: the other writes end before the archives do)
+                wait(futures)
+
+        yield write_all
+
+
+def _record_writer(
+    archive: _Archive, name: str, record: torch.UntypedStorage | LazyTensor
+) -> Callable[[], None]:
     if isinstance(record, LazyTensor):
-        _write_tensor(archive, name, record)
-    else:
-        storage = record.cpu()
-        as_bytes = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[call-overload]
-        archive.write(name, storage, storage.nbytes(), lambda: crc32(as_bytes.numpy()))
+        return _tensor_writer(archive, name, record)
+    storage = record.cpu()
+    as_bytes = torch.empty(0, dtype=torch.uint8).set_(storage)  # type: ignore[call-overload]
+    return lambda: archive.write(name, storage, storage.nbytes(), lambda: crc32(as_bytes.numpy()))
 
 
 def stream_save(obj: object, fh: IO[bytes]) -> None:
