@@ -206,3 +206,26 @@ def test_to_hf_from_row_blocks_is_byte_identical(
     else:
         assert not any(passed)  # GPT-2's row-parallel weights are transposed for Conv1D
     assert any(calls)  # the word embeddings' vocabulary rows, in every family
+
+
+@pytest.mark.parametrize(("widths", "stage_bytes"), [((5, 7), 200), ((3,), 64), ((40, 40), 1 << 20)])
+def test_column_blocks_are_staged_a_few_rows_at_a_time_or_written_where_they_lie(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, widths: tuple[int, ...], stage_bytes: int
+) -> None:
+    """Short rows are joined into one reused buffer a few rows at a time (each view written before
+    the next is made: with a 200-byte stage, 29 rows take many refills); rows of 64 KB or more are
+    gathered where they lie. Either way the file holds ``torch.cat(parts, dim=1)``, at an offset too."""
+    import pretrain.utils.gathered_write as gw
+
+    monkeypatch.setattr(gw, "_STAGE_BYTES", stage_bytes)
+    monkeypatch.setattr(gw, "_STAGE_BELOW", 64 if widths == (40, 40) else 1 << 16)
+    gen = torch.Generator().manual_seed(5)
+    parts = [torch.randn(29, w, generator=gen).bfloat16() for w in widths]
+    chunks = gw.column_chunks(parts)
+    assert isinstance(chunks, list) == (widths == (40, 40))  # 80-byte rows over a 64-byte threshold
+    path = tmp_path / "out"
+    path.write_bytes(b"x" * 10)
+    with open(path, "r+b") as fh:
+        gw.write_gathered(fh.fileno(), chunks, 10)
+    want = torch.cat(parts, dim=1).view(torch.uint8).numpy().tobytes()
+    assert path.read_bytes() == b"x" * 10 + want

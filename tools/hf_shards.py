@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import BinaryIO
 
@@ -25,7 +25,7 @@ import torch
 from pretrain.checkpoint.tensor_meta import meta_like
 from pretrain.checkpoint.types import ColumnPieces, RowPieces
 from pretrain.utils.errors import UserError
-from pretrain.utils.gathered_write import flat_bytes, interleaved_rows, write_gathered
+from pretrain.utils.gathered_write import column_chunks, flat_bytes, write_gathered
 from tools.hf_plan import Planned
 
 __all__ = ["Planned", "ShardWriter", "meta_like", "split_shards", "write_planned_shards"]
@@ -193,7 +193,9 @@ def write_index(directory: Path, weight_map: dict[str, str], total: int) -> None
     (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
-def _data(tensor: torch.Tensor | RowPieces | ColumnPieces) -> tuple[torch.Tensor, list[memoryview]]:
+def _data(
+    tensor: torch.Tensor | RowPieces | ColumnPieces,
+) -> tuple[torch.Tensor, list[memoryview] | Iterator[memoryview]]:
     """A tensor's dtype and shape (a ``meta`` tensor for pieces) and its bytes in order."""
     if isinstance(tensor, ColumnPieces):
         meta = torch.empty(tuple(tensor.shape), dtype=tensor.dtype, device="meta")
@@ -206,9 +208,10 @@ def _data(tensor: torch.Tensor | RowPieces | ColumnPieces) -> tuple[torch.Tensor
     return t, [flat_bytes(t)] if t.numel() else []
 
 
-def _gathered_rows(pieces: ColumnPieces) -> list[memoryview]:
-    """The joined tensor's bytes as ``[rows x parts]`` slices: row ``r`` of each part in turn."""
-    return interleaved_rows([p.detach().to("cpu").contiguous() for p in pieces.parts])
+def _gathered_rows(pieces: ColumnPieces) -> list[memoryview] | Iterator[memoryview]:
+    """The joined tensor's bytes in row-major order: row ``r`` of each part in turn, where they
+    lie or staged (:func:`~pretrain.utils.gathered_write.column_chunks`)."""
+    return column_chunks([p.detach().to("cpu").contiguous() for p in pieces.parts])
 
 
 def write_planned_shards(

@@ -4,16 +4,25 @@ A file writer that has a tensor as pieces (a tensor-parallel shard's rows, the r
 range of a mapped checkpoint block) hands the kernel the list: ``os.writev`` / ``os.pwritev`` take
 up to ``IOV_MAX`` buffers a call, so a thousand gathered rows cost one system call and no copy in
 this process. Short writes (a signal, a call over 2 GiB) are completed in order.
+
+Rows of a few KB each (a row-parallel tensor's TP blocks joined along the columns: each row of the
+output is a short row of each block) are the exception: the kernel's copy slows down per buffer,
+and 2 KB rows went 3x slower than one buffer of the same bytes (0.43 s against 0.12-0.14 s for
+512 MB here). :func:`column_chunks` joins such rows a few MB at a time into one reused staging
+buffer (a copy in this process that stays in the caches) and hands out that buffer's bytes.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-__all__ = ["flat_bytes", "interleaved_rows", "row_bytes", "write_gathered"]
+__all__ = ["column_chunks", "flat_bytes", "interleaved_rows", "row_bytes", "write_gathered"]
+
+_STAGE_BYTES = 8 << 20  # the staging buffer of column_chunks
+_STAGE_BELOW = 64 << 10  # rows shorter than this (bytes) are staged; longer ones written where they lie
 
 _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") and "SC_IOV_MAX" in os.sysconf_names else 16
 
@@ -44,9 +53,41 @@ def interleaved_rows(parts: Sequence[torch.Tensor]) -> list[memoryview]:
     return [chunk for row in zip(*per_part, strict=True) for chunk in row]
 
 
-def write_gathered(fd: int, chunks: Sequence[memoryview], offset: int | None = None) -> None:
+def column_chunks(parts: Sequence[torch.Tensor]) -> list[memoryview] | Iterator[memoryview]:
+    """The bytes of 2-D CPU ``parts`` (each ``[R, c_i]``, rows contiguous) joined along dim 1, in
+    row-major order: each row of each part where it lies (:func:`interleaved_rows`) when the
+    rows are long; else the joined rows a few MB at a time in one reused staging buffer, each view
+    valid only until the next is taken (write or hash it first: :func:`write_gathered` does)."""
+    rows, width = parts[0].shape[0], sum(p.shape[1] for p in parts)
+    row_bytes_ = width * parts[0].element_size()
+    if rows == 0 or width == 0:
+        return []
+    if all(p.shape[1] * p.element_size() >= _STAGE_BELOW for p in parts):
+        return interleaved_rows(parts)
+    return _staged(parts, max(1, _STAGE_BYTES // row_bytes_))
+
+
+def _staged(parts: Sequence[torch.Tensor], step: int) -> Iterator[memoryview]:
+    rows, width = parts[0].shape[0], sum(p.shape[1] for p in parts)
+    stage = torch.empty((min(step, rows), width), dtype=parts[0].dtype)
+    for lo in range(0, rows, step):
+        hi = min(rows, lo + step)
+        block = stage[: hi - lo]
+        torch.cat([p[lo:hi] for p in parts], dim=1, out=block)
+        yield flat_bytes(block)
+
+
+def write_gathered(fd: int, chunks: Iterable[memoryview], offset: int | None = None) -> None:
     """Write the 1-D byte ``chunks`` in order to ``fd``: at its position (``offset`` None) or from
-    byte ``offset`` on (the file position unchanged)."""
+    byte ``offset`` on (the file position unchanged). A sequence goes ``IOV_MAX`` buffers a call;
+    any other iterable (e.g. :func:`column_chunks`' staged views) one chunk at a time, each written
+    before the next is taken."""
+    if not isinstance(chunks, Sequence):
+        at = offset if offset is not None else 0
+        for chunk in chunks:
+            write_gathered(fd, [chunk], None if offset is None else at)
+            at += len(chunk)
+        return
     at = offset if offset is not None else 0
     if not hasattr(os, "pwritev"):  # (not on Windows): one chunk a call
         for chunk in chunks:

@@ -39,7 +39,7 @@ import torch.serialization as ser
 from pretrain.checkpoint.types import ColumnPieces, RowPieces
 from pretrain.checkpoint.zip_crc import crc32, fill_crc32
 from pretrain.utils.buffer_pool import pooled_copy
-from pretrain.utils.gathered_write import flat_bytes, interleaved_rows, row_bytes, write_gathered
+from pretrain.utils.gathered_write import column_chunks, flat_bytes, write_gathered
 
 Made = torch.Tensor | RowPieces | ColumnPieces  # (pieces: written where they lie, not joined)
 
@@ -139,22 +139,23 @@ def _tensor_writer(archive: _Archive, name: str, lazy: LazyTensor) -> Callable[[
                                  lambda: crc32(t.reshape(-1).view(torch.uint8).numpy()))  # fmt: skip
 
 
-def _gathered(made: Made) -> list[memoryview] | None:
-    """The record's bytes as chunks where they lie: each piece of :class:`RowPieces`, each row of
-    each block of :class:`ColumnPieces` in turn, or each row of a 2-D CPU view whose rows are
-    contiguous (a column range of a block); ``None`` for anything else (written as before).
+def _gathered(made: Made) -> list[memoryview] | Iterator[memoryview] | None:
+    """The record's bytes as chunks where they lie: each piece of :class:`RowPieces`; for
+    :class:`ColumnPieces` or a 2-D CPU view whose rows are contiguous (a column range of a block)
+    their joined rows (:func:`~pretrain.utils.gathered_write.column_chunks`: where they lie, or
+    staged a few MB at a time when short); ``None`` for anything else (written as before).
     Contiguous tensors are written from their storage as before."""
     parts = made.parts if isinstance(made, RowPieces | ColumnPieces) else (made,)
     if any(p.device.type != "cpu" for p in parts):
         return None
     if isinstance(made, ColumnPieces):
         rows_whole = all(p.dim() == 2 and (p.stride(1) == 1 or p.shape[1] <= 1) for p in parts)
-        return interleaved_rows(parts) if rows_whole and made.shape.numel() else None
+        return column_chunks(parts) if rows_whole and made.shape.numel() else None
     if isinstance(made, RowPieces):
         return [flat_bytes(p) for p in parts if p.numel()] if all(p.is_contiguous() for p in parts) else None
     if made.is_contiguous() or made.dim() != 2 or made.stride(1) != 1 or made.numel() == 0:
         return None
-    return row_bytes(made)
+    return column_chunks([made])
 
 
 @dataclass
@@ -173,15 +174,12 @@ class _Archive:
             self.crcs[name] = crc_of()
         self.zf.write_record(name, data, nbytes)  # type: ignore[arg-type]
 
-    def write_gathered(self, name: str, chunks: list[memoryview], nbytes: int) -> None:
+    def write_gathered(self, name: str, chunks: list[memoryview] | Iterator[memoryview], nbytes: int) -> None:
         """Record ``name`` from ``chunks`` in order: torch writes its header and leaves room for
         the data (``write_record_metadata``, what ``torch.save`` does for skipped data), then the
-        chunks go into that room (``pwritev``); its CRC-32 from the chunks (filled in at the end)."""
+        chunks go into that room (``pwritev``); its CRC-32 from the chunks (filled in at the end).
+        An iterator's chunks may be transient (staged): each is hashed and written before the next."""
         assert self.crcs is not None
-        crc = 0
-        for chunk in chunks:
-            crc = crc32(chunk, crc)
-        self.crcs[name] = crc
         self.fh.flush()
         header = self.fh.tell()  # the record's local header starts here
         self.zf.write_record_metadata(name, nbytes)  # type: ignore[attr-defined]
@@ -193,7 +191,17 @@ class _Archive:
         if len(fixed) != 30 or fixed[:4] != b"PK\x03\x04":
             raise RuntimeError(f"stream_save: no local header for {name} at byte {header}")
         name_len, extra_len = struct.unpack("<HH", fixed[26:30])
-        write_gathered(fd, chunks, header + 30 + name_len + extra_len)
+        at, crc = header + 30 + name_len + extra_len, 0
+        if isinstance(chunks, list):
+            for chunk in chunks:
+                crc = crc32(chunk, crc)
+            write_gathered(fd, chunks, at)
+        else:
+            for chunk in chunks:
+                crc = crc32(chunk, crc)
+                write_gathered(fd, [chunk], at)
+                at += len(chunk)
+        self.crcs[name] = crc
 
 
 def _fills_crc(fh: IO[bytes]) -> bool:
