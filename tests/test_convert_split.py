@@ -172,14 +172,19 @@ def test_n_processes_write_the_one_process_output(
 def test_one_failing_rank_stops_all_with_one_line_and_leaves_nothing(
     sources: dict[str, Path], tmp_path: Path
 ) -> None:
-    """The last item of the ``torch_dist`` data file (the final LayerNorm's bias) cannot be read:
-    only the last stage's rank reads it and fails; every rank exits 2, the error is printed once
-    (no traceback of ours: the one left is the launcher's summary), nothing is left at ``--save``."""
+    """The final LayerNorm's archive in the ``torch_dist`` data files cannot be read: only the last
+    stage's rank reads it and fails; every rank exits 2, the error is printed once (no traceback of
+    ours: the one left is the launcher's summary), nothing is left at ``--save``."""
+    import torch.distributed.checkpoint as dcp
+
     broken = tmp_path / "broken"
     shutil.copytree(sources["dist"], broken)
-    data = broken / "release" / "__0_0.distcp"
+    meta = dcp.FileSystemReader(str(broken / "release")).read_metadata()
+    info = next(v for k, v in meta.storage_data.items() if k.fqn.startswith("decoder.final_layernorm"))
+    data = broken / "release" / info.relative_path
     raw = bytearray(data.read_bytes())
-    raw[-22:] = bytes(22)  # its zip directory is gone: found when that tensor is read
+    end = info.offset + info.length
+    raw[end - 22 : end] = bytes(22)  # its zip directory is gone: found when that tensor is read
     data.write_bytes(bytes(raw))
     out = tmp_path / "out"
     argv = ["reshard", "--load", str(broken), "--save", str(out), "--target-tp", "1", "--target-pp", "2"]

@@ -2,13 +2,14 @@
 
 A ``.distcp`` file is one ``torch.save`` zip archive per stored chunk, back to back; the save's
 ``Metadata`` says where each lies (``storage_data``: file, offset, length). :class:`DistcpWriter`
-writes the same bytes as ``FileSystemWriter(path, thread_count=1)`` (the default
-``TORCH_SAVE`` format, one file per rank, fsynced), with two differences in how:
+writes the same bytes as ``FileSystemWriter(path, thread_count=N)`` (the default ``TORCH_SAVE``
+format, N files per rank, fsynced; N = :func:`file_count`, 2 as megatron-core writes them where
+there are two cores), with these differences in how:
 
 * **Memory.** torch's file loop keeps every chunk it wrote in a dict (only its ``SAFETENSORS``
   format uses it) until the file is finished, so each key's last chunk stays alive: the
   embedding, and the last layer's chunks, beside the tensor being written. Here a chunk is
-  dropped as soon as its archive is written: memory is one chunk.
+  dropped as soon as its archive is written: memory is one chunk per file being written.
 * **CRC-32.** Torch's zip writer computes CRC-32s at a fraction of the write speed
   (:mod:`pretrain.checkpoint.zip_crc`), so each archive is written with
   ``torch.serialization.set_crc32_options(False)`` and its CRCs are filled in by ISA-L from the
@@ -24,7 +25,9 @@ from __future__ import annotations
 import io
 import os
 import queue
+import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -41,6 +44,12 @@ from pretrain.checkpoint.legacy.stream_save import LazyTensor, stream_save
 from pretrain.checkpoint.zip_crc import fill_crc32
 
 _ZIP_START = b"PK\x03\x04"
+
+
+def file_count() -> int:
+    """``.distcp`` files per process: 2 (megatron-core's default ``thread_count``) where there
+    are two cores or more, else 1."""
+    return 2 if (os.cpu_count() or 1) >= 2 else 1
 
 
 @contextmanager
@@ -70,18 +79,29 @@ class ChunkPieces(Protocol):
 
 
 class DistcpWriter(FileSystemWriter):
-    """``FileSystemWriter(path, thread_count=1)`` with a serial file loop that keeps no chunk
-    after writing it and fills CRC-32s by ISA-L. Local work only (no collectives); each process
-    writes its own ``__<rank>_0.distcp``."""
+    """``FileSystemWriter(path, thread_count=N)`` (N: :func:`file_count`, megatron-core's 2 where
+    there are two cores) with file loops that keep no chunk after writing it and fill CRC-32s by
+    ISA-L. Local work only (no collectives); each process writes its own ``__<rank>_<i>.distcp``,
+    each file on its own thread (the kernel's copy into the page cache, most of the time, then runs
+    on every core; one file's writes are serialised by its inode lock). The chunks are made one at
+    a time (one lock: the sources are read from one thread at a time)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
-        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=1)
+        super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=file_count())
+        self._making = threading.Lock()
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future[list[WriteResult]]:
-        results: list[WriteResult] = []
+        files = []
         while not file_queue.empty():
             path, storage_key, items = file_queue.get_nowait()
-            results += self._write_file(Path(path), storage_key, items, planner)
+            files.append((Path(path), storage_key, items))
+        with torch_crc32_off():  # (process-wide: set once around every file's thread)
+            if len(files) < 2:
+                results = [r for f in files for r in self._write_file(*f, planner)]
+            else:
+                with ThreadPoolExecutor(max_workers=len(files), thread_name_prefix="distcp") as pool:
+                    futures = [pool.submit(self._write_file, *f, planner) for f in files]
+                    results = [r for future in futures for r in future.result()]
         done: Future[list[WriteResult]] = Future()
         done.set_result(results)
         return done
@@ -94,19 +114,21 @@ class DistcpWriter(FileSystemWriter):
         ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
         results = []
         pieces = planner if isinstance(planner, ChunkPieces) and not self.transforms.extensions else None
-        with torch_crc32_off(), open(path, "w+b") as stream:
+        with open(path, "w+b") as stream:
             for item in ordered:
-                lazy = (
-                    pieces.resolve_pieces(item)
-                    if pieces is not None and item.type != WriteItemType.BYTE_IO
-                    else None
-                )
+                with self._making:  # (the pieces are views: made here, written outside the lock)
+                    lazy = (
+                        pieces.resolve_pieces(item)
+                        if pieces is not None and item.type != WriteItemType.BYTE_IO
+                        else None
+                    )
                 if lazy is not None:
                     results.append(_write_pieces(stream, lazy, item, storage_key))
                     continue
-                data = planner.resolve_data(item)
-                if isinstance(data, torch.Tensor):
-                    data = _minimal(data)
+                with self._making:
+                    data = planner.resolve_data(item)
+                    if isinstance(data, torch.Tensor):
+                        data = _minimal(data)
                 result = _write_item(self.transforms, stream, data, item, storage_key,
                                      SerializationFormat.TORCH_SAVE)  # fmt: skip
                 del data  # the chunk goes before the next is made

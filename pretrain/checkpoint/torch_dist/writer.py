@@ -5,7 +5,8 @@ The output is what ``megatron.core.dist_checkpointing.save`` writes for a ``GPTM
 megatron-core's ``dist_checkpointing.load`` (and Megatron-LM ``--ckpt-format torch_dist``) accept
 it at any TP/PP: ``ROOT/latest_checkpointed_iteration.txt`` and ``ROOT/iter_N/`` with
 
-* ``.metadata`` + ``__0_0.distcp``: a PyTorch distributed checkpoint keyed by megatron-core's
+* ``.metadata`` + ``__0_0.distcp`` (and ``__0_1.distcp`` on two cores or more, as megatron-core
+  writes two files per rank): a PyTorch distributed checkpoint keyed by megatron-core's
   sharded-state-dict keys (:func:`~pretrain.checkpoint.upstream.names.to_mcore_key`): global
   shapes, layers stacked along a leading axis ``[num_layers, ...]`` and stored one chunk per layer
   (the chunks megatron-core itself writes along that axis); the word embeddings (and an untied
