@@ -244,7 +244,7 @@ def stream_save_all(files: Sequence[tuple[object, IO[bytes]]]) -> None:
     try:
         for obj, fh in files:
             started.append(_begin(obj, fh))
-        with _writers(len(started)) as write_all:
+        with writers(len(started)) as write_all:
             for key in range(max((len(a.records) for a in started), default=0)):
                 writes = []
                 for archive in started:
@@ -267,7 +267,7 @@ def stream_save_all(files: Sequence[tuple[object, IO[bytes]]]) -> None:
 
 
 @contextlib.contextmanager
-def _writers(files: int) -> Iterator[Callable[[list[Callable[[], None]]], None]]:
+def writers(files: int) -> Iterator[Callable[[list[Callable[[], None]]], None]]:
     """``write_all(writes)``: run the writes (one per file) on up to one thread per CPU, and
     return when every one has finished (the first error raised); inline for one file or one CPU.
     On leaving, no write is running (an archive is only finished after its writes)."""

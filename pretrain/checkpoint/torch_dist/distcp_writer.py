@@ -22,12 +22,11 @@ there are two cores), with these differences in how:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import queue
-import threading
-from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -40,7 +39,7 @@ from torch.distributed.checkpoint.planner import SavePlanner, WriteItem, WriteIt
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
-from pretrain.checkpoint.legacy.stream_save import LazyTensor, stream_save
+from pretrain.checkpoint.legacy.stream_save import LazyTensor, stream_save, writers
 from pretrain.checkpoint.zip_crc import fill_crc32
 
 _ZIP_START = b"PK\x03\x04"
@@ -82,65 +81,71 @@ class DistcpWriter(FileSystemWriter):
     """``FileSystemWriter(path, thread_count=N)`` (N: :func:`file_count`, megatron-core's 2 where
     there are two cores) with file loops that keep no chunk after writing it and fill CRC-32s by
     ISA-L. Local work only (no collectives); each process writes its own ``__<rank>_<i>.distcp``,
-    each file on its own thread (the kernel's copy into the page cache, most of the time, then runs
-    on every core; one file's writes are serialised by its inode lock). The chunks are made one at
-    a time (one lock: the sources are read from one thread at a time)."""
+    in lockstep: chunk ``k`` of each file made in the calling thread, then written on one thread
+    per file (the kernel's copy into the page cache, most of the time, then runs on every core;
+    one file's writes are serialised by its inode lock)."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         super().__init__(path, single_file_per_rank=True, sync_files=True, thread_count=file_count())
-        self._making = threading.Lock()
 
     def _write_data(self, planner: SavePlanner, file_queue: queue.Queue) -> Future[list[WriteResult]]:
-        files = []
+        """The files in lockstep: chunk ``k`` of every file is made here (one at a time, in this
+        thread: the sources and a Ctrl-C see one caller), then written, each file on its own
+        thread; byte items first, then tensor chunks, in plan order (as torch writes them)."""
+        files: list[tuple[Path, str, list[WriteItem]]] = []
         while not file_queue.empty():
             path, storage_key, items = file_queue.get_nowait()
-            files.append((Path(path), storage_key, items))
-        with torch_crc32_off():  # (process-wide: set once around every file's thread)
-            if len(files) < 2:
-                results = [r for f in files for r in self._write_file(*f, planner)]
-            else:
-                with ThreadPoolExecutor(max_workers=len(files), thread_name_prefix="distcp") as pool:
-                    futures = [pool.submit(self._write_file, *f, planner) for f in files]
-                    results = [r for future in futures for r in future.result()]
+            ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
+            files.append(
+                (Path(path), storage_key, ordered + [i for i in items if i.type != WriteItemType.BYTE_IO])
+            )
+        results: list[list[WriteResult]] = [[] for _ in files]
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(torch_crc32_off())  # (process-wide: set once around every file)
+            streams = [stack.enter_context(open(path, "w+b")) for path, _, _ in files]
+            write_all = stack.enter_context(writers(len(files)))
+            for k in range(max((len(items) for _, _, items in files), default=0)):
+                writes = [
+                    self._chunk_writer(planner, stream, items[k], key, results[n])
+                    for n, ((_, key, items), stream) in enumerate(zip(files, streams, strict=True))
+                    if k < len(items)
+                ]
+                write_all(writes)
+                del writes  # the chunks go before the next are made
+            for stream in streams:
+                stream.flush()
+                os.fsync(stream.fileno())
         done: Future[list[WriteResult]] = Future()
-        done.set_result(results)
+        done.set_result([r for file_results in results for r in file_results])
         return done
 
-    def _write_file(
-        self, path: Path, storage_key: str, items: list[WriteItem], planner: SavePlanner
-    ) -> list[WriteResult]:
-        """Byte items first, then tensor chunks, in plan order (as torch writes them)."""
-        ordered = [i for i in items if i.type == WriteItemType.BYTE_IO]
-        ordered += [i for i in items if i.type != WriteItemType.BYTE_IO]
-        results = []
+    def _chunk_writer(
+        self, planner: SavePlanner, stream: io.BufferedRandom, item: WriteItem, storage_key: str,
+        results: list[WriteResult],
+    ) -> Callable[[], None]:  # fmt: skip
+        """Make ``item``'s data now; the call returned appends it to ``stream`` (any thread)."""
         pieces = planner if isinstance(planner, ChunkPieces) and not self.transforms.extensions else None
-        with open(path, "w+b") as stream:
-            for item in ordered:
-                with self._making:  # (the pieces are views: made here, written outside the lock)
-                    lazy = (
-                        pieces.resolve_pieces(item)
-                        if pieces is not None and item.type != WriteItemType.BYTE_IO
-                        else None
-                    )
-                if lazy is not None:
-                    results.append(_write_pieces(stream, lazy, item, storage_key))
-                    continue
-                with self._making:
-                    data = planner.resolve_data(item)
-                    if isinstance(data, torch.Tensor):
-                        data = _minimal(data)
-                result = _write_item(self.transforms, stream, data, item, storage_key,
-                                     SerializationFormat.TORCH_SAVE)  # fmt: skip
-                del data  # the chunk goes before the next is made
-                start = result.storage_data.offset
-                stream.flush()
-                if os.pread(stream.fileno(), 4, start) == _ZIP_START:  # (a raw byte item stays as it is)
-                    fill_crc32(stream, start=start, end=start + result.storage_data.length)
-                stream.seek(0, os.SEEK_END)
-                results.append(result)
+        lazy = (
+            pieces.resolve_pieces(item) if pieces is not None and item.type != WriteItemType.BYTE_IO else None
+        )
+        if lazy is not None:
+            return lambda: results.append(_write_pieces(stream, lazy, item, storage_key))
+        data = planner.resolve_data(item)
+        if isinstance(data, torch.Tensor):
+            data = _minimal(data)
+
+        def write() -> None:
+            stream.seek(0, os.SEEK_END)
+            result = _write_item(self.transforms, stream, data, item, storage_key,
+                                 SerializationFormat.TORCH_SAVE)  # fmt: skip
+            start = result.storage_data.offset
             stream.flush()
-            os.fsync(stream.fileno())
-        return results
+            if os.pread(stream.fileno(), 4, start) == _ZIP_START:  # (a raw byte item stays as it is)
+                fill_crc32(stream, start=start, end=start + result.storage_data.length)
+            stream.seek(0, os.SEEK_END)
+            results.append(result)
+
+        return write
 
 
 def _write_pieces(
