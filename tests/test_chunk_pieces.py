@@ -44,6 +44,10 @@ def _files(root: Path) -> dict[str, object]:
 
 
 def test_hf_source_gives_each_tensor_as_the_hf_row_blocks(tmp_path: Path) -> None:
+    """The blocks' shape: a QKV per group, fc1 as gate and up, proj as the mapped tensor itself.
+    (The makers are the blocks' join, so what the rows are is proved elsewhere: the from-hf
+    digests computed before streaming, tests/test_from_hf_streaming.py, and the conversions'
+    parity with transformers.)"""
     from tests.test_from_hf_streaming import write_hf
     from tools.hf_io import open_hf
 

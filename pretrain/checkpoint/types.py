@@ -300,7 +300,7 @@ class LazySource:
     meta_cache: dict[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
     # per name (optional): the row blocks, as views of the input, whose join is makers[name]()
     row_parts: dict[str, Callable[[], tuple[torch.Tensor, ...]]] = field(default_factory=dict)
-    vocab_rows: tuple[int, str] | None = None  # with_vocab's cut of the vocabulary tensors (size, source)
+    vocab_cut: tuple[int, str] | None = None  # with_vocab's cut of the vocabulary tensors (size, source)
 
     def names(self) -> list[str]:
         return list(self.makers)
@@ -328,8 +328,8 @@ class LazySource:
         if not parts or not all(p.is_contiguous() and p.device.type == "cpu" for p in parts):
             return None
         pieces = RowPieces(parts, self.after)
-        if self.vocab_rows is not None and is_vocab_tensor(name):
-            vocab_size, source = self.vocab_rows
+        if self.vocab_cut is not None and is_vocab_tensor(name):
+            vocab_size, source = self.vocab_cut
             _check_rows(pieces.shape[0], vocab_size, source)
             return pieces[:vocab_size]
         return pieces
@@ -355,7 +355,7 @@ class LazySource:
 
         makers = {n: cut(m) if is_vocab_tensor(n) else m for n, m in self.makers.items()}
         return LazySource(_spec_with_vocab(self.spec, vocab_size), makers, after=self.after,
-                          row_parts=self.row_parts, vocab_rows=(vocab_size, source))  # fmt: skip
+                          row_parts=self.row_parts, vocab_cut=(vocab_size, source))  # fmt: skip
 
 
 class SourceTensors(Mapping[str, torch.Tensor]):

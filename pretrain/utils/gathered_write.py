@@ -59,16 +59,14 @@ def column_chunks(parts: Sequence[torch.Tensor]) -> list[memoryview] | Iterator[
     rows are long; else the joined rows a few MB at a time in one reused staging buffer, each view
     valid only until the next is taken (write or hash it first: :func:`write_gathered` does)."""
     rows, width = parts[0].shape[0], sum(p.shape[1] for p in parts)
-    row_bytes_ = width * parts[0].element_size()
     if rows == 0 or width == 0:
         return []
     if all(p.shape[1] * p.element_size() >= _STAGE_BELOW for p in parts):
         return interleaved_rows(parts)
-    return _staged(parts, max(1, _STAGE_BYTES // row_bytes_))
+    return _staged(parts, rows, width, step=max(1, _STAGE_BYTES // (width * parts[0].element_size())))
 
 
-def _staged(parts: Sequence[torch.Tensor], step: int) -> Iterator[memoryview]:
-    rows, width = parts[0].shape[0], sum(p.shape[1] for p in parts)
+def _staged(parts: Sequence[torch.Tensor], rows: int, width: int, *, step: int) -> Iterator[memoryview]:
     stage = torch.empty((min(step, rows), width), dtype=parts[0].dtype)
     for lo in range(0, rows, step):
         hi = min(rows, lo + step)

@@ -7,6 +7,7 @@ functions of :class:`Converter`; tools at the edge (``tools/hf_io.py``) call onl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from pretrain.config import ModelConfig
+from pretrain.utils.buffer_pool import pooled_cat, pooled_copy
 
 if TYPE_CHECKING:
     from pretrain.models.families.registry import Family
@@ -21,6 +23,22 @@ if TYPE_CHECKING:
 TensorMaker = Callable[[], torch.Tensor]
 # a canonical tensor as row blocks of the HF tensors (views where they lie), joined along dim 0
 RowPartsMaker = Callable[[], tuple[torch.Tensor, ...]]
+
+
+def joined_rows(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The tensor whose row blocks are ``parts``, in memory of its own (a pooled buffer during a
+    conversion; one contiguous part itself within ``read_only_views``)."""
+    return pooled_copy(parts[0]) if len(parts) == 1 else pooled_cat(list(parts))
+
+
+def makers_from_row_parts(row_parts: Mapping[str, RowPartsMaker]) -> dict[str, TensorMaker]:
+    """Each canonical tensor's maker as the join of its row blocks: the one definition of how a
+    family arranges its HF tensors serves the joined path and the writers' pieces alike."""
+    return {name: functools.partial(_join, make) for name, make in row_parts.items()}
+
+
+def _join(make: RowPartsMaker) -> torch.Tensor:
+    return joined_rows(make())
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -25,9 +25,9 @@ import torch
 
 from pretrain.config import ModelConfig
 from pretrain.model_option_hf import absent_modules, config_kwargs_from_hf, hf_kwargs, hf_unsupported
-from pretrain.models.families.converter import HFConfig, HFImport, RowPartsMaker
+from pretrain.models.families.converter import HFConfig, HFImport, RowPartsMaker, makers_from_row_parts
 from pretrain.models.families.registry import Family, export_family, families, family_of_model_type
-from pretrain.utils.buffer_pool import pooled_cat, pooled_copy
+from pretrain.utils.buffer_pool import pooled_cat
 from pretrain.utils.errors import UserError
 
 LM = "language_model."
@@ -192,19 +192,12 @@ def lazy_hf_to_canonical(
     missing, unexpected = sorted(expected - given), sorted(given - expected)
     if missing or unexpected:
         raise UserError(f"Hugging Face -> checkpoint: missing {missing[:5]}, unexpected {unexpected[:5]}")
-    out: dict[str, Callable[[], torch.Tensor]] = {ours: functools.partial(_copy, hf[h]) for ours, h in pairs}
-    for ours, parts, kind in fused:
-        ts = [hf[p] for p in parts]
-        if kind == "qkv":
-            out[ours] = functools.partial(fuse_qkv, *ts, groups=cfg.query_groups, head_dim=cfg.head_dim)
-        else:
-            out[ours] = functools.partial(_cat, ts)
-    return out
+    return makers_from_row_parts(hf_row_parts(hf, cfg))
 
 
 def hf_row_parts(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, RowPartsMaker]:
-    """Each canonical tensor of :func:`lazy_hf_to_canonical` (names already checked there) as the
-    HF tensors' row blocks that its maker joins: views, no copy (:class:`HFImport`)."""
+    """Each canonical tensor as the HF tensors' row blocks that :func:`lazy_hf_to_canonical`'s
+    maker joins: views, no copy (:class:`HFImport`; the names are checked there)."""
     out: dict[str, RowPartsMaker] = {ours: functools.partial(_whole, hf[h]) for ours, h in name_pairs(cfg)}
     for ours, parts, kind in fused_names(cfg):
         ts = tuple(hf[p] for p in parts)
@@ -217,16 +210,6 @@ def hf_row_parts(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
 
 def _whole(*ts: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return ts
-
-
-def _copy(t: torch.Tensor) -> torch.Tensor:
-    """A copy of ``t`` (a view of memory-mapped weights) in memory of its own (a pooled buffer
-    during a conversion)."""
-    return pooled_copy(t)
-
-
-def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
-    return pooled_cat(ts)
 
 
 def hf_to_canonical(hf: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -363,7 +346,8 @@ def import_hf(
     state: Mapping[str, torch.Tensor], hf_config: HFConfig, family: Family, **overrides: object
 ) -> HFImport:
     cfg = config_from_hf(hf_config, family, **overrides)
-    return HFImport(cfg=cfg, makers=lazy_hf_to_canonical(state, cfg), row_parts=hf_row_parts(state, cfg))
+    makers = lazy_hf_to_canonical(state, cfg)  # (checks the names first)
+    return HFImport(cfg=cfg, makers=makers, row_parts=hf_row_parts(state, cfg))
 
 
 def check_exportable(cfg: ModelConfig, *, family: Family | None = None) -> None:

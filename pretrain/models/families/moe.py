@@ -29,7 +29,7 @@ import torch
 from pretrain.config import ModelConfig
 from pretrain.model_option_hf import config_kwargs_from_hf, hf_kwargs, hf_unsupported
 from pretrain.models.families import llama
-from pretrain.models.families.converter import HFConfig, HFImport, RowPartsMaker
+from pretrain.models.families.converter import HFConfig, HFImport, RowPartsMaker, makers_from_row_parts
 from pretrain.models.families.moe_names import FUSED_GATE_UP, Piece, pieces
 from pretrain.models.families.registry import Family, export_family
 from pretrain.models.moe.router import check_router_weight
@@ -199,12 +199,12 @@ def lazy_hf_to_canonical(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, famil
             _check_shape(name, tuple(hf[name].shape), want, what, p.make)
         if p.ours.endswith("mlp.router.weight"):
             check_router_weight(f"Hugging Face model: {p.hf[0]}", hf[p.hf[0]])
-    return {p.ours: functools.partial(_make, p, *(hf[h] for h in p.hf), cfg=cfg) for p in plan}
+    return makers_from_row_parts(hf_row_parts(hf, cfg, family))
 
 
 def hf_row_parts(hf: Mapping[str, torch.Tensor], cfg: ModelConfig, family: str) -> dict[str, RowPartsMaker]:
-    """Each canonical tensor of :func:`lazy_hf_to_canonical` (checked there) as the row blocks of
-    the HF tensors its maker joins, as views (:class:`~pretrain.models.families.converter.HFImport`)."""
+    """Each canonical tensor as the row blocks of the HF tensors that :func:`lazy_hf_to_canonical`'s
+    maker joins, as views (:class:`~pretrain.models.families.converter.HFImport`; checked there)."""
     plan = pieces(cfg, family, fused_layers=_fused_layers(hf, cfg))
     return {p.ours: functools.partial(_rows, p, *(hf[h] for h in p.hf), cfg=cfg) for p in plan}
 
@@ -217,16 +217,6 @@ def _rows(p: Piece, *ts: torch.Tensor, cfg: ModelConfig) -> tuple[torch.Tensor, 
     if p.make.startswith("fused"):
         return (ts[0][p.expert],)
     return (ts[0],)
-
-
-def _make(p: Piece, *ts: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
-    if p.make == "qkv":
-        return llama.fuse_qkv(*ts, groups=cfg.query_groups, head_dim=cfg.head_dim)
-    if p.make == "cat":
-        return torch.cat(ts).contiguous()
-    if p.make.startswith("fused"):
-        return ts[0][p.expert].contiguous().clone()
-    return ts[0].contiguous().clone()
 
 
 def canonical_to_hf(full: Mapping[str, torch.Tensor], cfg: ModelConfig, family: str, *,
@@ -261,8 +251,8 @@ def import_hf(
     state: Mapping[str, torch.Tensor], hf_config: HFConfig, family: Family, **overrides: object
 ) -> HFImport:
     cfg = config_from_hf(hf_config, family, **overrides)
-    return HFImport(cfg=cfg, makers=lazy_hf_to_canonical(state, cfg, family.model_type),
-                    row_parts=hf_row_parts(state, cfg, family.model_type))  # fmt: skip
+    makers = lazy_hf_to_canonical(state, cfg, family.model_type)  # (checks names, shapes, routers first)
+    return HFImport(cfg=cfg, makers=makers, row_parts=hf_row_parts(state, cfg, family.model_type))
 
 
 def export_tensors(full: Mapping[str, torch.Tensor], cfg: ModelConfig, *, fresh_heads: tuple[str, ...] = (),
