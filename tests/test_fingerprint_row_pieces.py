@@ -1,5 +1,6 @@
-"""The fingerprint hashes a legacy checkpoint's column-parallel shards where they lie (``row_pieces``):
-the same value as the joined tensors, with no joined copy made."""
+"""The fingerprint hashes a legacy checkpoint's column-parallel shards where they lie (``row_pieces``),
+and its bf16 row-parallel shards row by row (``column_pieces``): the same value as the joined
+tensors, with no joined copy made."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from pretrain.checkpoint.fingerprint import tensor_digest, weights_fingerprint
 from pretrain.checkpoint.legacy.writer import DictSource, WriteOptions, write_layout
 from pretrain.checkpoint.opener import open_checkpoint
 from pretrain.checkpoint.plan import ModelSpec
-from pretrain.checkpoint.types import RowPieces, RowPieceSource
+from pretrain.checkpoint.types import ColumnPieces, RowPieces, RowPieceSource
+from pretrain.utils import gathered_write
 from pretrain.parallel.config import ParallelConfig
 from pretrain.utils import buffer_pool
 from tests.gpt_fixtures import full_weights
@@ -64,10 +66,29 @@ def test_pieces_give_the_joined_tensors_fingerprint(
         "pretrain.models.sharding.pooled_cat", lambda ts, dim=0: joins.append(dim) or real_cat(ts, dim)
     )
     assert weights_fingerprint(reader) == weights_fingerprint(full)
-    if tp > 1:  # only the row-parallel tensors (dense, fc2) went through the join
-        assert joins == [1] * (2 * CFG.num_layers)
+    if tp > 1:  # only float32 row-parallel tensors (dense, fc2) are joined; bf16 ones hashed row by row
+        assert joins == ([] if dtype == torch.bfloat16 else [1] * (2 * CFG.num_layers))
     if reader.pages is not None:
         assert len(released) >= sum(len(reader.row_pieces(n).parts) for n in pieced)  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("widths", [(3, 5), (40_000, 1, 32_768)], ids=["staged-rows", "long-rows"])
+def test_bf16_column_pieces_give_the_joined_tensors_digest(
+    monkeypatch: pytest.MonkeyPatch, widths: tuple[int, ...]
+) -> None:
+    """Each row of each block in turn is the joined tensor's byte stream: short rows are joined a
+    few at a time in the staging buffer (made tiny here, so a tensor takes several steps), rows of
+    64 KB or more are hashed where they lie; only bf16 is hashed so (other dtypes are joined)."""
+    monkeypatch.setattr(gathered_write, "_STAGE_BYTES", 64)
+    gen = torch.Generator().manual_seed(0)
+    parts = tuple(torch.randn(7, w, generator=gen).to(torch.bfloat16) for w in widths)
+    joined = torch.cat(parts, dim=1)
+    assert tensor_digest("w", ColumnPieces(parts)) == tensor_digest("w", joined)
+    assert tensor_digest("w", ColumnPieces(parts), scheme="w1") == tensor_digest("w", joined, scheme="w1")
+    as_f32 = tuple(p.float() for p in parts)  # bf16 numbers stored as float32: the same digest
+    assert tensor_digest("w", ColumnPieces(as_f32)) == tensor_digest("w", joined)
+    swapped = ColumnPieces(parts[::-1])  # the blocks' order is the columns' order
+    assert tensor_digest("w", swapped) != tensor_digest("w", joined)
 
 
 def test_row_pieces_cut_leading_rows_across_parts() -> None:
@@ -98,7 +119,9 @@ def test_a_digest_that_raises_still_releases_its_pieces(monkeypatch: pytest.Monk
         raise RuntimeError(f"digest of {name} failed")
 
     monkeypatch.setattr(fingerprint, "tensor_digest", boom)
-    pieces = RowPieces((torch.ones(2, 3), torch.zeros(1, 3)), release=lambda: released.append("x"))
-    with pytest.raises(RuntimeError, match="digest of w failed"):
-        fingerprint.tensor_digests([("w", pieces)], workers=2)
-    assert released == ["x"]
+    rows = RowPieces((torch.ones(2, 3), torch.zeros(1, 3)), release=lambda: released.append("rows"))
+    columns = ColumnPieces((torch.ones(2, 3), torch.zeros(2, 1)), release=lambda: released.append("columns"))
+    for name, pieces in (("w", rows), ("v", columns)):
+        with pytest.raises(RuntimeError, match=f"digest of {name} failed"):
+            fingerprint.tensor_digests([(name, pieces)], workers=2)
+    assert released == ["rows", "columns"]

@@ -34,6 +34,7 @@ from __future__ import annotations
 import hashlib
 import os
 import struct
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -43,10 +44,11 @@ import blake3
 import numpy as np
 import torch
 
-from pretrain.checkpoint.types import RowPieces, RowPieceSource, TensorSource
+from pretrain.checkpoint.types import ColumnPieces, ColumnPieceSource, RowPieces, RowPieceSource, TensorSource
 from pretrain.checkpoint.work_split import SINGLE, WorkSplit
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.utils.buffer_pool import read_only_views
+from pretrain.utils.gathered_write import column_chunks
 from pretrain.utils.errors import UserError
 
 if TYPE_CHECKING:
@@ -59,13 +61,26 @@ _CHUNK_ELEMENTS = 1 << 22  # 16 MiB of float32 per hashing step
 _BF16_BLOCK = 1 << 25  # bf16 elements per BLAKE3 update (64 MiB, read where they lie)
 
 
-def tensor_digest(name: str, tensor: torch.Tensor | RowPieces, *, scheme: str = SCHEME) -> bytes:
+Digestible = torch.Tensor | RowPieces | ColumnPieces  # a full tensor, whole or as its stored blocks
+
+
+def tensor_digest(name: str, tensor: Digestible, *, scheme: str = SCHEME) -> bytes:
     """The digest of ``name``, the shape and the values under ``scheme`` (module docstring); no
     copy of the whole tensor is made of a contiguous tensor (it is read in chunks), nor of
     :class:`~pretrain.checkpoint.types.RowPieces` (read piece by piece: the same digest as the
-    joined tensor, since each hash only sees the values' stream)."""
+    joined tensor, since each hash only sees the values' stream), nor of bf16
+    :class:`~pretrain.checkpoint.types.ColumnPieces` under ``w2`` (each row's blocks in turn,
+    short rows joined a few MB at a time in one reused buffer: :func:`column_chunks`)."""
     if tensor.dtype.is_complex:
         raise UserError(f"tensor {name}: complex weights cannot be fingerprinted")
+    if isinstance(tensor, ColumnPieces):
+        if scheme == "w2" and _gathered_as_stored(tensor):
+            h = blake3.blake3()
+            _header(h, name, "b", tensor.shape)
+            for chunk in column_chunks(tensor.parts):  # the joined tensor's bytes, in order
+                h.update(chunk)
+            return h.digest()
+        tensor = torch.cat(tensor.parts, dim=1)  # any other dtype or scheme: the plain path
     pieces = tensor.parts if isinstance(tensor, RowPieces) else (tensor,)
     flats = [p.detach().reshape(-1) for p in pieces]
     if scheme == "w1":
@@ -87,6 +102,12 @@ def tensor_digest(name: str, tensor: torch.Tensor | RowPieces, *, scheme: str = 
 
 class _Hasher(Protocol):  # the part of hashlib's / blake3's hash objects used here
     def update(self, data: bytes | memoryview, /) -> object: ...
+
+
+def _gathered_as_stored(pieces: ColumnPieces) -> bool:
+    """Whether ``w2`` hashes ``pieces``' stored bytes as they are: bf16 bit patterns, which are
+    their little-endian uint16 form on a little-endian host."""
+    return pieces.dtype == torch.bfloat16 and sys.byteorder == "little"
 
 
 def _header(h: _Hasher, name: str, kind: str, shape: torch.Size) -> None:
@@ -182,7 +203,7 @@ def fingerprint_tensors(
 
 
 def tensor_digests(
-    tensors: Iterable[tuple[str, torch.Tensor | RowPieces]],
+    tensors: Iterable[tuple[str, Digestible]],
     *,
     vocab_size: int | None = None,
     skip_prefixes: tuple[str, ...] = (),
@@ -202,11 +223,11 @@ def tensor_digests(
     slots = threading.BoundedSemaphore(n)
     pending: list[tuple[str, Future[bytes]]] = []
 
-    def digest(name: str, tensor: torch.Tensor | RowPieces) -> bytes:
+    def digest(name: str, tensor: Digestible) -> bytes:
         try:
             return tensor_digest(name, tensor, scheme=scheme)
         finally:  # a digest that raised gives its pages back too
-            if isinstance(tensor, RowPieces) and tensor.release is not None:
+            if isinstance(tensor, (RowPieces, ColumnPieces)) and tensor.release is not None:
                 tensor.release()
             slots.release()  # the tensor is dropped with this frame: the next one may be read
 
@@ -225,13 +246,13 @@ def tensor_digests(
 
 
 def _kept(
-    tensors: Iterable[tuple[str, torch.Tensor | RowPieces]],
+    tensors: Iterable[tuple[str, Digestible]],
     *,
     vocab_size: int | None,
     skip_prefixes: tuple[str, ...],
     seen: set[str],
     slots: threading.BoundedSemaphore,
-) -> Iterator[tuple[str, torch.Tensor | RowPieces]]:
+) -> Iterator[tuple[str, Digestible]]:
     """The ``(name, tensor)`` pairs to digest (skipped prefixes left out, vocabulary rows cut); a
     slot is taken before each tensor is read, so a reader never runs ahead of the digests."""
     it = iter(tensors)
@@ -257,6 +278,8 @@ def _kept(
                     raise UserError(
                         f"tensor {name}: {tensor.shape[0]} vocabulary rows, fewer than {vocab_size}"
                     )
+                if isinstance(tensor, ColumnPieces):  # (no source gives vocabulary rows so)
+                    tensor = torch.cat(tensor.parts, dim=1)
                 tensor = tensor[:vocab_size]
         except BaseException:
             slots.release()
@@ -332,11 +355,17 @@ def weights_fingerprint(
     return combine_digests(digests, scheme=scheme)
 
 
-def _digestible(source: TensorSource, name: str) -> torch.Tensor | RowPieces:
-    """``source.tensor(name)``, or its rows in pieces where the source gives them (a legacy
-    checkpoint's column-parallel shards: hashed where they lie, never joined)."""
-    pieces = source.row_pieces(name) if isinstance(source, RowPieceSource) else None
-    return pieces if pieces is not None else source.tensor(name)
+def _digestible(source: TensorSource, name: str) -> Digestible:
+    """``source.tensor(name)``, or its rows or columns in blocks where the source gives them (a
+    legacy checkpoint's column-parallel shards, and the bf16 row-parallel ones: hashed where they
+    lie, never joined)."""
+    rows = source.row_pieces(name) if isinstance(source, RowPieceSource) else None
+    if rows is not None:
+        return rows
+    columns = source.column_pieces(name) if isinstance(source, ColumnPieceSource) else None
+    if columns is not None and _gathered_as_stored(columns):
+        return columns
+    return source.tensor(name)
 
 
 def _until(names: Iterable[str], stop: threading.Event | None) -> Iterator[str]:
