@@ -19,6 +19,8 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
+from pretrain.utils.writeback import MIN_BYTES, start_writeback
+
 __all__ = ["column_chunks", "flat_bytes", "interleaved_rows", "row_bytes", "write_gathered"]
 
 _STAGE_BYTES = 8 << 20  # the staging buffer of column_chunks
@@ -79,13 +81,22 @@ def write_gathered(fd: int, chunks: Iterable[memoryview], offset: int | None = N
     """Write the 1-D byte ``chunks`` in order to ``fd``: at its position (``offset`` None) or from
     byte ``offset`` on (the file position unchanged). A sequence goes ``IOV_MAX`` buffers a call;
     any other iterable (e.g. :func:`column_chunks`' staged views) one chunk at a time, each written
-    before the next is taken."""
+    before the next is taken. The disk writeback of what was written is started at once
+    (:func:`~pretrain.utils.writeback.start_writeback`: the file's final fsync then waits for less)."""
     if not isinstance(chunks, Sequence):
         at = offset if offset is not None else 0
         for chunk in chunks:
             write_gathered(fd, [chunk], None if offset is None else at)
             at += len(chunk)
         return
+    total = sum(map(len, chunks))
+    start = offset if offset is not None or total < MIN_BYTES else os.lseek(fd, 0, os.SEEK_CUR)
+    _write_all(fd, chunks, offset)
+    if start is not None:
+        start_writeback(fd, start, total)
+
+
+def _write_all(fd: int, chunks: Sequence[memoryview], offset: int | None) -> None:
     at = offset if offset is not None else 0
     if not hasattr(os, "pwritev"):  # (not on Windows): one chunk a call
         for chunk in chunks:

@@ -1,0 +1,92 @@
+"""Writers start the disk writeback of every range they write (``sync_file_range``), so a file's
+final fsync waits for less: each large write queues exactly its own bytes, small ones are left to
+the fsync, and the written bytes are what they were."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from pretrain.utils import gathered_write, writeback
+from pretrain.utils.gathered_write import column_chunks, flat_bytes, write_gathered
+
+MB = 1 << 20
+
+
+@pytest.fixture
+def queued(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """The (offset, bytes) ranges ``write_gathered`` hands to ``start_writeback``."""
+    calls: list[tuple[int, int]] = []
+
+    def record(fd: int, offset: int, nbytes: int) -> bool:
+        calls.append((offset, nbytes))
+        return True
+
+    monkeypatch.setattr(gathered_write, "start_writeback", record)
+    return calls
+
+
+def _chunks(sizes: list[int]) -> list[memoryview]:
+    return [memoryview(bytes([i % 251]) * n) for i, n in enumerate(sizes)]
+
+
+def test_a_write_at_an_offset_queues_its_own_range(tmp_path: Path, queued: list[tuple[int, int]]) -> None:
+    chunks = _chunks([MB, MB // 2, 3])
+    with open(tmp_path / "f", "wb") as fh:
+        fh.write(b"h" * 100)
+        fh.flush()
+        write_gathered(fh.fileno(), chunks, 100)
+    assert queued == [(100, MB + MB // 2 + 3)]
+    assert (tmp_path / "f").read_bytes() == b"h" * 100 + b"".join(bytes(c) for c in chunks)
+
+
+def test_a_write_at_the_file_position_queues_from_that_position(
+    tmp_path: Path, queued: list[tuple[int, int]]
+) -> None:
+    chunks = _chunks([2 * MB, 5])
+    with open(tmp_path / "f", "wb") as fh:
+        fh.write(b"h" * 7)
+        fh.flush()
+        write_gathered(fh.fileno(), chunks)
+        write_gathered(fh.fileno(), _chunks([10]))  # small: no position asked, nothing queued
+    assert queued == [(7, 2 * MB + 5)]
+    assert (tmp_path / "f").stat().st_size == 7 + 2 * MB + 5 + 10
+
+
+def test_staged_column_rows_queue_each_staged_block(
+    tmp_path: Path, queued: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(gathered_write, "_STAGE_BYTES", MB)
+    parts = [torch.arange(600 * 100, dtype=torch.float32).view(600, 100), torch.ones(600, 900)]
+    with open(tmp_path / "f", "wb") as fh:
+        write_gathered(fh.fileno(), column_chunks(parts), 0)
+    total = 600 * 1000 * 4
+    assert sum(n for _, n in queued) == total
+    assert [off for off, _ in queued] == [sum(n for _, n in queued[:i]) for i in range(len(queued))]
+    assert (tmp_path / "f").read_bytes() == bytes(flat_bytes(torch.cat(parts, dim=1)))
+
+
+def test_start_writeback_queues_long_ranges_of_a_real_file_and_skips_short_ones(tmp_path: Path) -> None:
+    fd = os.open(tmp_path / "f", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        os.write(fd, b"x" * (2 * MB))
+        assert not writeback.start_writeback(fd, 0, writeback.MIN_BYTES - 1)
+        queued = writeback.start_writeback(fd, 0, 2 * MB)
+        if sys.platform.startswith("linux"):  # ext4, xfs, btrfs, tmpfs and overlayfs accept it
+            assert queued
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "f").read_bytes() == b"x" * (2 * MB)
+
+
+def test_it_can_be_switched_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(writeback, "_ENABLED", False)
+    with open(tmp_path / "f", "wb") as fh:
+        fh.write(b"x" * (2 * MB))
+        fh.flush()
+        assert not writeback.start_writeback(fh.fileno(), 0, 2 * MB)
