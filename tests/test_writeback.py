@@ -4,8 +4,10 @@ the fsync, and the written bytes are what they were."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -90,3 +92,23 @@ def test_it_can_be_switched_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
         fh.write(b"x" * (2 * MB))
         fh.flush()
         assert not writeback.start_writeback(fh.fileno(), 0, 2 * MB)
+
+
+def test_a_pipe_is_written_with_nothing_queued(queued: list[tuple[int, int]]) -> None:
+    """A descriptor without a position (a pipe) is written as before; there is no range to queue."""
+    read_end, write_end = os.pipe()
+    try:
+        payload = _chunks([MB + 1])
+        reader = os.fdopen(read_end, "rb")
+
+        got: list[bytes] = []
+        t = threading.Thread(target=lambda: got.append(reader.read()))
+        t.start()
+        write_gathered(write_end, payload)
+        os.close(write_end)
+        t.join()
+        reader.close()
+    finally:
+        with contextlib.suppress(OSError):
+            os.close(write_end)
+    assert got == [bytes(payload[0])] and queued == []

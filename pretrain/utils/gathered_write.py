@@ -90,10 +90,18 @@ def write_gathered(fd: int, chunks: Iterable[memoryview], offset: int | None = N
             at += len(chunk)
         return
     total = sum(map(len, chunks))
-    start = offset if offset is not None or total < MIN_BYTES else os.lseek(fd, 0, os.SEEK_CUR)
+    start = offset if offset is not None or total < MIN_BYTES else _position(fd)
     _write_all(fd, chunks, offset)
     if start is not None:
         start_writeback(fd, start, total)
+
+
+def _position(fd: int) -> int | None:
+    """The file position of ``fd``; None where there is none (a pipe: nothing to write back)."""
+    try:
+        return os.lseek(fd, 0, os.SEEK_CUR)
+    except OSError:
+        return None
 
 
 def _write_all(fd: int, chunks: Sequence[memoryview], offset: int | None) -> None:
