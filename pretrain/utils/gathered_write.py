@@ -77,22 +77,25 @@ def _staged(parts: Sequence[torch.Tensor], rows: int, width: int, *, step: int) 
         yield flat_bytes(block)
 
 
-def write_gathered(fd: int, chunks: Iterable[memoryview], offset: int | None = None) -> None:
+def write_gathered(
+    fd: int, chunks: Iterable[memoryview], offset: int | None = None, *, writeback: bool = False
+) -> None:
     """Write the 1-D byte ``chunks`` in order to ``fd``: at its position (``offset`` None) or from
     byte ``offset`` on (the file position unchanged). A sequence goes ``IOV_MAX`` buffers a call;
     any other iterable (e.g. :func:`column_chunks`' staged views) one chunk at a time, each written
-    before the next is taken. The disk writeback of what was written is started at once
-    (:func:`~pretrain.utils.writeback.start_writeback`: the file's final fsync then waits for less)."""
+    before the next is taken. ``writeback``: for a file that is fsynced once complete, start the
+    disk writeback of what was written at once (:func:`~pretrain.utils.writeback.start_writeback`:
+    that fsync then waits for less; a file left to the kernel gains nothing from it)."""
     if not isinstance(chunks, Sequence):
         at = offset if offset is not None else 0
         for chunk in chunks:
-            write_gathered(fd, [chunk], None if offset is None else at)
+            write_gathered(fd, [chunk], None if offset is None else at, writeback=writeback)
             at += len(chunk)
         return
     total = sum(map(len, chunks))
-    start = offset if offset is not None or total < MIN_BYTES else _position(fd)
+    start = offset if offset is not None or not writeback or total < MIN_BYTES else _position(fd)
     _write_all(fd, chunks, offset)
-    if start is not None:
+    if writeback and start is not None:
         start_writeback(fd, start, total)
 
 

@@ -40,6 +40,7 @@ from pretrain.checkpoint.types import ColumnPieces, RowPieces
 from pretrain.checkpoint.zip_crc import crc32, fill_crc32
 from pretrain.utils.buffer_pool import pooled_copy
 from pretrain.utils.gathered_write import column_chunks, flat_bytes, write_gathered
+from pretrain.utils.writeback import MIN_BYTES, start_writeback
 
 Made = torch.Tensor | RowPieces | ColumnPieces  # (pieces: written where they lie, not joined)
 
@@ -170,9 +171,15 @@ class _Archive:
     start: int = 0  # where the archive begins in the file (one of several back to back: a .distcp)
 
     def write(self, name: str, data: object, nbytes: int, crc_of: Callable[[], int]) -> None:
-        if self.crcs is not None:
-            self.crcs[name] = crc_of()
+        if self.crcs is None:  # not a real file (BytesIO, a wb stream): torch's writer alone
+            self.zf.write_record(name, data, nbytes)  # type: ignore[arg-type]
+            return
+        self.crcs[name] = crc_of()
+        start = self.fh.tell()
         self.zf.write_record(name, data, nbytes)  # type: ignore[arg-type]
+        if nbytes >= MIN_BYTES:  # archives are fsynced once complete: their disk writes start now
+            self.fh.flush()
+            start_writeback(self.fh.fileno(), start, self.fh.tell() - start)
 
     def write_gathered(self, name: str, chunks: list[memoryview] | Iterator[memoryview], nbytes: int) -> None:
         """Record ``name`` from ``chunks`` in order: torch writes its header and leaves room for
@@ -195,11 +202,11 @@ class _Archive:
         if isinstance(chunks, list):
             for chunk in chunks:
                 crc = crc32(chunk, crc)
-            write_gathered(fd, chunks, at)
+            write_gathered(fd, chunks, at, writeback=True)  # archives are fsynced once complete
         else:
             for chunk in chunks:
                 crc = crc32(chunk, crc)
-                write_gathered(fd, [chunk], at)
+                write_gathered(fd, [chunk], at, writeback=True)
                 at += len(chunk)
         self.crcs[name] = crc
 
