@@ -1,6 +1,6 @@
 """The fingerprint hashes a legacy checkpoint's column-parallel shards where they lie (``row_pieces``),
-and its bf16 row-parallel shards row by row (``column_pieces``): the same value as the joined
-tensors, with no joined copy made."""
+and its row-parallel shards row by row (``column_pieces``): the same value as the joined tensors,
+with no joined copy made."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ from pretrain.checkpoint.legacy.writer import DictSource, WriteOptions, write_la
 from pretrain.checkpoint.opener import open_checkpoint
 from pretrain.checkpoint.plan import ModelSpec
 from pretrain.checkpoint.types import ColumnPieces, RowPieces, RowPieceSource
-from pretrain.utils import gathered_write
 from pretrain.parallel.config import ParallelConfig
-from pretrain.utils import buffer_pool
+from pretrain.utils import buffer_pool, gathered_write
 from tests.gpt_fixtures import full_weights
 from tests.llama_fixtures import llama_config
 
@@ -66,29 +65,37 @@ def test_pieces_give_the_joined_tensors_fingerprint(
         "pretrain.models.sharding.pooled_cat", lambda ts, dim=0: joins.append(dim) or real_cat(ts, dim)
     )
     assert weights_fingerprint(reader) == weights_fingerprint(full)
-    if tp > 1:  # only float32 row-parallel tensors (dense, fc2) are joined; bf16 ones hashed row by row
-        assert joins == ([] if dtype == torch.bfloat16 else [1] * (2 * CFG.num_layers))
+    assert joins == []  # the row-parallel tensors (dense, fc2) too: hashed row by row, never joined
     if reader.pages is not None:
         assert len(released) >= sum(len(reader.row_pieces(n).parts) for n in pieced)  # type: ignore[union-attr]
 
 
 @pytest.mark.parametrize("widths", [(3, 5), (40_000, 1, 32_768)], ids=["staged-rows", "long-rows"])
-def test_bf16_column_pieces_give_the_joined_tensors_digest(
-    monkeypatch: pytest.MonkeyPatch, widths: tuple[int, ...]
+@pytest.mark.parametrize(
+    "values", ["bf16", "bf16-as-float32", "float32", "float16", "int64"]
+)  # each kind of the w2 rule: "b" stored or found, "f", "i"
+def test_column_pieces_give_the_joined_tensors_digest(
+    monkeypatch: pytest.MonkeyPatch, widths: tuple[int, ...], values: str
 ) -> None:
-    """Each row of each block in turn is the joined tensor's byte stream: short rows are joined a
+    """Each row of each block in turn is the joined tensor's value stream: short rows are joined a
     few at a time in the staging buffer (made tiny here, so a tensor takes several steps), rows of
-    64 KB or more are hashed where they lie; only bf16 is hashed so (other dtypes are joined)."""
+    64 KB or more are hashed where they lie."""
     monkeypatch.setattr(gathered_write, "_STAGE_BYTES", 64)
     gen = torch.Generator().manual_seed(0)
-    parts = tuple(torch.randn(7, w, generator=gen).to(torch.bfloat16) for w in widths)
+    parts = tuple(torch.randn(7, w, generator=gen) for w in widths)
+    if values == "int64":
+        parts = tuple((p * 1000).to(torch.int64) for p in parts)
+    elif values != "float32":
+        dtype = {"bf16": torch.bfloat16, "bf16-as-float32": torch.float32, "float16": torch.float16}[values]
+        parts = tuple(p.to(torch.bfloat16 if values.startswith("bf16") else dtype).to(dtype) for p in parts)
     joined = torch.cat(parts, dim=1)
     assert tensor_digest("w", ColumnPieces(parts)) == tensor_digest("w", joined)
     assert tensor_digest("w", ColumnPieces(parts), scheme="w1") == tensor_digest("w", joined, scheme="w1")
-    as_f32 = tuple(p.float() for p in parts)  # bf16 numbers stored as float32: the same digest
-    assert tensor_digest("w", ColumnPieces(as_f32)) == tensor_digest("w", joined)
     swapped = ColumnPieces(parts[::-1])  # the blocks' order is the columns' order
     assert tensor_digest("w", swapped) != tensor_digest("w", joined)
+    if values == "bf16":  # bf16 numbers stored as float32 give the same digest
+        as_f32 = tuple(p.float() for p in parts)
+        assert tensor_digest("w", ColumnPieces(as_f32)) == tensor_digest("w", joined)
 
 
 def test_row_pieces_cut_leading_rows_across_parts() -> None:

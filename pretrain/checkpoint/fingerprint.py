@@ -48,8 +48,8 @@ from pretrain.checkpoint.types import ColumnPieces, ColumnPieceSource, RowPieces
 from pretrain.checkpoint.work_split import SINGLE, WorkSplit
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.utils.buffer_pool import read_only_views
-from pretrain.utils.gathered_write import column_chunks
 from pretrain.utils.errors import UserError
+from pretrain.utils.gathered_write import column_chunks
 
 if TYPE_CHECKING:
     from pretrain.models.families.converter import HFConfig
@@ -68,19 +68,15 @@ def tensor_digest(name: str, tensor: Digestible, *, scheme: str = SCHEME) -> byt
     """The digest of ``name``, the shape and the values under ``scheme`` (module docstring); no
     copy of the whole tensor is made of a contiguous tensor (it is read in chunks), nor of
     :class:`~pretrain.checkpoint.types.RowPieces` (read piece by piece: the same digest as the
-    joined tensor, since each hash only sees the values' stream), nor of bf16
+    joined tensor, since each hash only sees the values' stream), nor of
     :class:`~pretrain.checkpoint.types.ColumnPieces` under ``w2`` (each row's blocks in turn,
-    short rows joined a few MB at a time in one reused buffer: :func:`column_chunks`)."""
+    short rows joined a few MB at a time in one reused buffer: :func:`_column_digest`)."""
     if tensor.dtype.is_complex:
         raise UserError(f"tensor {name}: complex weights cannot be fingerprinted")
     if isinstance(tensor, ColumnPieces):
-        if scheme == "w2" and _gathered_as_stored(tensor):
-            h = blake3.blake3()
-            _header(h, name, "b", tensor.shape)
-            for chunk in column_chunks(tensor.parts):  # the joined tensor's bytes, in order
-                h.update(chunk)
-            return h.digest()
-        tensor = torch.cat(tensor.parts, dim=1)  # any other dtype or scheme: the plain path
+        if scheme == "w2" and sys.byteorder == "little":
+            return _column_digest(name, tensor)
+        tensor = torch.cat(tensor.parts, dim=1)  # w1 (or a big-endian host): the plain path
     pieces = tensor.parts if isinstance(tensor, RowPieces) else (tensor,)
     flats = [p.detach().reshape(-1) for p in pieces]
     if scheme == "w1":
@@ -104,10 +100,29 @@ class _Hasher(Protocol):  # the part of hashlib's / blake3's hash objects used h
     def update(self, data: bytes | memoryview, /) -> object: ...
 
 
-def _gathered_as_stored(pieces: ColumnPieces) -> bool:
-    """Whether ``w2`` hashes ``pieces``' stored bytes as they are: bf16 bit patterns, which are
-    their little-endian uint16 form on a little-endian host."""
-    return pieces.dtype == torch.bfloat16 and sys.byteorder == "little"
+def _column_digest(name: str, pieces: ColumnPieces) -> bytes:
+    """``w2`` of ``pieces`` from the joined tensor's values in row-major order, a chunk at a time
+    (:func:`~pretrain.utils.gathered_write.column_chunks`: each row's blocks where they lie, or
+    short rows staged): the stream the joined tensor gives, without the join. Float values are
+    read twice where they are not bf16 (whether every value is a bf16 number, then the hash), as
+    for a whole tensor. Little-endian hosts only (the chunks are native bytes)."""
+
+    def flats() -> Iterator[torch.Tensor]:
+        for chunk in column_chunks(pieces.parts):
+            if len(chunk):
+                yield torch.frombuffer(chunk, dtype=pieces.dtype)
+
+    if not pieces.dtype.is_floating_point:
+        kind, update = "i", _update_int64
+    elif pieces.dtype == torch.bfloat16 or not any(_has_low_bits(f) for f in flats()):
+        kind, update = "b", _update_bf16
+    else:
+        kind, update = "f", _update_float32
+    h = blake3.blake3()
+    _header(h, name, kind, pieces.shape)
+    for flat in flats():
+        update(h, flat)
+    return h.digest()
 
 
 def _header(h: _Hasher, name: str, kind: str, shape: torch.Size) -> None:
@@ -357,15 +372,13 @@ def weights_fingerprint(
 
 def _digestible(source: TensorSource, name: str) -> Digestible:
     """``source.tensor(name)``, or its rows or columns in blocks where the source gives them (a
-    legacy checkpoint's column-parallel shards, and the bf16 row-parallel ones: hashed where they
-    lie, never joined)."""
+    legacy checkpoint's column-parallel and row-parallel shards: hashed where they lie, never
+    joined)."""
     rows = source.row_pieces(name) if isinstance(source, RowPieceSource) else None
     if rows is not None:
         return rows
     columns = source.column_pieces(name) if isinstance(source, ColumnPieceSource) else None
-    if columns is not None and _gathered_as_stored(columns):
-        return columns
-    return source.tensor(name)
+    return columns if columns is not None else source.tensor(name)
 
 
 def _until(names: Iterable[str], stop: threading.Event | None) -> Iterator[str]:
