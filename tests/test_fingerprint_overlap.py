@@ -139,10 +139,10 @@ def test_the_fingerprint_is_digested_while_rank_files_are_written(tmp_path: Path
     assert meta is not None and meta.provenance.weights_fingerprint == weights_fingerprint(full)
 
 
-def test_overlap_by_default_for_legacy_output_only(monkeypatch) -> None:
+def test_overlap_by_default_for_both_output_formats(monkeypatch) -> None:
     monkeypatch.delenv("MLM_FINGERPRINT_OVERLAP", raising=False)
-    assert deferred.overlap_enabled("torch") and not deferred.overlap_enabled("torch_dist")
+    assert deferred.overlap_enabled("torch") and deferred.overlap_enabled("torch_dist")
+    monkeypatch.setenv("MLM_FINGERPRINT_OVERLAP", "0")
+    assert not deferred.overlap_enabled("torch") and not deferred.overlap_enabled("torch_dist")
     monkeypatch.setenv("MLM_FINGERPRINT_OVERLAP", "1")
     assert deferred.overlap_enabled("torch_dist")
-    monkeypatch.setenv("MLM_FINGERPRINT_OVERLAP", "0")
-    assert not deferred.overlap_enabled("torch")

@@ -41,17 +41,21 @@ _LOCAL, _CENTRAL, _DESCRIPTOR = b"PK\x03\x04", b"PK\x01\x02", b"PK\x07\x08"
 
 
 def overlap_enabled(ckpt_format: str) -> bool:
-    """Whether a conversion writing ``ckpt_format`` computes the fingerprint while writing:
-    ``MLM_FINGERPRINT_OVERLAP`` ``0``/``1``, or by default for legacy (``torch``) output only. The
-    ``torch_dist`` writer already holds about two of the largest tensors, and the background
-    reader's one more took legacy -> torch_dist at 3B to 0.93 GB, over the issue's bound
-    (2 x the largest tensor + 0.5 GB = 0.89 GB), so there the digests run first, on threads."""
+    """Whether a conversion writing ``ckpt_format`` (``torch`` or ``torch_dist``) computes the
+    fingerprint while writing: ``MLM_FINGERPRINT_OVERLAP`` ``0``/``1``, by default yes.
+
+    ``torch_dist`` output once digested first: its writer holds about two of the largest tensors,
+    and the background reader's joins of row-parallel tensors took legacy -> torch_dist at 3B to
+    0.93 GB, over the issue's bound (2 x the largest tensor + 0.5 GB = 0.89 GB). Since every
+    source's row- and column-parallel blocks are hashed where they lie (no joins), the overlap costs
+    it 0.01 GB there (0.232 GB against 0.223) and saves the digest's time: 3B 12.4 -> 7.8 s, 1B
+    5.9-6.6 -> 4.5-5.6 s."""
     value = os.environ.get("MLM_FINGERPRINT_OVERLAP", "").strip().lower()
     if value in ("0", "false", "no"):
         return False
     if value in ("1", "true", "yes"):
         return True
-    return ckpt_format == "torch"
+    return ckpt_format in ("torch", "torch_dist")
 
 
 class DeferredFingerprint:
