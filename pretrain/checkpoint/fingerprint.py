@@ -36,7 +36,7 @@ import os
 import struct
 import sys
 import threading
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
@@ -83,15 +83,23 @@ def tensor_digest(name: str, tensor: Digestible, *, scheme: str = SCHEME) -> byt
         return _digest_w1(name, tensor.shape, flats)
     if scheme != "w2":
         raise ValueError(f"unknown fingerprint scheme {scheme!r}")
+    return _digest_w2(name, tensor.shape, tensor.dtype, lambda: flats)
+
+
+def _digest_w2(
+    name: str, shape: torch.Size, dtype: torch.dtype, flats: Callable[[], Iterable[torch.Tensor]]
+) -> bytes:
+    """``w2`` of the values ``flats()`` yields (1-D, in row-major order; called once more for
+    floats that are not bf16: whether every value is a bf16 number, then the hash)."""
     h = blake3.blake3()
-    if not tensor.dtype.is_floating_point:
+    if not dtype.is_floating_point:
         kind, update = "i", _update_int64
-    elif tensor.dtype == torch.bfloat16 or not any(_has_low_bits(f) for f in flats):
+    elif dtype == torch.bfloat16 or not any(_has_low_bits(f) for f in flats()):
         kind, update = "b", _update_bf16  # every value is a bf16 number: its 16 bits
     else:
         kind, update = "f", _update_float32
-    _header(h, name, kind, tensor.shape)
-    for flat in flats:
+    _header(h, name, kind, shape)
+    for flat in flats():
         update(h, flat)
     return h.digest()
 
@@ -103,26 +111,15 @@ class _Hasher(Protocol):  # the part of hashlib's / blake3's hash objects used h
 def _column_digest(name: str, pieces: ColumnPieces) -> bytes:
     """``w2`` of ``pieces`` from the joined tensor's values in row-major order, a chunk at a time
     (:func:`~pretrain.utils.gathered_write.column_chunks`: each row's blocks where they lie, or
-    short rows staged): the stream the joined tensor gives, without the join. Float values are
-    read twice where they are not bf16 (whether every value is a bf16 number, then the hash), as
-    for a whole tensor. Little-endian hosts only (the chunks are native bytes)."""
+    short rows staged): the stream the joined tensor gives, without the join. Little-endian hosts
+    only (the chunks are native bytes)."""
 
     def flats() -> Iterator[torch.Tensor]:
         for chunk in column_chunks(pieces.parts):
             if len(chunk):
                 yield torch.frombuffer(chunk, dtype=pieces.dtype)
 
-    if not pieces.dtype.is_floating_point:
-        kind, update = "i", _update_int64
-    elif pieces.dtype == torch.bfloat16 or not any(_has_low_bits(f) for f in flats()):
-        kind, update = "b", _update_bf16
-    else:
-        kind, update = "f", _update_float32
-    h = blake3.blake3()
-    _header(h, name, kind, pieces.shape)
-    for flat in flats():
-        update(h, flat)
-    return h.digest()
+    return _digest_w2(name, pieces.shape, pieces.dtype, flats)
 
 
 def _header(h: _Hasher, name: str, kind: str, shape: torch.Size) -> None:

@@ -19,8 +19,6 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from pretrain.utils.writeback import MIN_BYTES, start_writeback
-
 __all__ = ["column_chunks", "flat_bytes", "interleaved_rows", "row_bytes", "write_gathered"]
 
 _STAGE_BYTES = 8 << 20  # the staging buffer of column_chunks
@@ -77,37 +75,17 @@ def _staged(parts: Sequence[torch.Tensor], rows: int, width: int, *, step: int) 
         yield flat_bytes(block)
 
 
-def write_gathered(
-    fd: int, chunks: Iterable[memoryview], offset: int | None = None, *, writeback: bool = False
-) -> None:
+def write_gathered(fd: int, chunks: Iterable[memoryview], offset: int | None = None) -> None:
     """Write the 1-D byte ``chunks`` in order to ``fd``: at its position (``offset`` None) or from
     byte ``offset`` on (the file position unchanged). A sequence goes ``IOV_MAX`` buffers a call;
     any other iterable (e.g. :func:`column_chunks`' staged views) one chunk at a time, each written
-    before the next is taken. ``writeback``: for a file that is fsynced once complete, start the
-    disk writeback of what was written at once (:func:`~pretrain.utils.writeback.start_writeback`:
-    that fsync then waits for less; a file left to the kernel gains nothing from it)."""
+    before the next is taken."""
     if not isinstance(chunks, Sequence):
         at = offset if offset is not None else 0
         for chunk in chunks:
-            write_gathered(fd, [chunk], None if offset is None else at, writeback=writeback)
+            write_gathered(fd, [chunk], None if offset is None else at)
             at += len(chunk)
         return
-    total = sum(map(len, chunks))
-    start = offset if offset is not None or not writeback or total < MIN_BYTES else _position(fd)
-    _write_all(fd, chunks, offset)
-    if writeback and start is not None:
-        start_writeback(fd, start, total)
-
-
-def _position(fd: int) -> int | None:
-    """The file position of ``fd``; None where there is none (a pipe: nothing to write back)."""
-    try:
-        return os.lseek(fd, 0, os.SEEK_CUR)
-    except OSError:
-        return None
-
-
-def _write_all(fd: int, chunks: Sequence[memoryview], offset: int | None) -> None:
     at = offset if offset is not None else 0
     if not hasattr(os, "pwritev"):  # (not on Windows): one chunk a call
         for chunk in chunks:

@@ -171,13 +171,11 @@ class _Archive:
     start: int = 0  # where the archive begins in the file (one of several back to back: a .distcp)
 
     def write(self, name: str, data: object, nbytes: int, crc_of: Callable[[], int]) -> None:
-        if self.crcs is None:  # not a real file (BytesIO, a wb stream): torch's writer alone
-            self.zf.write_record(name, data, nbytes)  # type: ignore[arg-type]
-            return
-        self.crcs[name] = crc_of()
+        if self.crcs is not None:
+            self.crcs[name] = crc_of()
         start = self.fh.tell()
         self.zf.write_record(name, data, nbytes)  # type: ignore[arg-type]
-        if nbytes >= MIN_BYTES:  # archives are fsynced once complete: their disk writes start now
+        if self._writes_back(nbytes):
             self.fh.flush()
             start_writeback(self.fh.fileno(), start, self.fh.tell() - start)
 
@@ -198,17 +196,27 @@ class _Archive:
         if len(fixed) != 30 or fixed[:4] != b"PK\x03\x04":
             raise RuntimeError(f"stream_save: no local header for {name} at byte {header}")
         name_len, extra_len = struct.unpack("<HH", fixed[26:30])
-        at, crc = header + 30 + name_len + extra_len, 0
+        data_at = at = header + 30 + name_len + extra_len
+        crc = 0
         if isinstance(chunks, list):
             for chunk in chunks:
                 crc = crc32(chunk, crc)
-            write_gathered(fd, chunks, at, writeback=True)  # archives are fsynced once complete
+            write_gathered(fd, chunks, at)
         else:
             for chunk in chunks:
                 crc = crc32(chunk, crc)
-                write_gathered(fd, [chunk], at, writeback=True)
+                write_gathered(fd, [chunk], at)
                 at += len(chunk)
         self.crcs[name] = crc
+        if self._writes_back(nbytes):
+            start_writeback(fd, header, data_at + nbytes - header)
+
+    def _writes_back(self, nbytes: int) -> bool:
+        """Whether to queue the disk writeback of a record of ``nbytes`` just written: in a real
+        file (``crcs`` is None for BytesIO and ``wb`` streams), which the archive's owner fsyncs
+        once complete (``atomic_open``, the ``torch_dist`` writer), so that fsync finds most of it
+        on disk already (:mod:`pretrain.utils.writeback`); records under a MB are left to it."""
+        return self.crcs is not None and nbytes >= MIN_BYTES
 
 
 def _fills_crc(fh: IO[bytes]) -> bool:
