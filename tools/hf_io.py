@@ -405,14 +405,11 @@ def _hf_makers(hf_dir: Path, make_vocab_size_divisible_by: int) -> tuple[ModelSp
     """The model spec of a HF directory of a registered family and each canonical tensor's
     maker (and, where the family gives them, row blocks) over its (memory-mapped) weights;
     names, ties and the config are checked here, no tensor is converted yet."""
-    from transformers import AutoConfig
+    from tools.hf_config_json import load_hf_config
 
     if not (hf_dir / "config.json").is_file():
         raise UserError(f"--load {hf_dir}: no config.json (not a Hugging Face model directory)")
-    try:
-        config = AutoConfig.from_pretrained(str(hf_dir))
-    except Exception as exc:
-        raise UserError(f"--load {hf_dir}: cannot read config.json ({type(exc).__name__}: {exc})") from None
+    config: Any = load_hf_config(hf_dir)  # as AutoConfig reads it, without seconds of its imports
     family = family_of_model_type(config.model_type)
     if family is None:  # before reading any weights
         raise UserError(f"--load {hf_dir}: model_type {config.model_type!r} is not {supported_model_types()}")

@@ -1,0 +1,242 @@
+"""A Hugging Face ``config.json`` read as ``AutoConfig.from_pretrained`` reads it, without transformers.
+
+Importing a family's config class costs seconds: ``configuration_llama`` pulls in transformers'
+model-loading machinery and ``torch.distributed.tensor`` (sympy included), 2-2.6 s on a 2-core
+host against 2-4 s for the whole conversion of a 1B model. ``mlm-convert from-hf`` and every
+``--hf-model`` reader only need the values, so they read the file here:
+
+* the class defaults of every field the file leaves out come from :data:`DEFAULTS_FILE`, a table
+  generated from the installed transformers' config dataclasses (``python -m tools.hf_config_json``
+  rewrites it; ``tests/test_hf_config_json.py`` fails when it drifts from the installed version);
+* the class's ``attribute_map`` aliases (GPT-2's ``n_embd`` read as ``hidden_size``) resolve on
+  attribute access, as on a ``PretrainedConfig``;
+* what the config classes' ``__post_init__`` derive (``head_dim``, the key/value heads, a sliding
+  window switched off by ``use_sliding_window``, ``mlp_only_layers``) and transformers 5's RoPE
+  standardisation (``rope_theta`` / ``rope_scaling`` folded into ``rope_parameters``) are
+  reproduced for the registered families.
+
+The same test loads a corpus of configs (saved ones, minimal hand-written ones, older RoPE
+spellings) through ``AutoConfig`` and through :func:`read_config_json` and requires the same
+values and the same ``ModelConfig`` from each family's converter.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import json
+from collections.abc import Mapping
+from pathlib import Path
+
+from pretrain.utils.errors import UserError
+
+DEFAULTS_FILE = Path(__file__).with_name("hf_config_defaults.json")
+# RoPE types whose pretraining length transformers moves into rope_parameters (standardize_rope_params)
+_SCALED_ROPE_TYPES = ("llama3", "yarn", "longrope")
+_SWITCHED_WINDOW_OFF = {"qwen2_moe": 0}  # the value a switched-off window takes (else None)
+
+
+class HFConfigJson:
+    """The values of one ``config.json`` over its class defaults, read by attribute like a
+    ``PretrainedConfig`` (``attribute_map`` aliases included); ``AttributeError`` for a key the
+    file and the class both lack (so ``getattr(config, key, default)`` works as on theirs)."""
+
+    def __init__(self, values: Mapping[str, object], attribute_map: Mapping[str, str]) -> None:
+        self._values = dict(values)
+        self._aliases = dict(attribute_map)
+
+    def __getattr__(self, name: str) -> object:
+        if name.startswith("_"):
+            raise AttributeError(name)
+        key = self._aliases.get(name, name)
+        try:
+            return self._values[key]
+        except KeyError:
+            raise AttributeError(f"config.json has no {name!r}") from None
+
+    def to_dict(self) -> dict[str, object]:
+        """Every value (a deep copy), under the class's own key names."""
+        return copy.deepcopy(self._values)
+
+
+@functools.cache
+def _table() -> dict[str, dict[str, object]]:
+    with open(DEFAULTS_FILE, encoding="utf-8") as f:
+        table: dict[str, dict[str, object]] = json.load(f)["model_types"]
+    return table
+
+
+def known_model_types() -> tuple[str, ...]:
+    """The ``model_type`` values whose class defaults the table holds."""
+    return tuple(_table())
+
+
+def read_config_json(model_dir: Path, *, flag: str = "--load") -> HFConfigJson:
+    """``model_dir/config.json`` with its class's defaults filled in (see the module docstring).
+
+    One :class:`UserError` line naming the file for what is not a JSON object with a
+    ``model_type`` of the table; a ``model_type`` outside it is left to the caller's refusal
+    (the returned config then holds the file's values alone)."""
+    path = model_dir / "config.json"
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise UserError(
+            f"{flag} {model_dir}: cannot read config.json ({type(exc).__name__}: {exc})"
+        ) from None
+    if not isinstance(raw, dict):
+        raise UserError(f"{flag} {model_dir}: config.json holds a {type(raw).__name__}, not a JSON object")
+    model_type = raw.get("model_type")
+    if not isinstance(model_type, str):
+        raise UserError(f"{flag} {model_dir}: config.json has no model_type")
+    try:
+        return config_from_dict(raw)
+    except ValueError as exc:
+        raise UserError(f"{flag} {model_dir}: config.json: {exc}") from None
+
+
+def load_hf_config(model_dir: Path, *, flag: str = "--load") -> object:
+    """``model_dir``'s config: read here when its ``model_type`` is in the table (the built-in
+    families), else by ``AutoConfig.from_pretrained`` (a family registered at run time, or a
+    ``model_type`` the caller refuses); one :class:`UserError` line for an unreadable file."""
+    config = read_config_json(model_dir, flag=flag)
+    if config.model_type in _table():
+        return config
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(model_dir))
+    except Exception as exc:  # transformers raises many kinds
+        raise UserError(
+            f"{flag} {model_dir}: cannot read config.json ({type(exc).__name__}: {exc})"
+        ) from None
+
+
+def config_from_dict(raw: Mapping[str, object]) -> HFConfigJson:
+    """The config of a parsed ``config.json`` (``model_type`` included) over its class defaults."""
+    facts = _table().get(str(raw.get("model_type")))
+    if facts is None:
+        return HFConfigJson(raw, {})
+    defaults = copy.deepcopy(facts["defaults"])
+    assert isinstance(defaults, dict)
+    given = copy.deepcopy(dict(raw))
+    _check_types(given, defaults)
+    if "torch_dtype" in given:  # transformers' older spelling; ``dtype`` wins when both are there
+        dtype = given.pop("torch_dtype")
+        given.setdefault("dtype", dtype)
+    values = {**defaults, **given}
+    _derive(values, str(raw["model_type"]))
+    if "rope_parameters" in defaults:
+        _standardise_rope(values, defaults, facts)
+    aliases = facts["attribute_map"]
+    assert isinstance(aliases, dict)
+    return HFConfigJson(values, aliases)
+
+
+def _check_types(given: Mapping[str, object], defaults: Mapping[str, object]) -> None:
+    """``ValueError`` for a value of another JSON type than its field's default (an integer field
+    given ``"64"``): transformers' strict dataclasses refuse these at load, before any converter."""
+    for key, value in given.items():
+        default = defaults.get(key)
+        if default is None or value is None:
+            continue
+        if isinstance(default, bool):
+            ok = isinstance(value, bool)
+        elif isinstance(default, int):
+            ok = isinstance(value, int) and not isinstance(value, bool)
+        elif isinstance(default, float):
+            ok = isinstance(value, int | float) and not isinstance(value, bool)
+        else:
+            continue
+        if not ok:
+            raise ValueError(f"{key} must be {type(default).__name__}, got {value!r}")
+
+
+def _derive(values: dict[str, object], model_type: str) -> None:
+    """What the registered families' config ``__post_init__`` derive from the other values."""
+    if values.get("num_key_value_heads", 0) is None:
+        values["num_key_value_heads"] = values["num_attention_heads"]
+    if values.get("head_dim", 0) is None and model_type in ("llama", "mistral"):
+        hidden, heads = values["hidden_size"], values["num_attention_heads"]
+        values["head_dim"] = (
+            hidden // heads if isinstance(hidden, int) and isinstance(heads, int) and heads else None
+        )
+    if "use_sliding_window" in values and not values["use_sliding_window"]:
+        values["sliding_window"] = _SWITCHED_WINDOW_OFF.get(model_type)
+    if values.get("mlp_only_layers", 0) is None:
+        values["mlp_only_layers"] = []
+
+
+def _standardise_rope(
+    values: dict[str, object], fields: Mapping[str, object], facts: Mapping[str, object]
+) -> None:
+    """transformers 5's ``convert_rope_params_to_dict`` + ``standardize_rope_params`` for one
+    global (not per-layer-type) RoPE: ``rope_scaling`` replaces ``rope_parameters``, then
+    ``rope_theta`` / ``partial_rotary_factor`` (the file's, else the class default) and the
+    ``rope_type`` (``type``'s older spelling) are filled in; the legacy keys leave the config."""
+    scaling = values.pop("rope_scaling", None)
+    params = scaling or values.get("rope_parameters")
+    params = dict(params) if isinstance(params, dict) else {}
+    # a key that is no field of the class is consumed here; a field stays an attribute
+    theta = (values.get if "rope_theta" in fields else values.pop)("rope_theta", facts["default_theta"])
+    partial = (values.get if "partial_rotary_factor" in fields else values.pop)("partial_rotary_factor", None)
+    if params or theta:
+        params.setdefault("rope_theta", theta)
+        if partial is not None:
+            params.setdefault("partial_rotary_factor", partial)
+        params.setdefault("rope_type", params.get("type", "default"))
+        if facts["default_rope_type"] != "default" and params["rope_type"] == "default":
+            params["rope_type"] = facts["default_rope_type"]
+        if params["rope_type"] in _SCALED_ROPE_TYPES:
+            if "original_max_position_embeddings" in values:
+                params["original_max_position_embeddings"] = values["original_max_position_embeddings"]
+            else:
+                params.setdefault("original_max_position_embeddings", values.get("max_position_embeddings"))
+    values["rope_parameters"] = params
+
+
+def class_facts(model_type: str) -> dict[str, object]:
+    """What :data:`DEFAULTS_FILE` records of ``model_type``'s config class, read from the installed
+    transformers (imports it): each dataclass field's default, ``attribute_map``, the RoPE defaults."""
+    import dataclasses
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    cls = CONFIG_MAPPING[model_type]
+    defaults: dict[str, object] = {}
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = f.default_factory()
+    return {
+        "class": cls.__name__,
+        "defaults": defaults,
+        "attribute_map": dict(cls.attribute_map),
+        "default_theta": getattr(cls, "default_theta", None),
+        "default_rope_type": getattr(cls, "default_rope_type", "default"),
+    }
+
+
+def generated_table() -> dict[str, object]:
+    """The whole table for the registered families, from the installed transformers."""
+    import transformers
+
+    from pretrain.models.families import families
+
+    return {
+        "transformers_version": transformers.__version__,
+        "model_types": {f.model_type: class_facts(f.model_type) for f in families()},
+    }
+
+
+def main() -> None:
+    """``python -m tools.hf_config_json``: rewrite :data:`DEFAULTS_FILE` from the installed transformers."""
+    text = json.dumps(generated_table(), indent=1, sort_keys=True) + "\n"
+    DEFAULTS_FILE.write_text(text, encoding="utf-8")
+    print(f"wrote {DEFAULTS_FILE}")
+
+
+if __name__ == "__main__":
+    main()
