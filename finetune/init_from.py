@@ -165,17 +165,13 @@ def hf_trunk_to_canonical(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -
 
 
 def _from_hf(path: Path, tokenizer: Tokenizer | None) -> Pretrained:
-    from transformers import AutoConfig
-
     from pretrain.models.families.bert import model_config_from_hf
+    from tools.hf_config_json import load_hf_config
     from tools.hf_io import read_hf_state  # the one HF weight-file reader
 
     if not (path / "config.json").is_file():
         raise UserError(f"--hf-model {path}: no config.json (not a Hugging Face model directory)")
-    try:
-        config = AutoConfig.from_pretrained(str(path))
-    except Exception as exc:
-        raise UserError(f"--hf-model {path}: cannot read config.json ({type(exc).__name__}: {exc})") from None
+    config: Any = load_hf_config(path, flag="--hf-model")
     cfg = model_config_from_hf(config)
     tensors = hf_trunk_to_canonical(read_hf_state(path), cfg)
     tokenizer = tokenizer or tokenizer_from_dir(path, flag="--hf-model")  # none there: refused

@@ -6,8 +6,10 @@ host against 2-4 s for the whole conversion of a 1B model. ``mlm-convert from-hf
 ``--hf-model`` reader only need the values, so they read the file here:
 
 * the class defaults of every field the file leaves out come from :data:`DEFAULTS_FILE`, a table
-  generated from the installed transformers' config dataclasses (``python -m tools.hf_config_json``
-  rewrites it; ``tests/test_hf_config_json.py`` fails when it drifts from the installed version);
+  generated from transformers' config dataclasses (``python -m tools.hf_config_json`` rewrites it
+  from the installed version). It is used only while the installed transformers is the version it
+  was made from (read from the package metadata, without importing it); any other version is
+  read by ``AutoConfig`` as before (slower, never different);
 * the class's ``attribute_map`` aliases (GPT-2's ``n_embd`` read as ``hidden_size``) resolve on
   attribute access, as on a ``PretrainedConfig``;
 * what the config classes' ``__post_init__`` derive (``head_dim``, the key/value heads, a sliding
@@ -66,6 +68,30 @@ def _table() -> dict[str, dict[str, object]]:
     return table
 
 
+def table_version() -> str:
+    """The transformers version :data:`DEFAULTS_FILE` was generated from (and proved against)."""
+    with open(DEFAULTS_FILE, encoding="utf-8") as f:
+        version: str = json.load(f)["transformers_version"]
+    return version
+
+
+@functools.cache
+def installed_version() -> str | None:
+    """The installed transformers' version, from its package metadata (no import of it)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except PackageNotFoundError:
+        return None
+
+
+def table_matches_installed() -> bool:
+    """Whether the table speaks for the installed transformers: another version may change a
+    default or the RoPE rules, so :func:`load_hf_config` then asks ``AutoConfig`` itself."""
+    return installed_version() == table_version()
+
+
 def known_model_types() -> tuple[str, ...]:
     """The ``model_type`` values whose class defaults the table holds."""
     return tuple(_table())
@@ -98,10 +124,11 @@ def read_config_json(model_dir: Path, *, flag: str = "--load") -> HFConfigJson:
 
 def load_hf_config(model_dir: Path, *, flag: str = "--load") -> object:
     """``model_dir``'s config: read here when its ``model_type`` is in the table (the built-in
-    families), else by ``AutoConfig.from_pretrained`` (a family registered at run time, or a
-    ``model_type`` the caller refuses); one :class:`UserError` line for an unreadable file."""
+    families) and the table was made from the installed transformers version, else by
+    ``AutoConfig.from_pretrained`` (a family registered at run time, a ``model_type`` the caller
+    refuses, another transformers); one :class:`UserError` line for an unreadable file."""
     config = read_config_json(model_dir, flag=flag)
-    if config.model_type in _table():
+    if config.model_type in _table() and table_matches_installed():
         return config
     from transformers import AutoConfig
 
