@@ -53,8 +53,8 @@ def opens(monkeypatch: pytest.MonkeyPatch) -> Spy:
     """``opens(argv)`` runs a command line and counts the opens of every file and directory."""
     import mlm_eval.scoring.megatron as scorer
     import pretrain.checkpoint.legacy.reader as legacy
+    import pretrain.checkpoint.torch_dist.dcp_meta as dcp_meta
     import pretrain.checkpoint.torch_dist.reader as dist
-    import pretrain.checkpoint.torch_dist.storage as storage
     import pretrain.tokenizer.loader as loader
 
     counts: Counter[str] = Counter()
@@ -70,7 +70,7 @@ def opens(monkeypatch: pytest.MonkeyPatch) -> Spy:
 
     spy(legacy, "load_untrusted", "rank file")
     spy(dist, "load_untrusted", "common.pt")
-    spy(storage, "load_dcp_metadata", ".metadata")
+    spy(dcp_meta, "read_dcp_metadata", ".metadata")
     spy(loader, "load_tokenizer_dir", "tokenizer")
     spy(scorer, "load_tokenizer_dir", "tokenizer")
 

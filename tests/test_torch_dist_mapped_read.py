@@ -1,5 +1,6 @@
-"""``torch_dist`` tensors are read from the memory-mapped data files (one copy into the target),
-and every region equals what torch's own ``FileSystemReader`` reads, bit for bit."""
+"""``torch_dist`` tensors are read from the memory-mapped data files (one copy into the target)
+without dcp, and every region equals what ``dcp.load`` with torch's own ``FileSystemReader``
+reads, bit for bit."""
 
 from __future__ import annotations
 
@@ -9,7 +10,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 
-import pretrain.checkpoint.torch_dist.storage as storage
+import pretrain.checkpoint.torch_dist.reader as dist_reader
+import pretrain.checkpoint.torch_dist.storage_dcp as storage_dcp
 from pretrain.checkpoint.opener import open_checkpoint
 from tests.convert_fixtures import write_bf16_llama_torch_dist
 
@@ -30,7 +32,9 @@ def test_mapped_reads_equal_dcps_reader(
     reader = open_checkpoint(tmp_path / "ck")
     ours = {n: reader.tensor(n) for n in reader.names()}
     assert dcp_reads == []  # every tensor from the mapped files
-    monkeypatch.setattr(storage.SafeFileSystemReader, "read_data", counted)  # dcp's reader throughout
+    # dcp's load and reader throughout: every region as if its items needed dcp
+    monkeypatch.setattr(dist_reader, "transformed", lambda info: True)
+    monkeypatch.setattr(storage_dcp.SafeFileSystemReader, "read_data", counted)
     theirs = {n: open_checkpoint(tmp_path / "ck").tensor(n) for n in reader.names()}
     assert len(dcp_reads) >= len(theirs)
     for name, t in ours.items():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pretrain.checkpoint.opener import find_iteration_dir, load_canonical
-from pretrain.checkpoint.torch_dist.storage import read_dcp_metadata
+from pretrain.checkpoint.torch_dist.storage_dcp import read_real_dcp_metadata
 from pretrain.checkpoint.torch_dist.writer import write_torch_dist
 from pretrain.parallel.config import ParallelConfig
 from pretrain.utils.errors import UserError
@@ -34,7 +34,7 @@ def test_metadata_naming_a_callable_is_refused_in_one_line_and_never_runs(
     got, _, _ = load_canonical(tmp_path / "d")  # a genuine .metadata reads through the allow-list
     assert sorted(got) == sorted(src.full)
     it_dir = find_iteration_dir(tmp_path / "d", None)[0]
-    md = read_dcp_metadata(it_dir)
+    md = read_real_dcp_metadata(it_dir)
     marker = tmp_path / "pwned"
     md.planner_data = {"evil": _Evil(marker)}
     (it_dir / ".metadata").write_bytes(pickle.dumps(md))

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-
-from torch.distributed.checkpoint.api import CheckpointException
+from typing import TYPE_CHECKING
 
 from pretrain.utils.errors import UserError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.api import CheckpointException
 
 
 def first_line(exc: BaseException) -> str:
@@ -37,7 +39,10 @@ def _cause(exc: CheckpointException) -> BaseException:
 @contextlib.contextmanager
 def dcp_failures(describe: Callable[[BaseException], str]) -> Iterator[None]:
     """Run a dcp save or load; its failures leave as ``KeyboardInterrupt``, ``SystemExit``, our
-    own :class:`UserError`, or ``UserError(describe(original exception))`` (one line naming the file)."""
+    own :class:`UserError`, or ``UserError(describe(original exception))`` (one line naming the file).
+    (Used only around dcp calls: importing dcp here costs nothing more.)"""
+    from torch.distributed.checkpoint.api import CheckpointException
+
     try:
         yield
     except CheckpointException as exc:

@@ -12,8 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
+from pretrain.checkpoint.torch_dist.dcp_meta import TensorStorageMetadata
 from pretrain.checkpoint.upstream.expert_names import DIST_EXPERTS, DIST_SINGLETON, FC
 from pretrain.checkpoint.upstream.names import ENC, to_local_name
 

@@ -8,7 +8,8 @@ of the axes after them. When the chunks that meet the region each span every one
 one, ``axis`` (the rows, or the last axis: the columns), and tile it without gaps, the region is
 those chunks' sub-blocks in order along ``axis``; each is a contiguous view of its stored archive
 over the privately mapped file (no copy, no process memory). Anything else (chunks cut along
-another axis, storage transforms) is ``None``, and the caller reads the region with dcp as before.
+another axis, storage transforms) is ``None``, and the caller copies the region together
+(:func:`~pretrain.checkpoint.torch_dist.reader.read_region`).
 """
 
 from __future__ import annotations
@@ -17,15 +18,15 @@ from pathlib import Path
 from typing import BinaryIO
 
 import torch
-from torch.distributed.checkpoint.metadata import (
+
+from pretrain.checkpoint.torch_dist.dcp_failures import first_line
+from pretrain.checkpoint.torch_dist.dcp_meta import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
 )
-
-from pretrain.checkpoint.torch_dist.dcp_failures import first_line
-from pretrain.checkpoint.torch_dist.storage import SafeFileSystemReader, map_data_file
+from pretrain.checkpoint.torch_dist.storage import map_data_file, stored_tensor, transformed
 from pretrain.utils.errors import UserError
 
 __all__ = ["MappedTiles"]
@@ -38,7 +39,6 @@ class MappedTiles:
     def __init__(self, it_dir: Path, storage: Metadata) -> None:
         self._it_dir = it_dir
         self._storage = storage
-        self._reader = SafeFileSystemReader(it_dir, storage)
         self._files: dict[str, tuple[torch.UntypedStorage, BinaryIO]] = {}
         self._stored: dict[MetadataIndex, torch.Tensor] = {}  # chunks loaded (each target rank asks again)
 
@@ -76,26 +76,28 @@ class MappedTiles:
         self, key: str, chunk: ChunkStorageMetadata, lead: tuple[int, ...], dtype: torch.dtype
     ) -> torch.Tensor | None:
         """The chunk's sub-block at ``lead`` (a contiguous view), or ``None``."""
-        stored = self._stored_chunk(key, chunk, dtype)
+        stored = self.stored_chunk(key, chunk, dtype)
         if stored is None:
             return None
         view = stored[tuple(i - o for i, o in zip(lead, chunk.offsets, strict=False))]
         return view if view.is_contiguous() else None
 
-    def _stored_chunk(self, key: str, chunk: ChunkStorageMetadata, dtype: torch.dtype) -> torch.Tensor | None:
-        """The chunk's stored tensor over the mapped file, loaded once (each target rank asks again)."""
+    def stored_chunk(self, key: str, chunk: ChunkStorageMetadata, dtype: torch.dtype) -> torch.Tensor | None:
+        """The chunk's stored tensor over the mapped file, loaded once (each target rank asks again);
+        ``None`` for an item dcp must read (storage transforms) or that is not ``dtype`` and the
+        chunk's shape."""
         index = MetadataIndex(key, chunk.offsets)
         if index in self._stored:
             return self._stored[index]
         info = self._storage.storage_data.get(index)
-        if info is None or getattr(info, "transform_descriptors", None):
+        if info is None or transformed(info):
             return None
         path = self._it_dir / info.relative_path
         if info.relative_path not in self._files:
             self._files[info.relative_path] = (map_data_file(path), open(path, "rb"))  # noqa: SIM115
         whole, fh = self._files[info.relative_path]
         try:
-            stored = self._reader.stored_tensor(path, whole, fh, index)
+            stored = stored_tensor(path, whole, fh, info, key)
         except UserError:
             raise
         except Exception as exc:  # noqa: BLE001 - a damaged archive: one line naming the file, as dcp's reads

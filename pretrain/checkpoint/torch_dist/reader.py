@@ -10,7 +10,7 @@ their *global* shapes, so TP/PP of the writer do not matter: fused QKV rows are 
 layers (``decoder.layers.self_attention.linear_qkv.weight`` ``[L, ...]``) or per layer with
 global indices (``decoder.layers.5....``); routed experts have an expert axis or one key each
 (:mod:`pretrain.checkpoint.torch_dist.keys`). :meth:`TorchDistReader.tensor` reads only the region
-of one layer (and expert) (a custom load planner over the stored chunks), so memory stays near one tensor.
+of one layer (and expert) (the stored chunks that meet it, loaded over the mapped data files), so memory stays near one tensor.
 The model's semantics come from ``args`` (:mod:`pretrain.model_options`), exactly as
 for legacy files: norms stored zero-centred (``apply_layernorm_1p``) get 1 added, an untied
 ``output_layer`` is read as our ``output_layer``.
@@ -19,29 +19,28 @@ for legacy files: norms stored zero-centred (``apply_layernorm_1p``) get 1 added
 from __future__ import annotations
 
 import dataclasses
-import io
 import re
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.planner import LoadPlan, ReadItem
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from pretrain.checkpoint.expert_layout import expert_index
 from pretrain.checkpoint.metadata import as_mapping, read_metadata
 from pretrain.checkpoint.plan import ModelSpec, Slot, chunk_slots
 from pretrain.checkpoint.safe_unpickle import load_untrusted, load_untrusted_bytes
-from pretrain.checkpoint.torch_dist.dcp_failures import dcp_failures, first_line
+from pretrain.checkpoint.torch_dist import dcp_meta
+from pretrain.checkpoint.torch_dist.dcp_meta import (
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
 from pretrain.checkpoint.torch_dist.keys import Ref as _Ref
 from pretrain.checkpoint.torch_dist.keys import map_keys as _map_keys
 from pretrain.checkpoint.torch_dist.mapped import MappedTiles
-from pretrain.checkpoint.torch_dist.storage import SafeFileSystemReader, read_dcp_metadata
+from pretrain.checkpoint.torch_dist.storage import stored_bytes, transformed
 from pretrain.checkpoint.types import CheckpointInfo, CheckpointMetadata, ColumnPieces, RowPieces
 from pretrain.checkpoint.upstream.args import VocabOptions, model_kind, true_vocab_size, upstream_model_config
 from pretrain.checkpoint.upstream.args_semantics import OUTPUT_LAYER, is_zero_centred_norm
@@ -57,74 +56,64 @@ _EMB = "language_model.embedding.word_embeddings.weight"
 _COMMON_STATE = "common_state/shard_0_1"  # ShardedObject("common_state", (1,), (0,)).unique_key
 
 
-class _RegionPlanner(DefaultLoadPlanner):
-    """Load one region (``offsets``, the shape of ``out``) of the stored tensor ``key`` into ``out``."""
-
-    def __init__(self, key: str, out: torch.Tensor, offsets: tuple[int, ...]) -> None:
-        super().__init__()
-        self.key, self.out, self.offsets = key, out, offsets
-        self.files: list[str] = []
-
-    def create_local_plan(self) -> LoadPlan:
-        md = self.metadata.state_dict_metadata[self.key]  # type: ignore[union-attr]
-        chunk = ChunkStorageMetadata(offsets=torch.Size(self.offsets), sizes=self.out.shape)
-        items = create_read_items_for_chunk_list(self.key, md, [chunk])  # type: ignore[arg-type]
-        storage = self.metadata.storage_data or {}  # type: ignore[union-attr]
-        self.files = sorted({getattr(storage.get(i.storage_index), "relative_path", "?") for i in items})
-        return LoadPlan(items)
-
-    def where(self, path: Path) -> str:
-        """The data file(s) the region is read from (the directory until the plan is made)."""
-        return ", ".join(str(path / f) for f in self.files) if self.files else str(path)
-
-    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        t = self.out
-        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            t = t.narrow(dim, start, length)
-        return t
-
-    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        pass
-
-
-class _BytesPlanner(DefaultLoadPlanner):
-    """Keep the raw bytes of a stored object: DCP's own ``load_bytes`` would
-    ``torch.load(weights_only=False)`` them, running whatever an untrusted file's pickle names."""
-
-    data: bytes = b""
-
-    def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        self.data = value.read()
-
-
 def read_region(
     path: Path,
     md: TensorStorageMetadata,
     key: str,
     index: int | tuple[int, ...] | None,
     storage: Metadata | None = None,
+    mapped: MappedTiles | None = None,
 ) -> torch.Tensor:
     """Tensor ``key`` (the slice at ``index`` of its leading axes: a stacked layer, an expert) of
     the checkpoint at ``path``, into CPU memory (``storage``: its ``.metadata`` already read, else
-    read again)."""
+    read again; ``mapped``: its data files already mapped).
+
+    Each stored chunk that meets the region is loaded over the mapped data file and its part of
+    the region copied into place (the chunks must cover the region); a chunk with dcp storage
+    transforms sends the whole region through ``dcp.load``."""
     lead = () if index is None else (index,) if isinstance(index, int) else tuple(index)
     size = (*(1,) * len(lead), *md.size[len(lead) :])
     out = pooled_empty(size, md.properties.dtype)  # a conversion's freed buffer of this size: no fresh pages
     offsets = (*lead, *(0,) * (len(size) - len(lead)))
-    planner = _RegionPlanner(key, out, offsets)
+    storage = storage if storage is not None else _read_metadata(path)
+    mapped = mapped if mapped is not None else MappedTiles(path, storage)
+    met = [c for c in md.chunks if _meets(c, offsets, size)]
+    infos = [storage.storage_data.get(MetadataIndex(key, c.offsets)) for c in met]
+    if any(i is not None and transformed(i) for i in infos):
+        from pretrain.checkpoint.torch_dist.storage_dcp import dcp_read_region
 
-    def describe(exc: BaseException) -> str:
-        return f"{planner.where(path)}: cannot read tensor {key}, truncated or corrupt? ({first_line(exc)})"
-
-    try:
-        with dcp_failures(describe), warnings.catch_warnings():  # "assuming ... a single process": intended
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({}, storage_reader=SafeFileSystemReader(path, storage), planner=planner, no_dist=True)
-    except UserError:
-        raise
-    except Exception as exc:
-        raise UserError(describe(exc)) from None
+        dcp_read_region(path, key, out, offsets)
+        return out.reshape(md.size[len(lead) :])
+    covered = 0
+    for chunk, info in zip(met, infos, strict=True):
+        stored = mapped.stored_chunk(key, chunk, md.properties.dtype)
+        if info is None or stored is None:
+            where = path / info.relative_path if info is not None else path
+            raise UserError(f"{where}: cannot read tensor {key}, truncated or corrupt? (chunk at "
+                            f"{tuple(chunk.offsets)} is not stored as the .metadata says)")  # fmt: skip
+        covered += _copy_overlap(stored, chunk, out, offsets)
+    if covered != out.numel():
+        raise UserError(f"{path}: tensor {key}: the stored chunks do not cover the region at {offsets}")
     return out.reshape(md.size[len(lead) :])
+
+
+def _meets(chunk: ChunkStorageMetadata, offsets: tuple[int, ...], size: tuple[int, ...]) -> bool:
+    return all(
+        o < c + n and c < o + s for o, s, c, n in zip(offsets, size, chunk.offsets, chunk.sizes, strict=True)
+    )
+
+
+def _copy_overlap(
+    stored: torch.Tensor, chunk: ChunkStorageMetadata, out: torch.Tensor, offsets: tuple[int, ...]
+) -> int:
+    """Copy the part of the stored chunk inside the region ``out`` (at global ``offsets``) into
+    place; the elements copied."""
+    src, dst = stored, out
+    for dim, (o, s, c, n) in enumerate(zip(offsets, out.shape, chunk.offsets, chunk.sizes, strict=True)):
+        lo, hi = max(o, c), min(o + s, c + n)
+        src, dst = src.narrow(dim, lo - c, hi - lo), dst.narrow(dim, lo - o, hi - lo)
+    dst.copy_(src)
+    return dst.numel()
 
 
 @dataclass
@@ -160,9 +149,11 @@ class TorchDistReader:
         return dataclasses.replace(self, spec=spec, info=info)
 
     def _read(self, ref: _Ref, vocab: bool) -> torch.Tensor:
-        t = read_region(self.path, self.meta[ref.key], ref.key, ref.index, self.storage)
+        t = read_region(self.path, self.meta[ref.key], ref.key, ref.index, self.storage, self._mapped())
         if ref.halves is not None:  # [gate; up] of a singleton SwiGLU expert
-            up = read_region(self.path, self.meta[ref.halves], ref.halves, ref.index, self.storage)
+            up = read_region(
+                self.path, self.meta[ref.halves], ref.halves, ref.index, self.storage, self._mapped()
+            )
             t = torch.cat([t, up])
         return t[: self.spec.cfg.vocab_size] if vocab else t
 
@@ -210,9 +201,13 @@ class TorchDistReader:
             return None
         if (name == _EMB and self.head is not None) or (self.norm_1p and is_zero_centred_norm(name)):
             return None
-        if self.mapped is None:
+        return self._mapped().tiles(ref.key, self.meta[ref.key], ref.index, axis)
+
+    def _mapped(self) -> MappedTiles | None:
+        """The data files mapped (once; None without the ``.metadata``)."""
+        if self.mapped is None and self.storage is not None:
             self.mapped = MappedTiles(self.path, self.storage)
-        return self.mapped.tiles(ref.key, self.meta[ref.key], ref.index, axis)
+        return self.mapped
 
     def tensor_meta(self, name: str) -> torch.Tensor:
         """``tensor(name)``'s dtype and shape as a ``meta`` tensor, from ``.metadata`` (no data read)."""
@@ -230,8 +225,8 @@ class TorchDistReader:
 
 
 def _read_metadata(it_dir: Path) -> Metadata:
-    """The dcp ``.metadata`` (restricted unpickler), its data files checked."""
-    md = read_dcp_metadata(it_dir)
+    """The dcp ``.metadata`` (restricted unpickler, plain classes), its data files checked."""
+    md = dcp_meta.read_dcp_metadata(it_dir)
     _check_data_files(it_dir, md.storage_data)
     return md
 
@@ -275,24 +270,14 @@ def read_common(it_dir: Path, storage: Metadata | None = None) -> dict[str, Any]
             f"{it_dir}: common.pt is missing (it holds the args that describe the model; "
             f"megatron-core >= 0.19 keeps them as {_COMMON_STATE} in the .distcp files, absent too)"
         )
-    planner = _BytesPlanner()
+    info = storage.storage_data.get(MetadataIndex(_COMMON_STATE))
+    if info is None or transformed(info):  # dcp reads what it transformed
+        from pretrain.checkpoint.torch_dist.storage_dcp import dcp_read_bytes
 
-    def describe(exc: BaseException) -> str:
-        return f"{it_dir}: cannot read {_COMMON_STATE}, truncated or corrupt? ({first_line(exc)})"
-
-    try:
-        with dcp_failures(describe), warnings.catch_warnings():  # "assuming ... a single process": intended
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load(
-                {_COMMON_STATE: io.BytesIO()}, storage_reader=SafeFileSystemReader(it_dir, storage),
-                planner=planner,
-                no_dist=True,
-            )  # fmt: skip
-    except UserError:
-        raise
-    except Exception as exc:
-        raise UserError(describe(exc)) from None
-    loaded = load_untrusted_bytes(planner.data, source=f"{it_dir} {_COMMON_STATE}")
+        data = dcp_read_bytes(it_dir, _COMMON_STATE)
+    else:
+        data = stored_bytes(it_dir / info.relative_path, info)
+    loaded = load_untrusted_bytes(data, source=f"{it_dir} {_COMMON_STATE}")
     state = loaded[0] if isinstance(loaded, list | tuple) and len(loaded) == 1 else loaded
     if not isinstance(state, dict):
         raise UserError(f"{it_dir}: {_COMMON_STATE} holds a {type(state).__name__}, expected a dict")
