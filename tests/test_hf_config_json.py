@@ -39,7 +39,6 @@ same_version = pytest.mark.skipif(
 _NOT_VALUES = {
     "transformers_version",
     "_name_or_path",
-    "layer_types",
     "dtype",
     "id2label",
     "label2id",
@@ -70,8 +69,8 @@ def _size(model_type: str) -> dict[str, object]:
     assert family is not None
     base = SIZES.get(model_type) or SIZES["bert" if family.kind == "bert" else "llama"]
     extra = {k: v for k, v in MOE.items() if family.moe}
-    if model_type == "olmoe":
-        extra.pop("num_local_experts")
+    # the key each family's own configs use (Qwen3-MoE's num_experts is an alias of num_local_experts)
+    extra.pop("num_experts" if model_type == "mixtral" else "num_local_experts", None)
     return {"model_type": model_type, **base, **extra}
 
 
@@ -90,6 +89,8 @@ def _variants(model_type: str) -> list[dict[str, object]]:
         out += [{**size, "hidden_act": "relu"}, {**size, "position_embedding_type": "relative_key"}]
     if model_type in ("qwen2_moe", "qwen3_moe"):
         out += [{**size, "mlp_only_layers": [1]}, {**size, "decoder_sparse_step": 2, "norm_topk_prob": True}]
+    if model_type == "llama":
+        out += [{**size, "eos_token_id": [2, 7]}]
     return out
 
 

@@ -29,6 +29,7 @@ import functools
 import json
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from pretrain.utils.errors import UserError
 
@@ -62,16 +63,43 @@ class HFConfigJson:
 
 
 @functools.cache
-def _table() -> dict[str, dict[str, object]]:
+def _whole_table() -> dict[str, object]:
     with open(DEFAULTS_FILE, encoding="utf-8") as f:
-        table: dict[str, dict[str, object]] = json.load(f)["model_types"]
+        whole: dict[str, object] = json.load(f)
+    return whole
+
+
+def _table() -> dict[str, dict[str, object]]:
+    table = _whole_table()["model_types"]
+    assert isinstance(table, dict)
     return table
+
+
+def table_facts(model_type: str) -> dict[str, object] | None:
+    """What the table records of ``model_type``'s config class, with the base ``PretrainedConfig``
+    defaults (``base_defaults``) and the ``transformers_version`` it was made from; None outside it."""
+    facts = _table().get(model_type)
+    if facts is None:
+        return None
+    whole = _whole_table()
+    return {
+        **facts,
+        "base_defaults": whole["base_defaults"],
+        "transformers_version": whole["transformers_version"],
+    }
+
+
+def generation_facts() -> tuple[tuple[str, ...], dict[str, object]]:
+    """``GenerationConfig``'s parameters and their defaults, from the table."""
+    gen = _whole_table()["generation_defaults"]
+    assert isinstance(gen, dict)
+    return tuple(gen), gen
 
 
 def table_version() -> str:
     """The transformers version :data:`DEFAULTS_FILE` was generated from (and proved against)."""
-    with open(DEFAULTS_FILE, encoding="utf-8") as f:
-        version: str = json.load(f)["transformers_version"]
+    version = _whole_table()["transformers_version"]
+    assert isinstance(version, str)
     return version
 
 
@@ -142,23 +170,37 @@ def load_hf_config(model_dir: Path, *, flag: str = "--load") -> object:
 
 def config_from_dict(raw: Mapping[str, object]) -> HFConfigJson:
     """The config of a parsed ``config.json`` (``model_type`` included) over its class defaults."""
-    facts = _table().get(str(raw.get("model_type")))
+    model_type = str(raw.get("model_type"))
+    facts = _table().get(model_type)
     if facts is None:
         return HFConfigJson(raw, {})
-    defaults = copy.deepcopy(facts["defaults"])
-    assert isinstance(defaults, dict)
     given = copy.deepcopy(dict(raw))
-    _check_types(given, defaults)
     if "torch_dtype" in given:  # transformers' older spelling; ``dtype`` wins when both are there
         dtype = given.pop("torch_dtype")
         given.setdefault("dtype", dtype)
-    values = {**defaults, **given}
-    _derive(values, str(raw["model_type"]))
-    if "rope_parameters" in defaults:
-        _standardise_rope(values, defaults, facts)
     aliases = facts["attribute_map"]
     assert isinstance(aliases, dict)
-    return HFConfigJson(values, aliases)
+    return HFConfigJson(derived_values(model_type, given), aliases)
+
+
+def derived_values(model_type: str, given: dict[str, object]) -> dict[str, object]:
+    """``model_type``'s class defaults overlaid with ``given`` (a file's values or an export's
+    keyword arguments; type-checked), then what the class's ``__post_init__`` derives and the
+    RoPE standardisation: the values a ``PretrainedConfig`` of them holds."""
+    facts = _table()[model_type]
+    defaults, aliases = copy.deepcopy(facts["defaults"]), facts["attribute_map"]
+    assert isinstance(defaults, dict) and isinstance(aliases, dict)
+    # an alias names its field (Qwen3-MoE's num_experts is num_local_experts), set after the field
+    given = {k: given[k] for k in sorted(given, key=lambda k: k in aliases)}
+    given = {aliases.get(k, k): v for k, v in given.items()}
+    # a field named as an alias is only ever stored under its target (``__setattr__`` redirects it)
+    defaults = {k: v for k, v in defaults.items() if k not in aliases}
+    _check_types(given, defaults)
+    values = {**defaults, **copy.deepcopy(given)}
+    _derive(values, model_type)
+    if "rope_parameters" in defaults:
+        _standardise_rope(values, defaults, facts)
+    return values
 
 
 def _check_types(given: Mapping[str, object], defaults: Mapping[str, object]) -> None:
@@ -166,8 +208,8 @@ def _check_types(given: Mapping[str, object], defaults: Mapping[str, object]) ->
     given ``"64"``): transformers' strict dataclasses refuse these at load, before any converter."""
     for key, value in given.items():
         default = defaults.get(key)
-        if default is None or value is None:
-            continue
+        if default is None or value is None or not isinstance(value, str | int | float):
+            continue  # (a list where the default is one id: Llama 3's eos_token_id is legal)
         if isinstance(default, bool):
             ok = isinstance(value, bool)
         elif isinstance(default, int):
@@ -193,6 +235,25 @@ def _derive(values: dict[str, object], model_type: str) -> None:
         values["sliding_window"] = _SWITCHED_WINDOW_OFF.get(model_type)
     if values.get("mlp_only_layers", 0) is None:
         values["mlp_only_layers"] = []
+    if values.get("layer_types", 0) is None and model_type in _LAYER_TYPES:
+        layers = values["num_hidden_layers"]
+        values["layer_types"] = [
+            _LAYER_TYPES[model_type](values, i) for i in range(layers if isinstance(layers, int) else 0)
+        ]
+
+
+def _qwen2_layer(values: Mapping[str, Any], i: int) -> str:
+    window = values["sliding_window"] is not None and i >= values["max_window_layers"]
+    return "sliding_attention" if window else "full_attention"
+
+
+def _qwen2_moe_layer(values: Mapping[str, Any], i: int) -> str:
+    window = bool((i + 1) % 2) and i < values["max_window_layers"] and values["use_sliding_window"]
+    return "sliding_attention" if window else "full_attention"
+
+
+# the attention kind per layer the Qwen configs derive when the file gives none (``__post_init__``)
+_LAYER_TYPES = {"qwen2": _qwen2_layer, "qwen3": _qwen2_layer, "qwen2_moe": _qwen2_moe_layer}
 
 
 def _standardise_rope(
@@ -249,11 +310,19 @@ def class_facts(model_type: str) -> dict[str, object]:
 def generated_table() -> dict[str, object]:
     """The whole table for the registered families, from the installed transformers."""
     import transformers
+    from transformers import GenerationConfig, PretrainedConfig
 
     from pretrain.models.families import families
 
+    base = PretrainedConfig().to_dict()
+    base.pop("transformers_version")
+    generation = GenerationConfig().to_dict()
+    for metadata in ("_from_model_config", "_commit_hash", "_original_object_hash", "transformers_version"):
+        generation.pop(metadata, None)
     return {
         "transformers_version": transformers.__version__,
+        "base_defaults": base,
+        "generation_defaults": generation,
         "model_types": {f.model_type: class_facts(f.model_type) for f in families()},
     }
 

@@ -52,6 +52,9 @@ if TYPE_CHECKING:
 # to-hf's config and tokenizer files from a forked child (tools.forked_job); tests switch it off to
 # compare with the files made in-process
 FORK_HF_FILES = True
+# --weights-only exports' config files made without transformers (tools.hf_config_files); tests
+# switch it off to compare with transformers' own files
+CONFIG_FILES_WITHOUT_TRANSFORMERS = True
 # HF tensors that are whole rows of a checkpoint tensor, or one passed through, written from its
 # stored row or column blocks (tools.hf_row_select); tests switch it off to compare with the joined-and-converted bytes
 ROW_PIECES = True
@@ -235,7 +238,7 @@ def export_hf(
         # transformers' config and tokenizer files (seconds of imports that hold the GIL) are made
         # by a forked child while this process writes the weights (rank 0 alone under torchrun)
         hf_files = None
-        if split.leader:
+        if split.leader and not _wrote_config_files(tmp, fam, spec, tokenizer, _weights_dtype(hf_metas)):
             make = functools.partial(_write_hf_files, tmp, fam, spec, tokenizer, _weights_dtype(hf_metas))
             hf_files = ForkedJob(make, fork=FORK_HF_FILES)
         try:
@@ -246,8 +249,8 @@ def export_hf(
             split.agree()  # every shard is written
             if hf_files is not None:
                 hf_files.wait()
-                if check is not None:
-                    check(tmp)
+            if split.leader and check is not None:  # the complete directory, config files included
+                check(tmp)
         finally:
             if hf_files is not None:
                 hf_files.cancel()
@@ -323,6 +326,29 @@ def _write_hf_files(
     config, hf_tok = _hf_config_and_tokenizer(fam, spec, tokenizer)
     config.dtype = dtype
     _write_configs(tmp, config, spec, hf_tok)
+
+
+def _wrote_config_files(
+    tmp: Path, fam: Family, spec: ModelSpec, tokenizer: Tokenizer | None, dtype: torch.dtype | None
+) -> bool:
+    """Without a tokenizer, ``config.json`` and ``generation_config.json`` as transformers writes
+    them, made here (:mod:`tools.hf_config_files`: no seconds of transformers imports beside the
+    weights); False where only transformers can make them (or a tokenizer needs it anyway)."""
+    from tools.hf_config_files import config_files
+
+    if tokenizer is not None or not CONFIG_FILES_WITHOUT_TRANSFORMERS:
+        return False
+    converter = fam.module()
+    converter.check_exportable(spec.cfg, family=fam)
+    kw = converter.export_config(
+        spec.cfg, fam, special_ids=_special_ids(tokenizer), fresh_heads=spec.fresh_heads
+    )
+    files = config_files(fam.model_type, kw, dtype=dtype, causal_lm=spec.model_kind.causal_lm)
+    if files is None:
+        return False
+    for name, text in files.items():
+        (tmp / name).write_text(text, encoding="utf-8")
+    return True
 
 
 def _write_configs(

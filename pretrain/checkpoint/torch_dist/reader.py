@@ -201,7 +201,8 @@ class TorchDistReader:
             return None
         if (name == _EMB and self.head is not None) or (self.norm_1p and is_zero_centred_norm(name)):
             return None
-        return self._mapped().tiles(ref.key, self.meta[ref.key], ref.index, axis)
+        mapped = self._mapped()
+        return None if mapped is None else mapped.tiles(ref.key, self.meta[ref.key], ref.index, axis)
 
     def _mapped(self) -> MappedTiles | None:
         """The data files mapped (once; None without the ``.metadata``)."""

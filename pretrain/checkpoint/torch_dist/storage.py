@@ -81,7 +81,7 @@ def stored_tensor(
     (no copy)."""
     if info.offset + info.length > whole.nbytes():
         raise UserError(f"{path}: ends before tensor {fqn} (truncated?)")
-    archive = torch._C.PyTorchFileReader(_FileWindow(fh, info.offset, info.length))
+    archive = torch._C.PyTorchFileReader(_FileWindow(fh, info.offset, info.length))  # type: ignore[call-overload]
     stored = torch.serialization._load(  # type: ignore[attr-defined]
         archive,
         "cpu",
