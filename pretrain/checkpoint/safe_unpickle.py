@@ -207,15 +207,16 @@ class _DcpMetadataUnpickler(pickle.Unpickler):
         raise UnsafePickleError(f"refusing to unpickle global {module}.{name} (not on the allow-list)")
 
 
-def load_dcp_metadata(path: Path) -> object:
-    """The ``Metadata`` object a ``torch_dist`` ``.metadata`` file pickles, read without trusting it.
+def load_dcp_metadata(path: Path, unpickler: type[pickle.Unpickler] | None = None) -> object:
+    """The ``Metadata`` object a ``torch_dist`` ``.metadata`` file pickles, read without trusting it
+    (``unpickler``: one resolving the same allow-list otherwise, e.g. to plain stand-in classes).
 
     A global off the list is one-line :class:`UserError` naming the file (nothing of the pickle runs);
     a truncated file too.
     """
     try:
         with open(path, "rb") as f:
-            return _DcpMetadataUnpickler(f).load()
+            return (unpickler or _DcpMetadataUnpickler)(f).load()
     except UnsafePickleError as exc:
         raise UserError(f"{path}: unsafe checkpoint file: {exc}") from None
     except Exception as exc:

@@ -22,7 +22,12 @@ from typing import Any
 
 import torch
 
-from pretrain.checkpoint.safe_unpickle import DCP_METADATA_GLOBALS, UnsafePickleError, resolve_global
+from pretrain.checkpoint.safe_unpickle import (
+    DCP_METADATA_GLOBALS,
+    UnsafePickleError,
+    load_dcp_metadata,
+    resolve_global,
+)
 from pretrain.utils.errors import UserError
 
 __all__ = [
@@ -187,15 +192,7 @@ def read_dcp_metadata(it_dir: Path) -> Metadata:
     """``it_dir/.metadata`` as the plain classes above (one :class:`UserError` line for an unsafe,
     truncated or foreign file)."""
     path = it_dir / ".metadata"
-    try:
-        with open(path, "rb") as f:
-            md = _StandInUnpickler(f).load()
-    except UnsafePickleError as exc:
-        raise UserError(f"{path}: unsafe checkpoint file: {exc}") from None
-    except Exception as exc:
-        raise UserError(
-            f"{path}: cannot be read, truncated or corrupt? ({type(exc).__name__}: {exc})"
-        ) from None
+    md = load_dcp_metadata(path, _StandInUnpickler)
     if not isinstance(md, Metadata):
         raise UserError(f"{path}: holds a {type(md).__name__}, not torch.distributed.checkpoint Metadata")
     md.__dict__.setdefault("storage_data", {})
