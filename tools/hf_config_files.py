@@ -42,7 +42,7 @@ def config_files(
     ``AutoConfig.for_model(model_type, **kwargs)`` with ``config.dtype = dtype``; ``None`` where
     only transformers can say."""
     facts = table_facts(model_type)
-    if facts is None or not table_matches_installed() or "transformers_version" not in facts:
+    if facts is None or not table_matches_installed():
         return None
     full = _full_dict(model_type, kwargs, dtype, facts)
     files = {"config.json": _dumps(_diff(full, facts))}

@@ -57,10 +57,6 @@ class HFConfigJson:
         except KeyError:
             raise AttributeError(f"config.json has no {name!r}") from None
 
-    def to_dict(self) -> dict[str, object]:
-        """Every value (a deep copy), under the class's own key names."""
-        return copy.deepcopy(self._values)
-
 
 @functools.cache
 def _whole_table() -> dict[str, object]:
@@ -118,11 +114,6 @@ def table_matches_installed() -> bool:
     """Whether the table speaks for the installed transformers: another version may change a
     default or the RoPE rules, so :func:`load_hf_config` then asks ``AutoConfig`` itself."""
     return installed_version() == table_version()
-
-
-def known_model_types() -> tuple[str, ...]:
-    """The ``model_type`` values whose class defaults the table holds."""
-    return tuple(_table())
 
 
 def read_config_json(model_dir: Path, *, flag: str = "--load") -> HFConfigJson:

@@ -157,12 +157,17 @@ def _hf_config(fam: Family, spec: ModelSpec, tokenizer: Tokenizer | None) -> Pre
     """``fam``'s ``PretrainedConfig`` of ``spec`` (refused first when the architecture lacks an option)."""
     from transformers import AutoConfig
 
+    return AutoConfig.for_model(fam.model_type, **_config_kwargs(fam, spec, tokenizer))
+
+
+def _config_kwargs(fam: Family, spec: ModelSpec, tokenizer: Tokenizer | None) -> dict[str, object]:
+    """``fam``'s ``config.json`` keyword arguments for ``spec`` (refused first when the
+    architecture lacks an option)."""
     converter = fam.module()
     converter.check_exportable(spec.cfg, family=fam)
-    kw = converter.export_config(
+    return converter.export_config(
         spec.cfg, fam, special_ids=_special_ids(tokenizer), fresh_heads=spec.fresh_heads
     )
-    return AutoConfig.for_model(fam.model_type, **kw)
 
 
 def _hf_config_and_tokenizer(
@@ -338,11 +343,7 @@ def _wrote_config_files(
 
     if tokenizer is not None or not CONFIG_FILES_WITHOUT_TRANSFORMERS:
         return False
-    converter = fam.module()
-    converter.check_exportable(spec.cfg, family=fam)
-    kw = converter.export_config(
-        spec.cfg, fam, special_ids=_special_ids(tokenizer), fresh_heads=spec.fresh_heads
-    )
+    kw = _config_kwargs(fam, spec, tokenizer)
     files = config_files(fam.model_type, kw, dtype=dtype, causal_lm=spec.model_kind.causal_lm)
     if files is None:
         return False

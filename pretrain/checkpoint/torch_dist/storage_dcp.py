@@ -15,13 +15,13 @@ import io
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.futures import Future
@@ -80,7 +80,8 @@ class SafeFileSystemReader(FileSystemReader):
         whole = storage.map_data_file(path)
         with open(path, "rb") as fh:
             for item in items:
-                stored = self.stored_tensor(path, whole, fh, item.storage_index)
+                info = self.storage_data[item.storage_index]
+                stored = storage.stored_tensor(path, whole, fh, info, item.storage_index.fqn)
                 region = stored
                 for dim, (start, length) in enumerate(zip(item.storage_offsets, item.lengths, strict=True)):
                     region = region.narrow(dim, start, length)
@@ -92,13 +93,6 @@ class SafeFileSystemReader(FileSystemReader):
                     )
                 target.copy_(region)
                 planner.commit_tensor(item, target)
-
-    def stored_tensor(
-        self, path: Path, whole: torch.UntypedStorage, fh: BinaryIO, index: MetadataIndex
-    ) -> torch.Tensor:
-        """The tensor stored under ``index`` in the data file ``path`` (a view of its mapped pages)."""
-        assert self._metadata is not None
-        return storage.stored_tensor(path, whole, fh, self._metadata.storage_data[index], index.fqn)
 
 
 class _RegionPlanner(DefaultLoadPlanner):
