@@ -5,7 +5,7 @@
   group's q, k and v rows, SwiGLU's fc1 as gate and up, ``o_proj``/``down_proj`` as one column
   block. Joined, they are the tensor the maker builds.
 * A ``torch_dist`` save writes each chunk from the source's blocks
-  (:meth:`_StreamingPlanner.resolve_pieces`): the ``.distcp`` bytes are those of the chunks
+  (:meth:`_ChunkMaker.pieces`): the ``.distcp`` bytes are those of the chunks
   joined first, for a legacy source (TP shards) and a Hugging Face one.
 """
 
@@ -124,12 +124,12 @@ def test_torch_dist_chunks_from_a_hf_directory_are_byte_identical(
 
 def _count_pieces(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
     used: list[bool] = []
-    real = dist_writer._StreamingPlanner.resolve_pieces
+    real = dist_writer._ChunkMaker.pieces
 
     def noted(self, item):  # noqa: ANN001, ANN202
         out = real(self, item)
         used.append(out is not None)
         return out
 
-    monkeypatch.setattr(dist_writer._StreamingPlanner, "resolve_pieces", noted)
+    monkeypatch.setattr(dist_writer._ChunkMaker, "pieces", noted)
     return used

@@ -15,7 +15,7 @@ from tests.gpt_fixtures import full_weights, tiny_config
 from tests.slow_hook import start_held
 from tools.convert_cli import main as convert_main
 
-DIST_WRITE = "pretrain.checkpoint.torch_dist.writer:_StreamingPlanner.resolve_data"  # inside dcp.save
+DIST_WRITE = "pretrain.checkpoint.torch_dist.writer:_ChunkMaker.__call__"  # an item being made
 DIST_READ = "pretrain.checkpoint.torch_dist.reader:_copy_overlap"  # a stored chunk being read
 LEGACY_WRITE = "pretrain.checkpoint.legacy.writer:_chunk_state"  # a rank file being built
 HF_WRITE = "tools.hf_shards:ShardWriter.add"  # a safetensors shard being written

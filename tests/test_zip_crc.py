@@ -20,6 +20,7 @@ from pretrain.checkpoint.legacy.stream_save import LazyTensor, stream_save
 from pretrain.checkpoint.torch_dist.distcp_writer import file_count
 from pretrain.checkpoint.types import RowPieces
 from pretrain.checkpoint.zip_crc import crc32, fill_crc32, zip_records
+from tests.dcp_reference import dcp_save
 
 
 def _state() -> dict[str, object]:
@@ -230,11 +231,8 @@ def test_torch_dist_files_are_the_bytes_of_a_save_with_crcs(
         ModelSpec(kind="gpt", cfg=cfg), {k: v.bfloat16() for k, v in full_weights(cfg).items()}
     )
     writer.write_torch_dist(source, tmp_path / "filled", ParallelConfig(tp=2, pp=1))
-    with monkeypatch.context() as m:  # torch computes the CRCs itself
-        m.setattr(
-            writer, "DistcpWriter", lambda path: dcp.FileSystemWriter(str(path), thread_count=file_count())
-        )
-        writer.write_torch_dist(source, tmp_path / "torch", ParallelConfig(tp=2, pp=1))
+    # dcp's own FileSystemWriter, torch computing the CRCs itself
+    dcp_save(source, tmp_path / "torch" / "release", ParallelConfig(tp=2, pp=1), thread_count=file_count())
     names = [f"__0_{i}.distcp" for i in range(file_count())]
     assert sorted(p.name for p in (tmp_path / "filled" / "release").glob("*.distcp")) == names
     for name in names:
@@ -274,8 +272,6 @@ def test_torch_dist_writer_keeps_no_chunk_after_writing_it(
     chunk until the file ends: the same probe sees them there.)"""
     import weakref
 
-    import torch.distributed.checkpoint as dcp
-
     import pretrain.checkpoint.torch_dist.writer as writer
     from pretrain.checkpoint.plan import ModelSpec
     from pretrain.checkpoint.types import DictSource
@@ -286,7 +282,7 @@ def test_torch_dist_writer_keeps_no_chunk_after_writing_it(
     source = DictSource(
         ModelSpec(kind="gpt", cfg=cfg), {k: v.bfloat16() for k, v in full_weights(cfg).items()}
     )
-    resolve = writer._StreamingPlanner.resolve_data
+    resolve = writer._ChunkMaker.data
 
     def most_alive_before_each_chunk(save: Path) -> int:
         made: list[weakref.ref] = []
@@ -303,17 +299,16 @@ def test_torch_dist_writer_keeps_no_chunk_after_writing_it(
             return data
 
         with monkeypatch.context() as m:
-            m.setattr(writer._StreamingPlanner, "resolve_data", probed)
-            writer.write_torch_dist(source, save, ParallelConfig(tp=1, pp=1))
+            m.setattr(writer._ChunkMaker, "data", probed)
+            if save.name == "ours":
+                writer.write_torch_dist(source, save, ParallelConfig(tp=1, pp=1))
+            else:  # the same plan through dcp.save and its FileSystemWriter
+                dcp_save(source, save / "release", ParallelConfig(tp=1, pp=1), thread_count=file_count())
         return most
 
     # each file's thread holds at most the chunk it is writing: the others' are gone
     assert most_alive_before_each_chunk(tmp_path / "ours") <= file_count() - 1
-    with monkeypatch.context() as m:
-        m.setattr(
-            writer, "DistcpWriter", lambda path: dcp.FileSystemWriter(str(path), thread_count=file_count())
-        )
-        assert most_alive_before_each_chunk(tmp_path / "torch") > 5
+    assert most_alive_before_each_chunk(tmp_path / "torch") > 5
 
 
 def test_files_in_lockstep_are_written_by_several_threads_with_one_threads_bytes(

@@ -31,8 +31,10 @@ from pretrain.checkpoint.safe_unpickle import (
 from pretrain.utils.errors import UserError
 
 __all__ = [
+    "CONTIGUOUS",
     "BytesStorageMetadata",
     "ChunkStorageMetadata",
+    "MemoryFormatCode",
     "Metadata",
     "MetadataIndex",
     "StorageInfo",
@@ -59,10 +61,28 @@ class ChunkStorageMetadata(_Plain):
     sizes: torch.Size
 
 
+class MemoryFormatCode:
+    """A member of dcp's ``_MEM_FORMAT_ENCODING`` enum as written (0: ``TORCH_CONTIGUOUS_FORMAT``):
+    pickled as an ``Enum`` member is, its class called with its value."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __reduce__(self) -> tuple[type[MemoryFormatCode], tuple[int]]:
+        return (MemoryFormatCode, (self.value,))
+
+
+CONTIGUOUS = MemoryFormatCode(0)  # one object, as the enum member is (a memo lookup after the first)
+
+
 class TensorProperties(_Plain):
-    """The stored tensor's ``dtype`` (dcp pickles a tuple; the deprecated fields are kept as read)."""
+    """The stored tensor's ``dtype`` (dcp pickles a tuple; the deprecated fields are kept as read,
+    and written at their defaults: strided, no grad, contiguous, not pinned)."""
 
     dtype: torch.dtype
+
+    def __getstate__(self) -> tuple[object, ...]:
+        return (self.dtype, torch.strided, False, CONTIGUOUS, False)
 
     def __setstate__(self, state: object) -> None:
         if isinstance(state, tuple):  # (dtype, layout, requires_grad, memory format code, pin_memory)
@@ -106,11 +126,14 @@ class MetadataIndex:
     dcp's frozen dataclass; ``index`` is only a hint)."""
 
     fqn: str
-    offset: torch.Size | None
-    index: int | None
+    offset: torch.Size | None = None
+    index: int | None = None
 
     def __init__(self, fqn: str, offset: tuple[int, ...] | None = None, index: int | None = None) -> None:
-        self.fqn, self.offset, self.index = fqn, None if offset is None else torch.Size(offset), index
+        # as dcp's __init__ sets them (the pickled state's order): no offset attribute when None
+        self.fqn, self.index = fqn, index
+        if offset is not None:
+            self.offset = torch.Size(offset)
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update({"offset": None, "index": None, **state})

@@ -16,11 +16,14 @@ it at any TP/PP: ``ROOT/latest_checkpointed_iteration.txt`` and ``ROOT/iter_N/``
   :mod:`pretrain.checkpoint.metadata`), ``iteration``, ``checkpoint_version``;
 * ``metadata.json``: the backend names megatron-core checks.
 
-A custom save planner asks the source for each layer's tensor only when the file writer reaches
-it, and the file writer (:mod:`~pretrain.checkpoint.torch_dist.distcp_writer`) drops each chunk
-once written, so memory stays near one tensor; it fills the archives' CRC-32s by ISA-L, not by
-torch's slow loop. The directory is built under a temporary sibling and renamed at the end
-(nothing half-written).
+The save plan (dcp's: one item per stored chunk, then the byte entries) is ours, and so are the
+writers: the file writer (:mod:`~pretrain.checkpoint.torch_dist.distcp_writer`) asks the source
+for each layer's tensor only when it reaches it and drops each chunk once written, so memory stays
+near one tensor, and fills the archives' CRC-32s by ISA-L, not by torch's slow loop; the
+``.metadata`` is pickled as dcp's classes (:mod:`~pretrain.checkpoint.torch_dist.dcp_meta_write`).
+Neither imports ``torch.distributed.checkpoint`` (a second of a 1B conversion), and the bytes are
+those ``dcp.save`` with ``FileSystemWriter`` writes (``tests/test_dcp_meta_write.py``). The
+directory is built under a temporary sibling and renamed at the end (nothing half-written).
 """
 
 from __future__ import annotations
@@ -30,17 +33,12 @@ import io
 import json
 import math
 import re
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties
-from torch.distributed.checkpoint.planner import SavePlan, TensorWriteData, WriteItem, WriteItemType
 
 from pretrain.checkpoint.expert_layout import check_expert_layout
 from pretrain.checkpoint.legacy.layout import CHECKPOINT_VERSION, iteration_dir, write_tracker
@@ -49,8 +47,14 @@ from pretrain.checkpoint.legacy.writer import WriteOptions, _target_metadata, vo
 from pretrain.checkpoint.metadata import to_args
 from pretrain.checkpoint.optimizer.state import MCORE_STATE_PREFIX, OptimizerSource
 from pretrain.checkpoint.plan import ModelSpec, chunk_slots
-from pretrain.checkpoint.torch_dist.dcp_failures import dcp_failures, first_line
-from pretrain.checkpoint.torch_dist.distcp_writer import DistcpWriter
+from pretrain.checkpoint.torch_dist.dcp_failures import first_line
+from pretrain.checkpoint.torch_dist.dcp_meta_write import (
+    StoredChunk,
+    build_metadata,
+    new_save_id,
+    write_dcp_metadata,
+)
+from pretrain.checkpoint.torch_dist.distcp_writer import write_distcp_files
 from pretrain.checkpoint.torch_dist.optimizer import optimizer_common, optimizer_entry_kinds
 from pretrain.checkpoint.types import ColumnPieces, ColumnPieceSource, RowPieces, RowPieceSource, TensorSource
 from pretrain.checkpoint.upstream.expert_names import to_dist_expert
@@ -62,7 +66,7 @@ from pretrain.tensor_parallel.vocab import padded_vocab_size
 from pretrain.utils.atomic import atomic_open
 from pretrain.utils.errors import UserError
 
-# chunks written from the source's stored blocks where it keeps them (DistcpWriter's pieces path);
+# chunks written from the source's stored blocks where it keeps them (_ChunkMaker.pieces);
 # tests switch it off to compare with the chunks joined first
 CHUNKS_FROM_PIECES = True
 
@@ -180,57 +184,70 @@ def _extra_state_keys(entries: list[_Entry]) -> list[str]:
     return keys + (["output_layer._extra_state/shard_0_1"] if block == MCORE_BLOCK["bert"] else [])
 
 
-class _StreamingPlanner(DefaultSavePlanner):
-    """Save plan built from the entries; each chunk is fetched from the source when written."""
+@dataclass(frozen=True)
+class _Item:
+    """One item of the save plan (dcp's ``WriteItem``): a ``chunk`` of ``entry`` (canonical tensor
+    ``name``), or a byte entry ``key`` (``entry`` None)."""
+
+    key: str
+    chunk: StoredChunk | None = None
+    entry: _Entry | None = None
+    name: str = ""
+
+    @property
+    def bin_bytes(self) -> int:
+        """dcp's ``_item_size``: the bytes of the chunk's whole global tensor."""
+        return 0 if self.entry is None else math.prod(self.entry.shape) * self.entry.dtype.itemsize
+
+
+def _plans(entries: list[_Entry], split: WorkSplit) -> list[list[_Item]]:
+    """Every rank's items in plan order (each rank computes them all alone): the chunks
+    :meth:`WorkSplit.owners` gives it, in entry order (one per layer / expert of a stacked key),
+    then on rank 0 the ``_extra_state`` byte entries."""
+    owners = iter(split.owners([_chunk_bytes(e) for e in entries for _ in e.parts]))
+    plans: list[list[_Item]] = [[] for _ in range(split.world)]
+    for e in entries:
+        for name, index in e.parts:
+            offsets = (*index, *(0,) * (len(e.shape) - len(index)))
+            sizes = (*(1,) * len(index), *e.shape[len(index) :])
+            plans[next(owners)].append(_Item(e.key, StoredChunk(offsets, sizes, e.shape, e.dtype), e, name))
+    plans[0] += [_Item(key) for key in _extra_state_keys(entries)]
+    return plans
+
+
+class _ChunkMaker:
+    """Each item's data when the file writer reaches it: the chunk as the source's stored blocks
+    (:meth:`pieces`, where the source keeps them so), else as one tensor (:meth:`data`)."""
 
     def __init__(
-        self, entries: list[_Entry], fetch: Callable[[_Entry, str], torch.Tensor], split: WorkSplit = SINGLE,
+        self, fetch: Callable[[_Entry, str], torch.Tensor],
         pieces: Callable[[_Entry, str], RowPieces | ColumnPieces | None] | None = None,
     ) -> None:  # fmt: skip
-        super().__init__()
-        self.entries, self.fetch, self.split, self.pieces = entries, fetch, split, pieces
-        self.chunk_of: dict[tuple[str, tuple[int, ...]], tuple[str, _Entry]] = {}
+        self.fetch, self.fetch_pieces = fetch, pieces
 
-    def create_local_plan(self) -> SavePlan:
-        items: list[WriteItem] = []
-        mine = iter(self.split.mine([_chunk_bytes(e) for e in self.entries for _ in e.parts]))
-        for e in self.entries:
-            props = TensorProperties(dtype=e.dtype)
-            for name, index in e.parts:
-                if not next(mine):  # another process writes this chunk
-                    continue
-                offsets = (*index, *(0,) * (len(e.shape) - len(index)))
-                sizes = (*(1,) * len(index), *e.shape[len(index) :])
-                chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=torch.Size(sizes))
-                mindex = MetadataIndex(e.key, torch.Size(offsets))
-                self.chunk_of[(e.key, tuple(offsets))] = (name, e)
-                items.append(WriteItem(index=mindex, type=WriteItemType.SHARD,
-                                       tensor_data=TensorWriteData(chunk=chunk, properties=props,
-                                                                   size=torch.Size(e.shape))))  # fmt: skip
-        for key in _extra_state_keys(self.entries) if self.split.leader else []:
-            items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
-        self.plan = SavePlan(items, planner_data={})
-        return self.plan
+    def __call__(self, item: _Item) -> torch.Tensor | bytes | LazyTensor:
+        lazy = self.pieces(item)
+        return self.data(item) if lazy is None else lazy
 
-    def resolve_data(self, write_item: WriteItem) -> torch.Tensor | io.BytesIO:
-        if write_item.type == WriteItemType.BYTE_IO:
+    def data(self, item: _Item) -> torch.Tensor | bytes:
+        """A byte entry's ``torch.save([None])`` (a linear layer's empty extra state), or the chunk
+        with its leading size-1 axes."""
+        if item.entry is None:
             buf = io.BytesIO()
             torch.save([None], buf)
-            buf.seek(0)
-            return buf
-        key, offsets = write_item.index.fqn, tuple(write_item.index.offset or ())
-        name, entry = self.chunk_of[(key, offsets)]
-        t = self.fetch(entry, name).to(entry.dtype).contiguous()
+            return buf.getvalue()
+        entry = item.entry
+        t = self.fetch(entry, item.name).to(entry.dtype).contiguous()
         return t.reshape((1,) * len(entry.lead) + tuple(t.shape))  # its chunk of the leading axes
 
-    def resolve_pieces(self, write_item: WriteItem) -> LazyTensor | None:
-        """The chunk of ``write_item`` as the source's stored blocks, to be gathered into its
-        archive (:class:`~pretrain.checkpoint.torch_dist.distcp_writer.ChunkPieces`); None where
-        the source does not keep it so (then :meth:`resolve_data`)."""
-        name, entry = self.chunk_of[(write_item.index.fqn, tuple(write_item.index.offset or ()))]
-        made = self.pieces(entry, name) if self.pieces is not None else None
+    def pieces(self, item: _Item) -> LazyTensor | None:
+        """The chunk as the source's stored blocks, gathered into its archive; None where the
+        source does not keep it so (or for a byte entry)."""
+        entry = item.entry
+        made = self.fetch_pieces(entry, item.name) if entry is not None and self.fetch_pieces else None
         if made is None:
             return None
+        assert entry is not None
         return LazyTensor(entry.dtype, (1,) * len(entry.lead) + tuple(made.shape), lambda: made)
 
 
@@ -309,10 +326,11 @@ def write_torch_dist(
     ``distributed_optimizer`` as its ``DistributedOptimizer`` saves the ``fully_reshardable``
     format (see :mod:`pretrain.checkpoint.torch_dist.optimizer`), with the LR schedule.
 
-    ``split``: under torchrun each process writes the chunks :meth:`WorkSplit.mine` gives it, as
-    one distributed ``dcp.save`` over the gloo group (its own ``__R_0.distcp``; rank 0 the
-    ``.metadata`` of them all), and rank 0 ``common.pt``, ``metadata.json``, the tracker and
-    ``extra_files``: the file set differs from one process's, the tensors read back do not.
+    ``split``: under torchrun each process writes the chunks :meth:`WorkSplit.owners` gives it
+    into its own ``__<rank>_<n>.distcp`` (as a distributed ``dcp.save`` does), the places are
+    gathered over the gloo group (one ``all_gather_object``), and rank 0 writes the ``.metadata``
+    of them all, ``common.pt``, ``metadata.json``, the tracker and ``extra_files``: the file set
+    differs from one process's, the tensors read back do not.
     """
     source.spec.cfg.check_tensor_parallel(target.tp)
     check_expert_layout(source.spec.cfg, target, legacy=False)  # EP/ETP: recorded in args only
@@ -330,15 +348,21 @@ def write_torch_dist(
     with split.directory(save) as tmp:
         it_dir = iteration_dir(tmp, options.iteration)
         it_dir.mkdir(parents=True, exist_ok=True)
-        written = dcp_failures(lambda exc: f"{save}: cannot write the torch_dist data ({first_line(exc)})")
-        with written, warnings.catch_warnings():  # "assuming ... a single process": intended
-            warnings.simplefilter("ignore", UserWarning)
-            fetch_pieces = _pieces_fetcher(source) if CHUNKS_FROM_PIECES else None
-            planner = _StreamingPlanner(entries, _fetcher(source, optimizer), split, fetch_pieces)
-            dcp.save({}, storage_writer=DistcpWriter(it_dir), planner=planner, no_dist=not split.parallel)
-        split.agree()  # (dcp.save already failed on every rank together, or on none)
+        plans = _plans(entries, split)
+        fetch_pieces = _pieces_fetcher(source) if CHUNKS_FROM_PIECES else None
+        make = _ChunkMaker(_fetcher(source, optimizer), fetch_pieces)
+        try:
+            stored = write_distcp_files(it_dir, split.rank, plans[split.rank], make)
+        except OSError as exc:
+            raise UserError(f"{save}: cannot write the torch_dist data ({first_line(exc)})") from None
+        # (collective: a rank that failed joins it from WorkSplit.guard, and every rank stops)
+        written = split.gather(stored)
         if not split.leader:
             return save
+        final_dir = Path(save) / it_dir.relative_to(tmp)
+        write_dcp_metadata(
+            it_dir, build_metadata(plans, written, checkpoint_id=final_dir, save_id=new_save_id())
+        )
         common.update(args=args, iteration=options.iteration, checkpoint_version=CHECKPOINT_VERSION)
         with atomic_open(it_dir / "common.pt", "wb") as fh:
             torch.save(common, fh)
