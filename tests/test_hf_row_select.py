@@ -229,3 +229,27 @@ def test_column_blocks_are_staged_a_few_rows_at_a_time_or_written_where_they_lie
         gw.write_gathered(fh.fileno(), chunks, 10)
     want = torch.cat(parts, dim=1).view(torch.uint8).numpy().tobytes()
     assert path.read_bytes() == b"x" * 10 + want
+
+
+def test_a_thread_keeps_its_staging_buffer_and_two_stagings_at_once_do_not_share_it() -> None:
+    """Staging reuses the thread's buffer from one tensor to the next (a fresh one costs the
+    kernel's zeroing); a second staging started while one is under way gets its own, so both
+    streams still hold their tensors' bytes."""
+    import pretrain.utils.gathered_write as gw
+
+    gen = torch.Generator().manual_seed(6)
+    a = [torch.randn(300, w, generator=gen).bfloat16() for w in (5, 7)]
+    b = [torch.randn(300, w, generator=gen).bfloat16() for w in (3, 9)]
+
+    one = gw._staged(a, 300, 12, step=64)
+    two = gw._staged(b, 300, 12, step=64)
+    got_a, got_b = b"", b""
+    for x, y in zip(one, two, strict=True):  # interleaved in one thread
+        got_a, got_b = got_a + bytes(x), got_b + bytes(y)
+    assert got_a == torch.cat(a, dim=1).view(torch.uint8).numpy().tobytes()
+    assert got_b == torch.cat(b, dim=1).view(torch.uint8).numpy().tobytes()
+    held = gw._stages.free
+    assert held is not None
+    for parts in (a, b):  # one after the other: the same buffer
+        for view in gw.column_chunks(parts):
+            assert torch.frombuffer(view, dtype=torch.uint8).data_ptr() == held.data_ptr()
