@@ -48,6 +48,7 @@ SIZES = {  # layers, hidden, heads, kv heads, ffn, vocab
 }
 LR = 1e-3
 RANK, ALPHA = 16, 32.0
+_LOCKSTEP = "LOCKSTEP"  # prefix of a side's replies to the parent in --lockstep mode
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
@@ -162,27 +163,110 @@ def _side(args: argparse.Namespace) -> None:
     losses = [step(b) for b in batches[: args.warmup]]
     phases["warmed_up"] = _rss_mb()
     sync()
-    t0, c0 = time.perf_counter(), time.process_time()
-    losses += [step(b) for b in batches[args.warmup :]]
-    sync()
-    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    if args.lockstep:
+        seconds, cpu, each = _lockstep_steps(step, batches[args.warmup :], losses, sync)
+    else:
+        t0, c0 = time.perf_counter(), time.process_time()
+        losses += [step(b) for b in batches[args.warmup :]]
+        sync()
+        seconds, cpu, each = time.perf_counter() - t0, time.process_time() - c0, []
     peak_gpu = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else None
     rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"side": args.side, "losses": losses, "steps_s": seconds, "cpu_s": cpu, "peak_rss_mb": rss,
-                      "rss_phases": phases, "peak_gpu_mb": peak_gpu}))  # fmt: skip
+                      "rss_phases": phases, "peak_gpu_mb": peak_gpu, "step_s": each}))  # fmt: skip
 
 
-def _run_side(side: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
-    argv = [sys.executable, "-m", "benchmarks.bench_lora", "--side", side, "--workdir", str(work),
+def _lockstep_steps(
+    step: Callable[[torch.Tensor], float], batches: list[torch.Tensor], losses: list[float],
+    sync: Callable[[], None],
+) -> tuple[float, float, list[float]]:  # fmt: skip
+    """The timed steps, each when the parent says ``step`` on stdin (the other side idle
+    meanwhile), each step's wall and CPU seconds reported back at once: total wall, total CPU,
+    each step's wall."""
+    print(f"{_LOCKSTEP} ready", flush=True)
+    seconds = cpu = 0.0
+    each: list[float] = []
+    for b in batches:
+        if sys.stdin.readline().strip() != "step":
+            sys.exit("bench_lora --lockstep: the parent stopped before the last step")
+        t0, c0 = time.perf_counter(), time.process_time()
+        losses.append(step(b))
+        sync()
+        wall, used = time.perf_counter() - t0, time.process_time() - c0
+        seconds, cpu = seconds + wall, cpu + used
+        each.append(wall)
+        print(f"{_LOCKSTEP} {wall} {used}", flush=True)
+    # stay until the parent is done with both sides: a side that exits (freeing its memory) while
+    # the other still runs its last step slows that step (1.6 s against 0.6)
+    sys.stdin.readline()
+    return seconds, cpu, each
+
+
+def _side_argv(side: str, work: Path, args: argparse.Namespace) -> list[str]:
+    return [sys.executable, "-m", "benchmarks.bench_lora", "--side", side, "--workdir", str(work),
             "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
             "--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads),
             "--fused-kernels", args.fused_kernels]  # fmt: skip
+
+
+def _run_side(side: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """One side alone in its own process, all its steps in a row (``--schedule sequential``)."""
+    argv = _side_argv(side, work, args)
     out = subprocess.run(argv, capture_output=True, text=True, check=False)
     if out.returncode != 0:
         sys.exit(f"{side} failed:\n{out.stderr[-3000:]}")
     res: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     print(f"{side}: {res}", file=sys.stderr)
     return res
+
+
+def _run_interleaved(work: Path, args: argparse.Namespace, first: str) -> dict[str, dict[str, Any]]:
+    """Both sides at once, each in its own process, built and warmed up side by side; then their
+    timed steps one at a time in turn (``first``'s step, the other's, the other's, ``first``'s,
+    ...), the idle side waiting on its stdin: a host whose speed drifts over seconds slows both
+    sides' steps alike, which back-to-back runs of minutes do not (``--schedule interleaved``)."""
+    sides = (first, "theirs" if first == "ours" else "ours")
+    with tempfile.TemporaryFile("w+") as err0, tempfile.TemporaryFile("w+") as err1:
+        procs = {
+            side: subprocess.Popen(
+                [*_side_argv(side, work, args), "--lockstep"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                text=True,
+            )  # fmt: skip
+            for side, err in zip(sides, (err0, err1), strict=True)
+        }
+        try:
+            for side in sides:
+                _reply(procs[side], side, err0 if side == first else err1)
+            for i in range(args.steps - args.warmup):
+                for side in sides if i % 2 == 0 else sides[::-1]:
+                    assert procs[side].stdin is not None
+                    procs[side].stdin.write("step\n")
+                    procs[side].stdin.flush()
+                    _reply(procs[side], side, err0 if side == first else err1)
+            out = {}
+            for side in sides:
+                stdout, _ = procs[side].communicate()
+                out[side] = json.loads(stdout.strip().splitlines()[-1])
+                print(f"{side}: {out[side]}", file=sys.stderr)
+            return out
+        finally:
+            for proc in procs.values():
+                if proc.poll() is None:
+                    proc.kill()
+
+
+def _reply(proc: subprocess.Popen[str], side: str, err: Any) -> str:
+    """The side's next ``--lockstep`` line (other output skipped); exits with its stderr if it died."""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith(_LOCKSTEP):
+            return line[len(_LOCKSTEP) :].strip()
+    proc.wait()
+    err.seek(0)
+    sys.exit(f"{side} failed:\n{err.read()[-3000:]}")
 
 
 def main() -> None:
@@ -200,7 +284,11 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads per side (0: torch's default)")
     p.add_argument("--fused-kernels", choices=("on", "off"), default="on",
                    help="our side as mlm-finetune sft --fused-kernels (default) or without it")  # fmt: skip
+    p.add_argument("--schedule", choices=("interleaved", "sequential"), default="interleaved",
+                   help="interleaved: both sides' processes at once, their timed steps in turn (default); "
+                   "sequential: one side's whole run, then the other's")  # fmt: skip
     p.add_argument("--side", choices=("ours", "theirs"), help=argparse.SUPPRESS)
+    p.add_argument("--lockstep", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if not 1 <= args.warmup < args.steps:
@@ -214,7 +302,10 @@ def main() -> None:
         _prepare(work, args.size)
         for i in range(args.repeats):  # alternate which side runs first: drifting load hits both
             order = ("theirs", "ours") if i % 2 == 0 else ("ours", "theirs")
-            pairs.append({side: _run_side(side, work, args) for side in order})
+            if args.schedule == "interleaved":
+                pairs.append(_run_interleaved(work, args, order[0]))
+            else:
+                pairs.append({side: _run_side(side, work, args) for side in order})
     print(json.dumps(_summary(pairs, args)))
 
 
@@ -241,11 +332,20 @@ def _summary(pairs: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -
         "ours_built_rss_mb": med(lambda p: p["ours"]["rss_phases"]["built"]["rss_mb"]),
         "theirs_built_rss_mb": med(lambda p: p["theirs"]["rss_phases"]["built"]["rss_mb"]),
         "ours_peak_gpu_mb": gpu["ours"], "theirs_peak_gpu_mb": gpu["theirs"],
+        "step_ratio_median": _step_ratio_median(pairs),
         "ratios": [round(p["theirs"]["steps_s"] / p["ours"]["steps_s"], 3) for p in pairs],
         "cpu_ratios": [round(p["theirs"]["cpu_s"] / p["ours"]["cpu_s"], 3) for p in pairs],
         "size": args.size, "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
         "device": args.device, "fused_kernels": args.fused_kernels == "on", "rank": RANK, "repeats": args.repeats, "threads": args.threads or torch.get_num_threads(),
+        "schedule": args.schedule,
     }  # fmt: skip
+
+
+def _step_ratio_median(pairs: list[dict[str, dict[str, Any]]]) -> float | None:
+    """Interleaved runs: the median over every pair of neighbouring steps (step ``i`` of each side)
+    of their wall time over ours; None for sequential runs (no such pairs)."""
+    ratios = [t / o for p in pairs for o, t in zip(p["ours"]["step_s"], p["theirs"]["step_s"], strict=True)]
+    return round(statistics.median(ratios), 3) if ratios else None
 
 
 if __name__ == "__main__":

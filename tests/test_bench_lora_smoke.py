@@ -18,13 +18,17 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
-def test_bench_lora_tiny_reports_ratios_and_equal_losses() -> None:
-    argv = [sys.executable, "-m", "benchmarks.bench_lora", "--size", "tiny", "--steps", "2", "--warmup", "1", "--seq", "32",
-            "--repeats", "2", "--threads", "1", "--fused-kernels", "off"]  # fmt: skip
+@pytest.mark.parametrize("schedule", ["interleaved", "sequential"])
+def test_bench_lora_tiny_reports_ratios_and_equal_losses(schedule: str) -> None:
+    """Both schedules give the same losses; interleaved runs also time each step of both sides in
+    turn (``step_ratio_median``)."""
+    argv = [sys.executable, "-m", "benchmarks.bench_lora", "--size", "tiny", "--steps", "3", "--warmup", "1", "--seq", "32",
+            "--repeats", "2", "--threads", "1", "--fused-kernels", "off", "--schedule", schedule]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
     out = subprocess.run(argv, capture_output=True, text=True, check=True, cwd=ROOT, env=env).stdout
     result = json.loads(out.strip().splitlines()[-1])
     assert result["loss_diff"] < 1e-5
     assert result["ratio"] > 0 and result["cpu_ratio"] > 0 and 0 < result["peak_rss_ratio"] < 2
     assert len(result["ratios"]) == 2 and result["threads"] == 1 and result["fused_kernels"] is False
-    assert result["ours_built_rss_mb"] > 0
+    assert result["ours_built_rss_mb"] > 0 and result["schedule"] == schedule
+    assert (result["step_ratio_median"] is None) == (schedule == "sequential")

@@ -132,3 +132,33 @@ assert "torch.distributed.checkpoint" not in sys.modules, "dcp was imported"
         warnings.simplefilter("ignore", UserWarning)
         dcp.load(state, checkpoint_id=str(tmp_path / "ck" / "release"), no_dist=True)  # dcp reads it
     assert torch.count_nonzero(state["decoder.final_layernorm.weight"]) > 0
+
+
+def test_a_save_split_over_two_processes_is_read_by_dcp(tmp_path: Path) -> None:
+    """Under torchrun each rank writes its chunks into ``__<rank>_<n>.distcp`` and rank 0 the
+    ``.metadata`` of them all: dcp's own ``dcp.load`` reads every tensor back (the files of both
+    ranks written here in one process, as the ranks' plans are a pure function of the split)."""
+    import torch.distributed.checkpoint as dcp
+
+    from pretrain.checkpoint.torch_dist.dcp_meta_write import build_metadata, write_dcp_metadata
+    from pretrain.checkpoint.work_split import WorkSplit
+
+    source = _moe(moe_layer_freq=(1, 0, 1, 1))
+    entries = writer._entries(source, 1)
+    plans = writer._plans(entries, WorkSplit(rank=0, world=2))
+    assert all(plans) and {i.key for i in plans[0]} != {i.key for i in plans[1]}
+    make = writer._ChunkMaker(writer._fetcher(source, None))
+    it_dir = tmp_path / "release"
+    it_dir.mkdir()
+    written = [distcp_writer.write_distcp_files(it_dir, rank, plans[rank], make) for rank in (0, 1)]
+    write_dcp_metadata(it_dir, build_metadata(plans, written, checkpoint_id=it_dir, save_id=SAVE_ID))
+    state = {e.key: torch.zeros(e.shape, dtype=e.dtype) for e in entries}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(it_dir), no_dist=True)
+    fetch = writer._fetcher(source, None)
+    for e in entries:
+        for name, index in e.parts:
+            want = fetch(e, name)
+            got = state[e.key][index] if index else state[e.key]
+            assert torch.equal(got, want), (e.key, index)
