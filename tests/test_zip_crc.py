@@ -266,9 +266,10 @@ def test_crc_of_a_large_file_range_is_read_through_a_mapping(tmp_path: Path, at:
 def test_torch_dist_writer_keeps_no_chunk_after_writing_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Memory of a ``torch_dist`` save is one chunk per file being written: when the writer asks
-    for a chunk, every chunk it asked for before has been freed, but the one the other file's
-    thread may be writing. (dcp's own ``FileSystemWriter`` keeps each key's last
+    """Memory of a ``torch_dist`` save is one batch of chunks (one per file) being written and the
+    next batch being made: when the writer asks for a chunk, every chunk it asked for before has
+    been freed but those (and the pipeline keeps their bytes within the largest batch's:
+    ``tests/test_write_pipeline.py``). (dcp's own ``FileSystemWriter`` keeps each key's last
     chunk until the file ends: the same probe sees them there.)"""
     import weakref
 
@@ -306,8 +307,8 @@ def test_torch_dist_writer_keeps_no_chunk_after_writing_it(
                 dcp_save(source, save / "release", ParallelConfig(tp=1, pp=1), thread_count=file_count())
         return most
 
-    # each file's thread holds at most the chunk it is writing: the others' are gone
-    assert most_alive_before_each_chunk(tmp_path / "ours") <= file_count() - 1
+    # one batch (a chunk per file) being written and the next one being made: the others are gone
+    assert most_alive_before_each_chunk(tmp_path / "ours") <= 2 * file_count() - 1
     assert most_alive_before_each_chunk(tmp_path / "torch") > 5
 
 

@@ -29,7 +29,7 @@ import pickle
 import struct
 import sys
 from collections.abc import Callable, Iterator, Sequence
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from typing import IO
 
@@ -254,21 +254,30 @@ def stream_save_all(files: Sequence[tuple[object, IO[bytes]]]) -> None:
     after another, which a one-tensor cache in the caller turns into one read. Record ``k`` of
     each file is made in this thread, then the files' records are written by up to one thread per
     CPU (the kernel's copy into the page cache, most of a conversion's time, runs on every core;
-    each file has its own writer, and the files' bytes are those of one thread)."""
+    each file has its own writer, and the files' bytes are those of one thread), while record
+    ``k + 1`` is made where the two fit in the largest record batch's bytes (:class:`WritePipeline`)."""
     started: list[_Archive] = []
     try:
         for obj, fh in files:
             started.append(_begin(obj, fh))
-        with writers(len(started)) as write_all:
-            for key in range(max((len(a.records) for a in started), default=0)):
-                writes = []
-                for archive in started:
-                    if key < len(archive.records):
-                        record = archive.records[key]
-                        archive.records[key] = None  # dropped once written
-                        assert record is not None
-                        writes.append(_record_writer(archive, f"data/{key}", record))
-                write_all(writes)
+        count = max((len(a.records) for a in started), default=0)
+        batch_bytes = [
+            sum(record_bytes(a.records[k]) for a in started if k < len(a.records)) for k in range(count)
+        ]
+        with writers(len(started), cap=max(batch_bytes, default=0)) as pipeline:
+            for key in range(count):
+
+                def make(key: int = key) -> list[Callable[[], None]]:
+                    writes = []
+                    for archive in started:
+                        if key < len(archive.records):
+                            record = archive.records[key]
+                            archive.records[key] = None  # dropped once written
+                            assert record is not None
+                            writes.append(_record_writer(archive, f"data/{key}", record))
+                    return writes
+
+                pipeline.run(make, batch_bytes[key])
     finally:
         # finish every archive while its file is open (also on an error or Ctrl-C: a writer left to
         # the garbage collector would finish it into a closed file and abort the process)
@@ -281,31 +290,66 @@ def stream_save_all(files: Sequence[tuple[object, IO[bytes]]]) -> None:
         fh.flush()
 
 
+class WritePipeline:
+    """Batches of writes (one per file: record ``k`` of each), each batch made in the calling
+    thread and written on up to one thread per CPU; the next batch is made while the previous one
+    is still being written, unless the bytes of both exceed ``cap`` (then the previous one is
+    finished first). With ``cap`` the most bytes any single batch holds, memory never exceeds what
+    writing one batch at a time (lockstep) would hold, and the making (the sources' Python work,
+    a fifth of a 1B from-hf's main thread) runs beside the writes (the kernel's copies) instead of
+    between them. Errors surface at the next batch or on :meth:`drain`."""
+
+    def __init__(self, pool: ThreadPoolExecutor | None, cap: int) -> None:
+        self.pool, self.cap = pool, cap
+        self.pending: list[Future[None]] = []
+        self.pending_bytes = 0
+
+    def run(self, make: Callable[[], list[Callable[[], None]]], nbytes: int) -> None:
+        """Make a batch (``make()``: its writes, ``nbytes`` the bytes they hold), then write it
+        once the previous batch is written; returns while it is written (on one CPU: when done)."""
+        if self.pool is None:
+            for write in make():
+                write()
+            return
+        if self.pending and self.pending_bytes + nbytes > self.cap:
+            self.drain()
+        writes = make()
+        self.drain()
+        self.pending = [self.pool.submit(write) for write in writes]
+        self.pending_bytes = nbytes
+
+    def drain(self) -> None:
+        """Return when the batch being written is done (its first error raised)."""
+        futures, self.pending, self.pending_bytes = self.pending, [], 0
+        try:
+            for future in futures:
+                future.result()
+        finally:  # (an error or Ctrl-C here: the other writes end before the archives do)
+            wait(futures)
+
+
 @contextlib.contextmanager
-def writers(files: int) -> Iterator[Callable[[list[Callable[[], None]]], None]]:
-    """``write_all(writes)``: run the writes (one per file) on up to one thread per CPU, and
-    return when every one has finished (the first error raised); inline for one file or one CPU.
-    On leaving, no write is running (an archive is only finished after its writes)."""
+def writers(files: int, cap: int = 0) -> Iterator[WritePipeline]:
+    """A :class:`WritePipeline` over up to one thread per CPU (inline for one file or one CPU);
+    ``cap`` 0: no batch is made while another is written. On leaving, no write is running (an
+    archive is only finished after its writes)."""
     workers = min(files, os.cpu_count() or 1)
     if workers < 2:
-
-        def write_each(writes: list[Callable[[], None]]) -> None:
-            for write in writes:
-                write()
-
-        yield write_each
+        yield WritePipeline(None, cap)
         return
     with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="stream_save") as pool:
+        pipeline = WritePipeline(pool, cap)
+        try:
+            yield pipeline
+        finally:
+            pipeline.drain()
 
-        def write_all(writes: list[Callable[[], None]]) -> None:
-            futures = [pool.submit(write) for write in writes]
-            try:
-                for future in futures:
-                    future.result()
-            finally:  # (an error or Ctrl-C here: the other writes end before the archives do)
-                wait(futures)
 
-        yield write_all
+def record_bytes(record: torch.UntypedStorage | LazyTensor | None) -> int:
+    """The bytes a record holds once made (a lazy tensor's data, a storage's size)."""
+    if isinstance(record, LazyTensor):
+        return _numel(tuple(record.shape)) * record.dtype.itemsize
+    return 0 if record is None else record.nbytes()
 
 
 def _record_writer(

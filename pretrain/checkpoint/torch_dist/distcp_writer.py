@@ -12,7 +12,8 @@ files byte for byte against dcp's own save. Unlike dcp's writer:
 * **No dcp import.** ``torch.distributed.checkpoint`` costs 0.9-1.2 s to import on a 2-core host.
 * **Memory.** torch's file loop keeps every chunk it wrote in a dict (only its ``SAFETENSORS``
   format uses it) until the file is finished, so each key's last chunk stays alive. Here a chunk is
-  dropped as soon as its archive is written: memory is one chunk per file being written.
+  dropped as soon as its archive is written: memory is at most the largest batch of chunks (one
+  per file) that writing one batch at a time holds.
 * **CRC-32.** Torch's zip writer computes CRC-32s at a fraction of the write speed
   (:mod:`pretrain.checkpoint.zip_crc`), so each archive is written with
   ``torch.serialization.set_crc32_options(False)`` and its CRCs are filled in by ISA-L from the
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
@@ -100,7 +102,10 @@ def write_distcp_files(
     The files are written in lockstep: item ``k`` of each file is made here (``make``, one at a
     time, in the calling thread: the sources and a Ctrl-C see one caller), then written on one
     thread per file (the kernel's copy into the page cache then runs on every core; one file's
-    writes are serialised by its inode lock), and dropped before item ``k + 1`` is made."""
+    writes are serialised by its inode lock), and dropped once written; item ``k + 1`` is made
+    while they are written where the bytes of both fit in the largest batch's
+    (:class:`~pretrain.checkpoint.legacy.stream_save.WritePipeline`): memory stays what writing one
+    batch at a time holds."""
     files = [
         (
             f"__{rank}_{n}.distcp",
@@ -109,22 +114,31 @@ def write_distcp_files(
         for n, bucket in enumerate(file_bins(items, file_count()))
     ]
     results: list[list[StoredItem]] = [[] for _ in files]
+    count = max((len(bucket) for _, bucket in files), default=0)
+    batch_bytes = [sum(_item_bytes(b[k]) for _, b in files if k < len(b)) for k in range(count)]
     with contextlib.ExitStack() as stack:
         stack.enter_context(torch_crc32_off())  # (process-wide: set once around every file)
         streams = [stack.enter_context(open(it_dir / name, "w+b")) for name, _ in files]
-        write_all = stack.enter_context(writers(len(files)))
-        for k in range(max((len(bucket) for _, bucket in files), default=0)):
-            writes = [
-                _item_writer(stream, bucket[k], make(bucket[k]), name, results[n])
-                for n, ((name, bucket), stream) in enumerate(zip(files, streams, strict=True))
-                if k < len(bucket)
-            ]
-            write_all(writes)
-            del writes  # the chunks go before the next are made
+        with writers(len(files), cap=max(batch_bytes, default=0)) as pipeline:
+            for k in range(count):
+
+                def batch(k: int = k) -> list[Callable[[], None]]:
+                    return [
+                        _item_writer(stream, bucket[k], make(bucket[k]), name, results[n])
+                        for n, ((name, bucket), stream) in enumerate(zip(files, streams, strict=True))
+                        if k < len(bucket)
+                    ]
+
+                pipeline.run(batch, batch_bytes[k])
         for stream in streams:
             stream.flush()
             os.fsync(stream.fileno())
     return [r for file_results in results for r in file_results]
+
+
+def _item_bytes(item: DistcpItem) -> int:
+    """The bytes an item's data holds (a byte entry's: about none)."""
+    return 0 if item.chunk is None else math.prod(item.chunk.sizes) * item.chunk.dtype.itemsize
 
 
 def _minimal(data: torch.Tensor) -> torch.Tensor:
