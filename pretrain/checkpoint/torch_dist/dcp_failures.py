@@ -38,7 +38,7 @@ def _cause(exc: CheckpointException) -> BaseException:
 
 @contextlib.contextmanager
 def dcp_failures(describe: Callable[[BaseException], str]) -> Iterator[None]:
-    """Run a dcp save or load; its failures leave as ``KeyboardInterrupt``, ``SystemExit``, our
+    """Run a dcp load (or save); its failures leave as ``KeyboardInterrupt``, ``SystemExit``, our
     own :class:`UserError`, or ``UserError(describe(original exception))`` (one line naming the file).
     (Used only around dcp calls: importing dcp here costs nothing more.)"""
     from torch.distributed.checkpoint.api import CheckpointException

@@ -25,7 +25,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Protocol
+from typing import IO, Any, Protocol
 
 import torch
 
@@ -58,7 +58,12 @@ _DCP_NAMES: dict[type, tuple[str, str]] = {
 }
 
 
-class _DcpPickler(pickle._Pickler):
+# the pure-Python pickler: its save_global can be overridden (typeshed declares none of its
+# internals: save, write, memoize, proto)
+_PurePickler: Any = pickle._Pickler
+
+
+class _DcpPickler(_PurePickler):  # type: ignore[misc]
     """The pure-Python pickler (its output equals the C one's), naming each stand-in class as dcp's
     class (``STACK_GLOBAL`` of module and name, memoised) without importing that module."""
 
