@@ -32,32 +32,30 @@ def _batch(log: list[str], name: str, release: threading.Event) -> Callable[[], 
     return make
 
 
-@pytest.mark.usefixtures("two_cpus")
-def test_the_next_batch_is_made_while_one_is_written_when_both_fit_the_cap() -> None:
+def _two_batches(first_bytes: int, second_bytes: int, cap: int) -> list[str]:
+    """Batch "a" (its writes finish 0.2 s in), then batch "b"; what was made and written, in order."""
     log: list[str] = []
     first, second = threading.Event(), threading.Event()
     first_done = threading.Timer(0.2, first.set)
     first_done.start()
-    with ss.writers(2, cap=100) as pipeline:
-        pipeline.run(_batch(log, "a", first), 60)
-        pipeline.run(_batch(log, "b", second), 40)  # 60 + 40 fit: made while "a" is still written
+    with ss.writers(2, cap=cap) as pipeline:
+        pipeline.run(_batch(log, "a", first), first_bytes)
+        pipeline.run(_batch(log, "b", second), second_bytes)
         second.set()
     first_done.join()
+    return log
+
+
+@pytest.mark.usefixtures("two_cpus")
+def test_the_next_batch_is_made_while_one_is_written_when_both_fit_the_cap() -> None:
+    log = _two_batches(60, 40, cap=100)  # 60 + 40 fit: "b" made while "a" is still written
     assert log[:2] == ["make a", "make b"]
     assert sorted(log[2:4]) == ["wrote a0", "wrote a1"] and sorted(log[4:]) == ["wrote b0", "wrote b1"]
 
 
 @pytest.mark.usefixtures("two_cpus")
 def test_a_batch_over_the_cap_waits_for_the_one_being_written() -> None:
-    log: list[str] = []
-    first, second = threading.Event(), threading.Event()
-    first_done = threading.Timer(0.2, first.set)
-    first_done.start()
-    with ss.writers(2, cap=100) as pipeline:
-        pipeline.run(_batch(log, "a", first), 60)
-        pipeline.run(_batch(log, "b", second), 41)  # 101 > 100: "a" is finished first
-        second.set()
-    first_done.join()
+    log = _two_batches(60, 41, cap=100)  # 101 > 100: "a" is finished first
     assert log.index("make b") > max(log.index("wrote a0"), log.index("wrote a1"))
 
 
