@@ -162,3 +162,27 @@ def test_a_save_split_over_two_processes_is_read_by_dcp(tmp_path: Path) -> None:
             want = fetch(e, name)
             got = state[e.key][index] if index else state[e.key]
             assert torch.equal(got, want), (e.key, index)
+
+
+@pytest.mark.parametrize("where", ["data", "metadata"])
+def test_a_failed_write_is_one_line_naming_the_save_and_leaves_nothing(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str
+) -> None:
+    """A disk error while writing the data files or the ``.metadata`` (as dcp's wrapper turned it
+    into one line before) is one :class:`UserError` naming ``--save``; no directory is left."""
+    import errno
+
+    from pretrain.checkpoint.torch_dist import dcp_meta_write
+    from pretrain.utils.errors import UserError
+
+    def full(*_: object, **__: object) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if where == "data":
+        monkeypatch.setattr(distcp_writer, "_minimal", full)
+    else:
+        monkeypatch.setattr(dcp_meta_write, "dump_metadata", full)
+    save = tmp_path / "out"
+    with pytest.raises(UserError, match=rf"^{save}: cannot write the torch_dist (data|metadata) \(OSError: "):
+        writer.write_torch_dist(_gpt(), save, ParallelConfig(tp=2, pp=1))
+    assert list(tmp_path.iterdir()) == []

@@ -359,10 +359,13 @@ def write_torch_dist(
         written = split.gather(stored)
         if not split.leader:
             return save
-        final_dir = Path(save) / it_dir.relative_to(tmp)
-        write_dcp_metadata(
-            it_dir, build_metadata(plans, written, checkpoint_id=final_dir, save_id=new_save_id())
+        metadata = build_metadata(
+            plans, written, checkpoint_id=Path(save) / it_dir.relative_to(tmp), save_id=new_save_id()
         )
+        try:
+            write_dcp_metadata(it_dir, metadata)
+        except OSError as exc:
+            raise UserError(f"{save}: cannot write the torch_dist metadata ({first_line(exc)})") from None
         common.update(args=args, iteration=options.iteration, checkpoint_version=CHECKPOINT_VERSION)
         with atomic_open(it_dir / "common.pt", "wb") as fh:
             torch.save(common, fh)
