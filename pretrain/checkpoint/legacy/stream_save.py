@@ -315,7 +315,7 @@ class WritePipeline:
             self.drain()
         writes = make()
         self.drain()
-        self.pending = [self.pool.submit(write) for write in writes]
+        self.pending = [self.pool.submit(_dropped_when_done(writes.pop(0))) for _ in range(len(writes))]
         self.pending_bytes = nbytes
 
     def drain(self) -> None:
@@ -326,6 +326,17 @@ class WritePipeline:
                 future.result()
         finally:  # (an error or Ctrl-C here: the other writes end before the archives do)
             wait(futures)
+
+
+def _dropped_when_done(write: Callable[[], None]) -> Callable[[], None]:
+    """``write`` to run once, let go of (with the record it holds) as soon as it returns: the pool
+    keeps a finished task a moment longer, while the next batch is already being made."""
+    box = [write]
+
+    def run() -> None:
+        box.pop()()
+
+    return run
 
 
 @contextlib.contextmanager
