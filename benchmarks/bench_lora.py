@@ -227,25 +227,26 @@ def _run_interleaved(work: Path, args: argparse.Namespace, first: str) -> dict[s
     sides' steps alike, which back-to-back runs of minutes do not (``--schedule interleaved``)."""
     sides = (first, "theirs" if first == "ours" else "ours")
     with tempfile.TemporaryFile("w+") as err0, tempfile.TemporaryFile("w+") as err1:
+        errs = dict(zip(sides, (err0, err1), strict=True))
         procs = {
             side: subprocess.Popen(
                 [*_side_argv(side, work, args), "--lockstep"],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=err,
+                stderr=errs[side],
                 text=True,
-            )  # fmt: skip
-            for side, err in zip(sides, (err0, err1), strict=True)
+            )
+            for side in sides
         }
         try:
             for side in sides:
-                _reply(procs[side], side, err0 if side == first else err1)
+                _reply(procs[side], side, errs[side])
             for i in range(args.steps - args.warmup):
                 for side in sides if i % 2 == 0 else sides[::-1]:
                     assert procs[side].stdin is not None
                     procs[side].stdin.write("step\n")
                     procs[side].stdin.flush()
-                    _reply(procs[side], side, err0 if side == first else err1)
+                    _reply(procs[side], side, errs[side])
             out = {}
             for side in sides:
                 stdout, _ = procs[side].communicate()

@@ -262,7 +262,7 @@ def stream_save_all(files: Sequence[tuple[object, IO[bytes]]]) -> None:
             started.append(_begin(obj, fh))
         count = max((len(a.records) for a in started), default=0)
         batch_bytes = [
-            sum(record_bytes(a.records[k]) for a in started if k < len(a.records)) for k in range(count)
+            sum(_record_bytes(a.records[k]) for a in started if k < len(a.records)) for k in range(count)
         ]
         with writers(len(started), cap=max(batch_bytes, default=0)) as pipeline:
             for key in range(count):
@@ -315,7 +315,7 @@ class WritePipeline:
             self.drain()
         writes = make()
         self.drain()
-        self.pending = [self.pool.submit(_dropped_when_done(writes.pop(0))) for _ in range(len(writes))]
+        self.pending = [self.pool.submit(_dropped_when_done(write)) for write in writes]
         self.pending_bytes = nbytes
 
     def drain(self) -> None:
@@ -356,7 +356,7 @@ def writers(files: int, cap: int = 0) -> Iterator[WritePipeline]:
             pipeline.drain()
 
 
-def record_bytes(record: torch.UntypedStorage | LazyTensor | None) -> int:
+def _record_bytes(record: torch.UntypedStorage | LazyTensor | None) -> int:
     """The bytes a record holds once made (a lazy tensor's data, a storage's size)."""
     if isinstance(record, LazyTensor):
         return _numel(tuple(record.shape)) * record.dtype.itemsize

@@ -35,7 +35,7 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Protocol, TypeVar
+from typing import TypeVar
 
 import torch
 import torch.serialization as ser
@@ -48,15 +48,7 @@ _ZIP_START = b"PK\x03\x04"
 ItemData = torch.Tensor | bytes | LazyTensor  # a chunk, a byte entry, or a chunk's stored blocks
 
 
-class DistcpItem(PlannedItem, Protocol):
-    """A planned item with ``bin_bytes``: what dcp sorts and bins it by (the bytes of the chunk's
-    *global* tensor; 0 for a byte entry)."""
-
-    @property
-    def bin_bytes(self) -> int: ...
-
-
-ItemT = TypeVar("ItemT", bound=DistcpItem)
+ItemT = TypeVar("ItemT", bound=PlannedItem)
 
 
 def file_count() -> int:
@@ -78,7 +70,8 @@ def torch_crc32_off() -> Iterator[None]:
 
 def file_bins(items: Sequence[ItemT], bins: int) -> list[list[ItemT]]:
     """dcp's ``_split_by_size_and_type``: one bin is the items as planned; more: byte entries dealt
-    round robin, then the tensor chunks, largest ``bin_bytes`` first (a stable sort), each to the
+    round robin, then the tensor chunks, largest first (a stable sort; by the bytes of their
+    *global* tensor, as dcp's ``_item_size`` measures them), each to the
     first bin with the fewest bytes so far. (In each file the byte entries are written first.)"""
     if bins == 1:
         return [list(items)]
@@ -86,10 +79,10 @@ def file_bins(items: Sequence[ItemT], bins: int) -> list[list[ItemT]]:
     sizes = [0] * bins
     for n, item in enumerate(i for i in items if i.chunk is None):
         buckets[n % bins].append(item)
-    for item in sorted((i for i in items if i.chunk is not None), key=lambda i: i.bin_bytes, reverse=True):
+    for item in sorted((i for i in items if i.chunk is not None), key=_global_bytes, reverse=True):
         smallest = min(range(bins), key=sizes.__getitem__)
         buckets[smallest].append(item)
-        sizes[smallest] += item.bin_bytes
+        sizes[smallest] += _global_bytes(item)
     return buckets
 
 
@@ -136,9 +129,14 @@ def write_distcp_files(
     return [r for file_results in results for r in file_results]
 
 
-def _item_bytes(item: DistcpItem) -> int:
+def _item_bytes(item: PlannedItem) -> int:
     """The bytes an item's data holds (a byte entry's: about none)."""
     return 0 if item.chunk is None else math.prod(item.chunk.sizes) * item.chunk.dtype.itemsize
+
+
+def _global_bytes(item: PlannedItem) -> int:
+    """The bytes of the item's whole global tensor (what dcp bins a chunk by)."""
+    return 0 if item.chunk is None else math.prod(item.chunk.size) * item.chunk.dtype.itemsize
 
 
 def _minimal(data: torch.Tensor) -> torch.Tensor:
@@ -149,7 +147,11 @@ def _minimal(data: torch.Tensor) -> torch.Tensor:
 
 
 def _item_writer(
-    stream: io.BufferedRandom, item: DistcpItem, data: ItemData, relative_path: str, results: list[StoredItem]
+    stream: io.BufferedRandom,
+    item: PlannedItem,
+    data: ItemData,
+    relative_path: str,
+    results: list[StoredItem],
 ) -> Callable[[], None]:
     """The call that appends ``item``'s archive (or raw bytes) to ``stream`` and its place to
     ``results`` (any thread)."""

@@ -194,11 +194,6 @@ class _Item:
     entry: _Entry | None = None
     name: str = ""
 
-    @property
-    def bin_bytes(self) -> int:
-        """dcp's ``_item_size``: the bytes of the chunk's whole global tensor."""
-        return 0 if self.entry is None else math.prod(self.entry.shape) * self.entry.dtype.itemsize
-
 
 def _plans(entries: list[_Entry], split: WorkSplit) -> list[list[_Item]]:
     """Every rank's items in plan order (each rank computes them all alone): the chunks
