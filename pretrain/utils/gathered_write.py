@@ -15,11 +15,14 @@ that buffer's bytes.
 
 from __future__ import annotations
 
+import errno
 import os
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 
 import torch
+
+from pretrain.utils.mapped_source import copy_enabled, disable_copy, source_of
 
 __all__ = ["column_chunks", "flat_bytes", "interleaved_rows", "row_bytes", "write_gathered"]
 
@@ -94,7 +97,8 @@ def write_gathered(fd: int, chunks: Iterable[memoryview], offset: int | None = N
     """Write the 1-D byte ``chunks`` in order to ``fd``: at its position (``offset`` None) or from
     byte ``offset`` on (the file position unchanged). A sequence goes ``IOV_MAX`` buffers a call;
     any other iterable (e.g. :func:`column_chunks`' staged views) one chunk at a time, each written
-    before the next is taken."""
+    before the next is taken. A chunk whose bytes lie in a mapped file, unchanged, is copied by the
+    kernel from that file (:func:`~pretrain.utils.mapped_source.source_of`)."""
     if not isinstance(chunks, Sequence):
         at = offset if offset is not None else 0
         for chunk in chunks:
@@ -102,10 +106,24 @@ def write_gathered(fd: int, chunks: Iterable[memoryview], offset: int | None = N
             at += len(chunk)
         return
     at = offset if offset is not None else 0
+    plain: list[memoryview] = []  # the chunks written from memory, since the last one copied
+    for chunk in chunks:
+        source = source_of(chunk) if copy_enabled() else None
+        if source is None:
+            plain.append(chunk)
+            continue
+        at = _write_plain(fd, plain, offset, at)
+        plain = []
+        at = _copy_from(fd, source, chunk, offset, at)
+    _write_plain(fd, plain, offset, at)
+
+
+def _write_plain(fd: int, chunks: Sequence[memoryview], offset: int | None, at: int) -> int:
+    """Write ``chunks`` from memory (``at``: where, when ``offset`` is given); the byte after them."""
     if not hasattr(os, "pwritev"):  # (not on Windows): one chunk a call
         for chunk in chunks:
             at = _write_from(fd, chunk, offset, at)
-        return
+        return at
     for lo in range(0, len(chunks), _IOV_MAX):
         batch = chunks[lo : lo + _IOV_MAX]
         want = sum(map(len, batch))
@@ -120,6 +138,31 @@ def write_gathered(fd: int, chunks: Iterable[memoryview], offset: int | None = N
                 done += len(chunk) - skip
                 skip = 0
         at += want
+    return at
+
+
+def _copy_from(fd: int, source: tuple[int, int], chunk: memoryview, offset: int | None, at: int) -> int:
+    """Copy ``chunk``'s bytes from their file (``source``: descriptor, offset) in the kernel; what a
+    refusing kernel or file system leaves is written from memory (and copying is off from then on).
+    The byte after them."""
+    src, src_at = source
+    done = 0
+    try:
+        while done < len(chunk):
+            n = os.copy_file_range(src, fd, len(chunk) - done, src_at + done, None if offset is None else at + done)
+            if n == 0:  # (the source file shrank): the rest from memory
+                break
+            done += n
+    except OSError as e:
+        if e.errno not in _NO_COPY:
+            raise
+        disable_copy()
+    if done < len(chunk):
+        _write_from(fd, chunk[done:], offset, at + done)
+    return at + len(chunk)
+
+
+_NO_COPY = frozenset({errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM})
 
 
 def _write_from(fd: int, view: memoryview, offset: int | None, at: int) -> int:

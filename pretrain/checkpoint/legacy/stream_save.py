@@ -144,8 +144,9 @@ def _gathered(made: Made) -> list[memoryview] | Iterator[memoryview] | None:
     """The record's bytes as chunks where they lie: each piece of :class:`RowPieces`; for
     :class:`ColumnPieces` or a 2-D CPU view whose rows are contiguous (a column range of a block)
     their joined rows (:func:`~pretrain.utils.gathered_write.column_chunks`: where they lie, or
-    staged a few MB at a time when short); ``None`` for anything else (written as before).
-    Contiguous tensors are written from their storage as before."""
+    staged a few MB at a time when short); a contiguous tensor's bytes as one chunk
+    (:func:`~pretrain.utils.gathered_write.write_gathered` copies them from their file where they
+    lie in a mapped one); ``None`` for anything else (written as before)."""
     parts = made.parts if isinstance(made, RowPieces | ColumnPieces) else (made,)
     if any(p.device.type != "cpu" for p in parts):
         return None
@@ -154,7 +155,11 @@ def _gathered(made: Made) -> list[memoryview] | Iterator[memoryview] | None:
         return column_chunks(parts) if rows_whole and made.shape.numel() else None
     if isinstance(made, RowPieces):
         return [flat_bytes(p) for p in parts if p.numel()] if all(p.is_contiguous() for p in parts) else None
-    if made.is_contiguous() or made.dim() != 2 or made.stride(1) != 1 or made.numel() == 0:
+    if made.numel() == 0:
+        return None
+    if made.is_contiguous():  # one run where it lies: a mapped file's bytes are copied file to file
+        return [flat_bytes(made)]
+    if made.dim() != 2 or made.stride(1) != 1:
         return None
     return column_chunks([made])
 
