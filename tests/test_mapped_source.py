@@ -137,7 +137,13 @@ def test_written_chunks_mix_copies_and_memory_writes(
     out = tmp_path / "out.bin"
     try:
         whole = memoryview(mapped)
-        chunks = [memoryview(b"head"), whole[: 2 * MIN_BYTES], memoryview(b"x" * 10), whole[MIN_BYTES:], whole[:7]]
+        chunks = [
+            memoryview(b"head"),
+            whole[: 2 * MIN_BYTES],
+            memoryview(b"x" * 10),
+            whole[MIN_BYTES:],
+            whole[:7],
+        ]
         calls = _copies(monkeypatch)
         with open(out, "wb") as fh:
             if at is not None:
@@ -254,4 +260,3 @@ def test_conversions_write_the_same_bytes_copied(tmp_path: Path, monkeypatch: py
         assert (len(calls) > 0) == copying
     for name in runs:
         assert outputs[True][name] and outputs[True][name] == outputs[False][name], name
-

@@ -149,7 +149,9 @@ def _copy_from(fd: int, source: tuple[int, int], chunk: memoryview, offset: int 
     done = 0
     try:
         while done < len(chunk):
-            n = os.copy_file_range(src, fd, len(chunk) - done, src_at + done, None if offset is None else at + done)
+            n = os.copy_file_range(
+                src, fd, len(chunk) - done, src_at + done, None if offset is None else at + done
+            )
             if n == 0:  # (the source file shrank): the rest from memory
                 break
             done += n

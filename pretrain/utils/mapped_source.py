@@ -75,8 +75,10 @@ class _MappedFiles:
         self._starts: list[int] = []
         self._fds: OrderedDict[tuple[tuple[int, int], int], int] = OrderedDict()
         self._pagemap: int | None = None
-        self.enabled = sys.platform.startswith("linux") and hasattr(os, "copy_file_range") and (
-            os.environ.get("MLM_COPY_FILE_RANGE", "1") != "0"
+        self.enabled = (
+            sys.platform.startswith("linux")
+            and hasattr(os, "copy_file_range")
+            and (os.environ.get("MLM_COPY_FILE_RANGE", "1") != "0")
         )
 
     def source_of(self, view: memoryview) -> tuple[int, int] | None:
