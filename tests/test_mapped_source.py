@@ -260,3 +260,26 @@ def test_conversions_write_the_same_bytes_copied(tmp_path: Path, monkeypatch: py
         assert (len(calls) > 0) == copying
     for name in runs:
         assert outputs[True][name] and outputs[True][name] == outputs[False][name], name
+
+
+def test_a_source_file_is_let_go_once_no_longer_mapped(payload: Path, tmp_path: Path) -> None:
+    """A descriptor kept for copying does not outlive the file's mappings (a deleted source's
+    space is not held by this process)."""
+    files = _MappedFiles()
+    mapped, fd = _private_map(payload)
+    try:
+        assert files.source_of(memoryview(mapped)[:SIZE]) is not None
+    finally:
+        mapped.close()
+        os.close(fd)
+    other = tmp_path / "other.bin"
+    other.write_bytes(b"\x02" * SIZE)
+    fd2 = os.open(other, os.O_RDONLY)
+    again = mmap.mmap(fd2, 0, prot=mmap.PROT_READ)
+    try:
+        assert files.source_of(memoryview(again)[:SIZE]) is not None  # (maps read again)
+        open_inodes = {inode for _, inode in files._fds}
+        assert payload.stat().st_ino not in open_inodes and other.stat().st_ino in open_inodes
+    finally:
+        again.close()
+        os.close(fd2)

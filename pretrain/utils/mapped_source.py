@@ -118,6 +118,9 @@ class _MappedFiles:
         except OSError:
             self._maps = []
         self._starts = [m.start for m in self._maps]
+        mapped = {(m.dev, m.inode) for m in self._maps}
+        for key in [k for k in self._fds if k not in mapped]:  # its mappings are gone: let the file go
+            os.close(self._fds.pop(key))
 
     @staticmethod
     def _stands(m: _Mapping) -> bool:
