@@ -22,7 +22,7 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
-from pretrain.utils.mapped_source import copy_enabled, disable_copy, source_of
+from pretrain.utils.mapped_source import disable_copy, source_of
 
 __all__ = ["column_chunks", "flat_bytes", "interleaved_rows", "row_bytes", "write_gathered"]
 
@@ -108,7 +108,7 @@ def write_gathered(fd: int, chunks: Iterable[memoryview], offset: int | None = N
     at = offset if offset is not None else 0
     plain: list[memoryview] = []  # the chunks written from memory, since the last one copied
     for chunk in chunks:
-        source = source_of(chunk) if copy_enabled() else None
+        source = source_of(chunk)
         if source is None:
             plain.append(chunk)
             continue

@@ -10,8 +10,11 @@ the mapping either way: 2.6-3.1 CPU s through the mapping against 1.2 CPU s file
 
 Only where it is exact. The bytes written must be the bytes in memory:
 
-* the buffer must lie within one file mapping of this process (``/proc/self/maps``), and that
-  mapping must still be that file when asked (``/proc/self/map_files``: device and inode);
+* the buffer must lie within one file mapping of this process, as ``/proc/self/maps`` reads when
+  asked (the caller's view keeps that mapping in place meanwhile). Only "not a file" answers are
+  taken from an earlier read (writing from memory is always exact): a file answer from an earlier
+  read could name a mapping since replaced by one of the same file at another offset at the same
+  addresses, which the kernel readily hands out again;
 * a private mapping (``torch.load(mmap=True)`` maps ``MAP_PRIVATE``) whose page was written holds
   its own copy there, no longer the file's: ``/proc/self/pagemap`` tells, per page, whether it is
   the file's (present and file-backed, or never brought in and not swapped). Any other page, and
@@ -32,9 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-__all__ = ["MIN_BYTES", "copy_enabled", "disable_copy", "source_of"]
+__all__ = ["MIN_BYTES", "disable_copy", "source_of"]
 
-MIN_BYTES = 64 << 10  # shorter buffers are written from memory (a system call each is not worth it)
+MIN_BYTES = 1 << 20  # shorter buffers are written from memory (a fresh read of the maps, ~0.5 ms, costs more)
 _MAX_FDS = 64  # source files kept open (least recently used closed first)
 _PRESENT, _SWAPPED, _FILE_PAGE = 1 << 63, 1 << 62, 1 << 61  # /proc/PID/pagemap entry bits
 
@@ -52,26 +55,28 @@ class _Mapping:
     path: str
 
 
-def _parse_maps(text: str) -> list[_Mapping]:
-    maps = []
-    for line in text.splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) < 5:
-            continue
-        lo, _, hi = fields[0].partition("-")
-        major, _, minor = fields[3].partition(":")
-        path = fields[5] if len(fields) == 6 else ""
-        maps.append(_Mapping(int(lo, 16), int(hi, 16), int(fields[2], 16), (int(major, 16), int(minor, 16)),
-                             int(fields[4]), path))  # fmt: skip
-    return sorted(maps, key=lambda m: m.start)
+def _parse_line(line: str) -> _Mapping:
+    fields = line.split(maxsplit=5)
+    lo, _, hi = fields[0].partition("-")
+    major, _, minor = fields[3].partition(":")
+    path = fields[5] if len(fields) == 6 else ""
+    return _Mapping(int(lo, 16), int(hi, 16), int(fields[2], 16), (int(major, 16), int(minor, 16)),
+                    int(fields[4]), path)  # fmt: skip
+
+
+def _is_file(m: _Mapping) -> bool:
+    """A mapping of a file that still has a name (not anonymous memory, not ``[heap]``, not deleted)."""
+    return m.inode != 0 and m.path.startswith("/") and not m.path.endswith(" (deleted)")
 
 
 class _MappedFiles:
-    """This process's mappings as last read, the source files opened so far, ``/proc/self/pagemap``."""
+    """This process's mappings as last read, the source files opened so far, ``/proc/self/pagemap``
+    (all used under one lock: the writer threads ask at once)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._maps: list[_Mapping] = []
+        self._text = ""
+        self._lines: list[str] = []
         self._starts: list[int] = []
         self._fds: OrderedDict[tuple[tuple[int, int], int], int] = OrderedDict()
         self._pagemap: int | None = None
@@ -96,40 +101,38 @@ class _MappedFiles:
         return None if fd is None else (fd, found.offset + addr - found.start)
 
     def _file_mapping(self, addr: int, n: int) -> _Mapping | None:
-        """The file mapping holding ``[addr, addr + n)`` now: as last read if it still stands, else as
-        read again (a new mapping since, or the old one gone)."""
-        for fresh in (False, True):
-            if fresh:
-                self._reread()
-            i = bisect.bisect_right(self._starts, addr) - 1
-            m = self._maps[i] if i >= 0 else None
-            if m is None or addr + n > m.end:
-                continue
-            if m.inode == 0 or not m.path.startswith("/") or m.path.endswith(" (deleted)"):
-                return None  # anonymous (or a file no longer named): written from memory
-            if self._stands(m):
-                return m
-        return None
+        """The file mapping holding ``[addr, addr + n)`` now, or None: from the last read when that
+        says "not a file", else from a fresh one (module docstring)."""
+        last = self._lookup(addr, n)
+        if last is not None and not _is_file(last):
+            return None
+        self._reread()
+        now = self._lookup(addr, n)
+        return now if now is not None and _is_file(now) else None
+
+    def _lookup(self, addr: int, n: int) -> _Mapping | None:
+        """The mapping of the last read holding all of ``[addr, addr + n)`` (the hit line parsed)."""
+        i = bisect.bisect_right(self._starts, addr) - 1
+        if i < 0:
+            return None
+        m = _parse_line(self._lines[i])
+        return m if addr + n <= m.end else None
 
     def _reread(self) -> None:
+        """``/proc/self/maps`` now (lines in address order; only their start addresses parsed), and
+        the kept descriptors of files no longer mapped closed (a deleted source's space let go)."""
         try:
             with open("/proc/self/maps", encoding="utf-8", errors="surrogateescape") as f:
-                self._maps = _parse_maps(f.read())
+                text = f.read()
         except OSError:
-            self._maps = []
-        self._starts = [m.start for m in self._maps]
-        mapped = {(m.dev, m.inode) for m in self._maps}
-        for key in [k for k in self._fds if k not in mapped]:  # its mappings are gone: let the file go
+            text = ""
+        if text == self._text:  # unchanged since the last read (the usual case): nothing to parse
+            return
+        self._text = text
+        self._lines = [line for line in text.splitlines() if line]
+        self._starts = [int(line[: line.index("-")], 16) for line in self._lines]
+        for key in [k for k in self._fds if f" {k[1]} " not in text]:  # (a false match keeps it open)
             os.close(self._fds.pop(key))
-
-    @staticmethod
-    def _stands(m: _Mapping) -> bool:
-        """Whether ``[m.start, m.end)`` is still mapped from the same file (device and inode)."""
-        try:
-            st = os.stat(f"/proc/self/map_files/{m.start:x}-{m.end:x}")
-        except OSError:
-            return False
-        return st.st_ino == m.inode and (os.major(st.st_dev), os.minor(st.st_dev)) == m.dev
 
     def _file_pages(self, addr: int, n: int) -> bool:
         """Whether every page of ``[addr, addr + n)`` holds the file's bytes: not a private copy
@@ -179,11 +182,6 @@ def source_of(view: memoryview) -> tuple[int, int] | None:
     written since it was mapped, shorter than :data:`MIN_BYTES`, turned off, not Linux). The
     descriptor stays open and owned here: do not close it."""
     return _FILES.source_of(view)
-
-
-def copy_enabled() -> bool:
-    """Whether :func:`source_of` may answer (else every write goes through memory)."""
-    return _FILES.enabled
 
 
 def disable_copy() -> None:
