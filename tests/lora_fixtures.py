@@ -25,9 +25,13 @@ def ours_from_hf(
     seed: int = 1,
     ps: ParallelState | None = None,
     fused_kernels: bool = False,
+    params_dtype: str | None = None,
 ) -> GPTModel:
-    """Our model holding ``hf``'s weights, with adapters added (A from ``seed``, B zero)."""
+    """Our model holding ``hf``'s weights (in ``params_dtype`` when given), with fp32 adapters added
+    (A from ``seed``, B zero)."""
     mcfg = dataclasses.replace(hf_llama.model_config_from_hf(hf.config), fused_kernels=fused_kernels)
+    if params_dtype is not None:
+        mcfg = dataclasses.replace(mcfg, params_dtype=params_dtype)
     model = GPTModel(mcfg, ps or ParallelState.single())
     load_full_state_dict(model, hf_llama.hf_to_canonical(hf.state_dict(), mcfg))
     add_lora(model, cfg, seed=seed)

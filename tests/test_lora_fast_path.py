@@ -63,6 +63,48 @@ def test_fused_equals_plain_formula(rows: list[torch.Tensor], bias: bool) -> Non
         torch.testing.assert_close(u, v, **TOL)
 
 
+def _plain_low_precision(x, w, bias, a, b, mask, s):
+    """The plain path with a low-precision base (``LoraColumnParallelLinear``'s fallback): the base
+    in its dtype, the adapter in fp32 from ``x`` cast, the update rounded to the base dtype, added."""
+    update = F.linear(F.linear(x.float(), a), block_diagonal_b(b, mask)) * s
+    return F.linear(x, w, bias) + update.to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [[torch.arange(40)], list(torch.arange(40).chunk(2)),
+                                  [torch.tensor([0, 1, 12, 13]), torch.tensor([2, 3, 14, 15]),
+                                   torch.tensor([4, 5, 6, 7, 8, 9, 10, 11, 16, 17, 18, 19])]])  # fmt: skip
+@pytest.mark.parametrize("bias", [False, True])
+def test_fused_with_a_low_precision_base_equals_the_plain_path(
+    rows: list[torch.Tensor], bias: bool, dtype: torch.dtype
+) -> None:
+    """bf16/fp16 base, fp32 adapters: the output and the input gradient within one rounding of the
+    base dtype of the plain path, the adapter gradients (fp32, from the same ``g``) within fp32
+    rounding; the update is as large as the base output, so a wrong update would show."""
+    gen = torch.Generator().manual_seed(3)
+    out, n, r, s = int(sum(len(q) for q in rows)), len(rows), 3, 2.5
+    x = torch.randn(2, 5, 16, generator=gen).to(dtype).requires_grad_()
+    w = torch.randn(out, 16, generator=gen).to(dtype)
+    bb = torch.randn(out, generator=gen).to(dtype) if bias else None
+    a = torch.randn(n * r, 16, generator=gen, requires_grad=True)
+    b = (0.3 * torch.randn(out, r, generator=gen)).requires_grad_()
+    mask = slice_mask(rows, out, x.device)
+    got = fused(x, w, bb, a, b, ranges=slice_ranges(mask), scaling=s, group=None, column=True)
+    want = _plain_low_precision(x, w, bb, a, b, mask, s)
+    assert got.dtype == dtype
+    update = (want.float() - F.linear(x, w, bb).float()).abs().mean()
+    assert update > 0.3 * want.float().abs().mean()  # the update is not lost in the base's rounding
+    eps = torch.finfo(dtype).eps
+    torch.testing.assert_close(got.float(), want.float(), rtol=eps, atol=eps)
+    g = torch.randn(got.shape, generator=gen).to(dtype)
+    gx, ga, gb = torch.autograd.grad(got, (x, a, b), g)
+    rx, ra, rb = torch.autograd.grad(want, (x, a, b), g)
+    assert gx.dtype == dtype and ga.dtype == gb.dtype == torch.float32
+    torch.testing.assert_close(gx.float(), rx.float(), rtol=eps, atol=eps)
+    torch.testing.assert_close(ga, ra, **TOL)
+    torch.testing.assert_close(gb, rb, **TOL)
+
+
 def test_no_input_gradient_when_the_input_needs_none() -> None:
     x, w = torch.randn(4, 8), torch.randn(6, 8)
     a, b = torch.randn(2, 8, requires_grad=True), torch.randn(6, 2, requires_grad=True)
@@ -76,7 +118,9 @@ def test_fast_path_only_where_it_applies() -> None:
     assert fast_path_ok(x, w, None, a, 0.0, True) and fast_path_ok(x, w, None, a, 0.1, False)
     assert not fast_path_ok(x, w, None, a, 0.1, True)  # dropout while training
     assert not fast_path_ok(x, w.requires_grad_(), None, a, 0.0, True)  # a trainable base
-    assert not fast_path_ok(x.bfloat16(), w.detach().bfloat16(), None, a, 0.0, True)
+    assert fast_path_ok(x.bfloat16(), w.detach().bfloat16(), None, a, 0.0, True)  # bf16 base, fp32 adapter
+    assert not fast_path_ok(x.bfloat16(), w.detach().bfloat16(), None, a.bfloat16(), 0.0, True)
+    assert not fast_path_ok(x, w.detach().bfloat16(), None, a, 0.0, True)  # input and base differ
 
 
 def _loss_and_grads(model, ids):
@@ -106,6 +150,31 @@ def test_model_step_equals_the_plain_path(case: str, monkeypatch: pytest.MonkeyP
     for name, g in ref_grads.items():
         assert g.abs().sum() > 0, name
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+def test_model_step_with_a_bf16_base_takes_the_fast_path_and_equals_the_plain_path(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bf16 base with fp32 adapters: every adapted linear takes the fused node (the output layer
+    stays on the plain path in bf16), and the loss and adapter gradients equal the plain path's: the
+    same bf16 roundings, so the loss is equal and the gradients within fp32 rounding (1e-7 relative
+    here; the plain bf16 path is 0.3 relative from the fp32 model's, so a changed rounding shows)."""
+    model = ours_from_hf(tiny_hf("llama3"), params_dtype="bfloat16").train()
+    randomise_adapters(model)
+    assert {p.dtype for n, p in model.named_parameters() if is_lora_name(n)} == {torch.float32}
+    ids = torch.randint(0, 301, (2, 25), generator=torch.Generator().manual_seed(1))
+    calls = []
+    monkeypatch.setattr(lora_linear, "lora_linear", lambda *a, **k: calls.append(1) or fused(*a, **k))
+    loss, grads = _loss_and_grads(model, ids)
+    assert calls == [1] * 2 * 4
+    monkeypatch.setattr(lora_linear, "fast_path_ok", lambda *_: False)
+    ref_loss, ref_grads = _loss_and_grads(model, ids)
+    torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=1e-6, atol=0.0)
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 4 * 2
+    for name, g in ref_grads.items():
+        assert g.dtype == torch.float32 and g.abs().sum() > 0, name
+        rel = (grads[name] - g).norm() / g.norm()
+        assert rel < 1e-5, (name, float(rel))
 
 
 @pytest.mark.parametrize("block", [1 << 23, 3 * 50])  # one block; blocks of 3 rows (the last short)

@@ -65,10 +65,12 @@ def test_three_steps_equal_transformers_peft_loop() -> None:
         torch.testing.assert_close(got[name], t, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def _setup(ps: ParallelState, weights, adapters, chunks=None):
+def _setup(ps: ParallelState, weights, adapters, chunks=None, params_dtype: str = "float32"):
+    import dataclasses
+
     from pretrain.models.gpt import GPTModel
 
-    cfg = hf_llama.model_config_from_hf(tiny_hf().config)
+    cfg = dataclasses.replace(hf_llama.model_config_from_hf(tiny_hf().config), params_dtype=params_dtype)
     models = chunks if chunks is not None else [GPTModel(cfg, ps)]
     for m in models:
         load_full_state_dict(m, weights)
@@ -84,6 +86,29 @@ def _tp_worker(rank: int, world: int, weights, adapters, data):
     loss.backward()
     grads = gather_full_state_dict(model, grads=True)
     return {"loss": loss.detach(), "grads": {k: v for k, v in grads.items() if is_lora_name(k)}}
+
+
+def _tp_bf16_fast_and_plain_worker(rank: int, world: int, weights, adapters, data):
+    """A bf16 base at tp ``world``: loss and adapter gradients with the fused LoRA node, then with
+    the plain path (``fast_path_ok`` off), in the same process."""
+    from pretrain.models import lora_linear
+
+    ps = ParallelState.from_distributed(ParallelConfig(tp=world), seed=0)
+    (model,) = _setup(ps, weights, adapters, params_dtype="bfloat16")
+    out = {}
+    fused, calls = lora_linear.lora_linear, []
+    lora_linear.lora_linear = lambda *a, **k: calls.append(1) or fused(*a, **k)  # a forked worker's module
+    for path in ("fast", "plain"):
+        if path == "plain":
+            lora_linear.fast_path_ok = lambda *_: False
+        model.zero_grad(set_to_none=True)
+        loss = model(data[0], labels=data[1]).mean()
+        loss.backward()
+        grads = gather_full_state_dict(model, grads=True)
+        out[path] = {"loss": loss.detach().float(), "grads": {k: v for k, v in grads.items() if is_lora_name(k)},
+                     "fused_calls": len(calls)}  # fmt: skip
+        calls.clear()
+    return out
 
 
 def _pp_worker(rank: int, world: int, weights, adapters, data):
@@ -137,6 +162,26 @@ def test_layout_equals_one_process(layout: str) -> None:
     assert grads.keys() == ref_grads.keys()
     for name, g in ref_grads.items():
         torch.testing.assert_close(grads[name], g, **GRAD_TOL, msg=name)
+
+
+@pytest.mark.slow
+def test_bf16_base_at_tp2_fused_node_equals_the_plain_path() -> None:
+    """At tp2 with a bf16 base, the fused LoRA node (its all-reduces: the bf16 base input gradient
+    and fp32 ``dz`` of the column-parallel linears, the bf16 ``x W^T`` and fp32 ``z`` of the
+    row-parallel ones) gives the plain path's loss and adapter gradients on every rank."""
+    hf = tiny_hf()
+    cfg = hf_llama.model_config_from_hf(hf.config)
+    weights = hf_llama.hf_to_canonical(hf.state_dict(), cfg)
+    adapters = randomise_adapters(ours_from_hf(hf, LORA, seed=3))
+    data = _batches(1)[0]
+    for r in run_distributed(_tp_bf16_fast_and_plain_worker, 2, weights, adapters, data):
+        fast, plain = r["fast"], r["plain"]
+        assert fast["fused_calls"] == 2 * 4 and plain["fused_calls"] == 0  # every adapted linear, then none
+        torch.testing.assert_close(fast["loss"], plain["loss"], rtol=1e-6, atol=0.0)
+        assert fast["grads"].keys() == plain["grads"].keys() and fast["grads"]
+        for name, g in plain["grads"].items():
+            assert g.dtype == torch.float32 and g.abs().sum() > 0, name
+            assert (fast["grads"][name] - g).norm() / g.norm() < 1e-5, name
 
 
 def test_layout_independent_init() -> None:

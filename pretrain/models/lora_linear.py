@@ -1,4 +1,4 @@
-"""A whole LoRA-adapted linear of frozen fp32 base weights as one autograd node.
+"""A whole LoRA-adapted linear of frozen base weights (fp32, bf16 or fp16) as one autograd node.
 
 ``y = x W^T (+ b) + scaling * z B_j^T`` with ``z = x A^T`` ``[N, n r]``, where output row ``o``
 of slice ``j`` reads only its slice's block ``z[:, j r:(j+1) r]`` (fused QKV: q, k, v; SwiGLU
@@ -15,6 +15,11 @@ frozen base does not need, and this node does not:
   instead of summing two ``[N, in]`` tensors, and skips the input gradient where the input needs
   none (the first layer's QKV reads the frozen embedding);
 * the base weight gets no gradient (the caller only uses this node when it is frozen).
+
+With a bf16 or fp16 base the base GEMMs run in its dtype and the adapter in fp32, as on the plain
+path: ``x`` is cast once (and that copy kept for ``A``'s gradient), the update ``scaling z B_j^T``
+is rounded to the base dtype and then added, and the adapter's input gradient likewise; the saving
+is in the passes (no scaled copies, no block-diagonal ``B``, one cast of ``g``), not the rounding.
 
 Values equal the plain formula up to fp32 rounding (the same products, summed by the same GEMMs
 in a different grouping). Collectives, over ``group`` (None or one rank: none): column-parallel
@@ -45,6 +50,7 @@ from pretrain.tensor_parallel.mappings import (
 )
 
 Ranges = tuple[tuple[int, int, int], ...]  # (first row, end row, slice j) of the output rows
+_BASE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def slice_ranges(slice_mask: torch.Tensor) -> Ranges:
@@ -66,10 +72,11 @@ class _LoraLinear(torch.autograd.Function):
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
         b: torch.Tensor, ranges: Ranges, scaling: float, group: ProcessGroup | None, column: bool,
     ) -> torch.Tensor:  # fmt: skip
-        z = torch.mm(x, a.t())  # [N, n r]: every slice's A in one GEMM
+        xa = x if x.dtype == a.dtype else x.to(a.dtype)  # the adapter runs in its own dtype (PEFT casts too)
+        z = torch.mm(xa, a.t())  # [N, n r]: every slice's A in one GEMM
         r = b.shape[1]
-        if bias is None and group_size(group) == 1:  # the low-rank part first, the base GEMM adds
-            y = x.new_empty(x.shape[0], weight.shape[0])  # onto it (no second pass over y)
+        if x.dtype == a.dtype and bias is None and group_size(group) == 1:  # the low-rank part first,
+            y = x.new_empty(x.shape[0], weight.shape[0])  # the base GEMM adds onto it (no second pass over y)
             for lo, hi, j in ranges:  # ranges cover every row
                 y[:, lo:hi].addmm_(z[:, j * r : (j + 1) * r], b[lo:hi].t(), beta=0.0, alpha=scaling)
             y.addmm_(x, weight.t())
@@ -78,22 +85,22 @@ class _LoraLinear(torch.autograd.Function):
             if not column:  # g: the split input's partial products summed over the group
                 all_reduce(y, group)
                 all_reduce(z, group)
-            for lo, hi, j in ranges:  # y[:, rows of slice j] += scaling z_j B[rows]^T, in place
-                y[:, lo:hi].addmm_(z[:, j * r : (j + 1) * r], b[lo:hi].t(), alpha=scaling)
-        ctx.save_for_backward(x, weight, a, b, z)
+            _add_low_rank(y, z, b, ranges, scaling)
+        ctx.save_for_backward(xa, weight, a, b, z)
         ctx.ranges, ctx.scaling, ctx.group, ctx.column = ranges, scaling, group, column
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        x, weight, a, b, z = ctx.saved_tensors
+        xa, weight, a, b, z = ctx.saved_tensors
         r, s = b.shape[1], ctx.scaling
+        ge = g if g.dtype == z.dtype else g.to(z.dtype)  # [N, out]: the adapter's gradient in its dtype
         gz = torch.empty_like(z)  # [N, n r]
         gb_t = b.new_empty(r, b.shape[0])  # [r, out]: z^T g reads g row-major (g^T z is slower)
         started: set[int] = set()
         for lo, hi, j in ctx.ranges:
-            g_rows, z_j, gz_j = g[:, lo:hi], z[:, j * r : (j + 1) * r], gz[:, j * r : (j + 1) * r]
+            g_rows, z_j, gz_j = ge[:, lo:hi], z[:, j * r : (j + 1) * r], gz[:, j * r : (j + 1) * r]
             gz_j.addmm_(g_rows, b[lo:hi], beta=0.0 if j not in started else 1.0, alpha=s)
             gb_t[:, lo:hi].addmm_(z_j.t(), g_rows, beta=0.0, alpha=s)
             started.add(j)
@@ -107,10 +114,29 @@ class _LoraLinear(torch.autograd.Function):
                 all_reduce(gx, ctx.group)
         if ctx.column:  # f on z: the replicated A sees the gradient of every rank's B rows
             all_reduce(gz, ctx.group)
-        ga = torch.mm(gz.t(), x)
-        if gx is not None:
+        ga = torch.mm(gz.t(), xa)
+        if gx is not None and gx.dtype == gz.dtype:
             gx.addmm_(gz, a)
+        elif gx is not None:  # the adapter's input gradient rounded to the base dtype, then summed
+            gx.add_(torch.mm(gz, a).to(gx.dtype))
         return gx, None, None, ga, gb_t.t().contiguous(), None, None, None, None
+
+
+def _add_low_rank(y: torch.Tensor, z: torch.Tensor, b: torch.Tensor, ranges: Ranges, scaling: float) -> None:
+    """``y[:, rows of slice j] += scaling z_j B[rows]^T`` in place (``y [N, out]``, ``z [N, n r]``).
+
+    With ``y`` in the adapter's dtype one ``addmm_`` per run; with a lower-precision ``y`` (a bf16
+    base) the update is computed in the adapter's dtype, rounded to ``y``'s and then added, the
+    rounding of the plain path (:func:`pretrain.models.lora_ops.add_low_rank`)."""
+    r = b.shape[1]
+    if y.dtype == z.dtype:
+        for lo, hi, j in ranges:
+            y[:, lo:hi].addmm_(z[:, j * r : (j + 1) * r], b[lo:hi].t(), alpha=scaling)
+        return
+    update = z.new_empty(y.shape)  # [N, out] in the adapter's dtype
+    for lo, hi, j in ranges:  # ranges cover every row
+        update[:, lo:hi].addmm_(z[:, j * r : (j + 1) * r], b[lo:hi].t(), beta=0.0, alpha=scaling)
+    y.add_(update.to(y.dtype))
 
 
 def lora_linear(
@@ -119,7 +145,7 @@ def lora_linear(
 ) -> torch.Tensor:  # fmt: skip
     """``x [..., in]`` -> ``[..., out]`` (see the module docstring): ``weight [out, in]``, ``bias
     [out]`` or None (column-parallel only), ``a [n r, in]``, ``b [out, r]``, ``ranges`` the output
-    rows of each slice (:func:`slice_ranges`). Only for a frozen fp32 base and fp32 adapters."""
+    rows of each slice (:func:`slice_ranges`). Only for a frozen base and fp32 adapters (:func:`fast_path_ok`)."""
     y = _LoraLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, a, b, ranges, scaling, group, column)
     return y.view(*x.shape[:-1], y.shape[-1])  # type: ignore[no-any-return]
 
@@ -127,10 +153,12 @@ def lora_linear(
 def fast_path_ok(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
                  dropout: float, training: bool) -> bool:  # fmt: skip
     """Whether :func:`lora_linear` computes this adapted linear: a frozen base (no weight or bias
-    gradient wanted), every tensor fp32, and no adapter dropout while training."""
+    gradient wanted), the input in the base's floating dtype (fp32, bf16 or fp16), fp32 adapters,
+    and no adapter dropout while training."""
     frozen = not weight.requires_grad and (bias is None or not bias.requires_grad)
-    fp32 = x.dtype == weight.dtype == a.dtype == torch.float32
-    return frozen and fp32 and (dropout == 0.0 or not training)
+    base_dtype = x.dtype == weight.dtype and (bias is None or bias.dtype == weight.dtype)
+    dtypes = base_dtype and x.dtype in _BASE_DTYPES and a.dtype == torch.float32
+    return frozen and dtypes and (dropout == 0.0 or not training)
 
 
 class LoraColumnParallelLinear(ColumnParallelLinear):
