@@ -64,10 +64,10 @@ def test_fused_equals_plain_formula(rows: list[torch.Tensor], bias: bool) -> Non
 
 
 def _plain_low_precision(x, w, bias, a, b, mask, s):
-    """The plain path with a low-precision base (``LoraColumnParallelLinear``'s fallback): the base
-    in its dtype, the adapter in fp32 from ``x`` cast, the update rounded to the base dtype, added."""
+    """The plain path with a low-precision base (``LoraColumnParallelLinear``'s fallback), PEFT's
+    formula: the base in its dtype, the adapter in fp32 from ``x`` cast, the sum in fp32, rounded once."""
     update = F.linear(F.linear(x.float(), a), block_diagonal_b(b, mask)) * s
-    return F.linear(x, w, bias) + update.to(x.dtype)
+    return (F.linear(x, w, bias) + update).to(x.dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -162,3 +162,45 @@ def test_moe_mlp_targets_adapt_the_experts_and_dropout_there_is_refused() -> Non
     names = [n for n, p in model.named_parameters() if p.requires_grad]
     assert len(names) == cfg.num_layers * 2 * (2 + 4 * 2)
     assert not any("router" in n for n in names)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_bf16_base_adapted_linear_rounds_as_peft(fast: bool) -> None:
+    """A bf16 base with fp32 adapters rounds as PEFT does: the base output upcast, the update added
+    in fp32, the sum rounded once to bf16 (our fused node and the plain path alike), and the
+    gradients reaching the fp32 adapters equal PEFT's."""
+    import torch.nn.functional as F
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    from pretrain.models.lora_linear import lora_linear
+    from pretrain.models.lora_ops import add_low_rank
+
+    torch.manual_seed(0)
+    base = torch.nn.Sequential(torch.nn.Linear(64, 48, bias=False)).to(torch.bfloat16)
+    pm = get_peft_model(base, PeftLoraConfig(r=4, lora_alpha=8, target_modules=["0"]))
+    layer = pm.base_model.model[0]
+    a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+    assert a.dtype == b.dtype == torch.float32  # PEFT keeps the adapter in fp32 on a bf16 base
+    with torch.no_grad():
+        b.normal_(0.0, 0.5)
+    w = layer.base_layer.weight.detach()
+    x = torch.randn(4, 7, 64).to(torch.bfloat16)
+    want = pm(x)
+    ours_a, ours_b = a.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    if fast:
+        got = lora_linear(
+            x, w, None, ours_a, ours_b, ranges=((0, 48, 0),), scaling=2.0, group=None, column=True
+        )
+    else:
+        got = add_low_rank(F.linear(x, w), F.linear(x.float(), ours_a), ours_b, 2.0)
+    assert got.dtype == want.dtype == torch.bfloat16
+    assert (got.float() - F.linear(x, w).float()).abs().mean() > 0.1  # the update is not small
+    same = (got == want).float().mean().item()
+    assert same > 0.995, same  # equal but where fp32 GEMM sums differ in their last bit
+    torch.testing.assert_close(got.float(), want.float(), rtol=2**-8, atol=0.0)
+    g = torch.randn(want.shape).to(torch.bfloat16)
+    ga, gb = torch.autograd.grad(got, (ours_a, ours_b), g)
+    ra, rb = torch.autograd.grad(want, (a, b), g)
+    torch.testing.assert_close(ga, ra, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(gb, rb, rtol=1e-5, atol=1e-6)

@@ -17,9 +17,11 @@ frozen base does not need, and this node does not:
 * the base weight gets no gradient (the caller only uses this node when it is frozen).
 
 With a bf16 or fp16 base the base GEMMs run in its dtype and the adapter in fp32, as on the plain
-path: ``x`` is cast once (and that copy kept for ``A``'s gradient), the update ``scaling z B_j^T``
-is rounded to the base dtype and then added, and the adapter's input gradient likewise; the saving
-is in the passes (no scaled copies, no block-diagonal ``B``, one cast of ``g``), not the rounding.
+path and in PEFT: ``x`` is cast once (and that copy kept for ``A``'s gradient), the update
+``scaling z B_j^T`` is added to the upcast base output and the sum rounded once; the adapter's
+input gradient is rounded to the base dtype and then added to the base one (autograd's sum of the
+two paths' gradients). The saving is in the passes (no scaled copies, no block-diagonal ``B``, one
+cast of ``g``), not the rounding.
 
 Values equal the plain formula up to fp32 rounding (the same products, summed by the same GEMMs
 in a different grouping). Collectives, over ``group`` (None or one rank: none): column-parallel
@@ -126,8 +128,8 @@ def _add_low_rank(y: torch.Tensor, z: torch.Tensor, b: torch.Tensor, ranges: Ran
     """``y[:, rows of slice j] += scaling z_j B[rows]^T`` in place (``y [N, out]``, ``z [N, n r]``).
 
     With ``y`` in the adapter's dtype one ``addmm_`` per run; with a lower-precision ``y`` (a bf16
-    base) the update is computed in the adapter's dtype, rounded to ``y``'s and then added, the
-    rounding of the plain path (:func:`pretrain.models.lora_ops.add_low_rank`)."""
+    base) the update is computed in the adapter's dtype and added to ``y`` in it, the sum rounded
+    once to ``y``'s dtype: PEFT's rounding, as the plain path (:func:`pretrain.models.lora_ops.add_low_rank`)."""
     r = b.shape[1]
     if y.dtype == z.dtype:
         for lo, hi, j in ranges:
@@ -136,7 +138,7 @@ def _add_low_rank(y: torch.Tensor, z: torch.Tensor, b: torch.Tensor, ranges: Ran
     update = z.new_empty(y.shape)  # [N, out] in the adapter's dtype
     for lo, hi, j in ranges:  # ranges cover every row
         update[:, lo:hi].addmm_(z[:, j * r : (j + 1) * r], b[lo:hi].t(), beta=0.0, alpha=scaling)
-    y.add_(update.to(y.dtype))
+    y.add_(update)  # computed in fp32 (the common dtype), rounded once into y
 
 
 def lora_linear(

@@ -53,9 +53,10 @@ def add_low_rank(y: torch.Tensor, z: torch.Tensor, b: torch.Tensor, scaling: flo
     """``y + scaling * z B^T`` for ``y [..., out]``, ``z [..., k]`` (fp32), ``B [out, k]``.
 
     With a float32 ``y`` one ``addmm`` with the scaling folded into the small ``B`` (no pass over
-    the activations for the scaling or the sum); otherwise in fp32, then cast (as PEFT does)."""
+    the activations for the scaling or the sum). With a lower-precision ``y`` (a bf16 base) PEFT's
+    rounding: ``y`` upcast, the update added in fp32, the sum rounded once to ``y``'s dtype."""
     if y.dtype != z.dtype:
-        return y + (F.linear(z, b) * scaling).to(y.dtype)
+        return (y + F.linear(z, b) * scaling).to(y.dtype)
     out = torch.addmm(y.reshape(-1, y.shape[-1]), z.reshape(-1, z.shape[-1]), (b * scaling).t())
     return out.view(y.shape)
 
