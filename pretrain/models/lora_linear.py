@@ -76,18 +76,21 @@ class _LoraLinear(torch.autograd.Function):
     ) -> torch.Tensor:  # fmt: skip
         xa = x if x.dtype == a.dtype else x.to(a.dtype)  # the adapter runs in its own dtype (PEFT casts too)
         z = torch.mm(xa, a.t())  # [N, n r]: every slice's A in one GEMM
-        r = b.shape[1]
         if x.dtype == a.dtype and bias is None and group_size(group) == 1:  # the low-rank part first,
             y = x.new_empty(x.shape[0], weight.shape[0])  # the base GEMM adds onto it (no second pass over y)
-            for lo, hi, j in ranges:  # ranges cover every row
-                y[:, lo:hi].addmm_(z[:, j * r : (j + 1) * r], b[lo:hi].t(), beta=0.0, alpha=scaling)
+            _low_rank_into(y, z, b, ranges, scaling, accumulate=False)
             y.addmm_(x, weight.t())
         else:
             y = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
             if not column:  # g: the split input's partial products summed over the group
                 all_reduce(y, group)
                 all_reduce(z, group)
-            _add_low_rank(y, z, b, ranges, scaling)
+            if y.dtype == z.dtype:
+                _low_rank_into(y, z, b, ranges, scaling, accumulate=True)
+            else:  # a bf16 base: PEFT's rounding (the update added in fp32, the sum rounded once)
+                update = z.new_empty(y.shape)  # [N, out] in the adapter's dtype
+                _low_rank_into(update, z, b, ranges, scaling, accumulate=False)
+                y.add_(update)  # computed in the common dtype (fp32), rounded once into y
         ctx.save_for_backward(xa, weight, a, b, z)
         ctx.ranges, ctx.scaling, ctx.group, ctx.column = ranges, scaling, group, column
         return y
@@ -124,21 +127,15 @@ class _LoraLinear(torch.autograd.Function):
         return gx, None, None, ga, gb_t.t().contiguous(), None, None, None, None
 
 
-def _add_low_rank(y: torch.Tensor, z: torch.Tensor, b: torch.Tensor, ranges: Ranges, scaling: float) -> None:
-    """``y[:, rows of slice j] += scaling z_j B[rows]^T`` in place (``y [N, out]``, ``z [N, n r]``).
-
-    With ``y`` in the adapter's dtype one ``addmm_`` per run; with a lower-precision ``y`` (a bf16
-    base) the update is computed in the adapter's dtype and added to ``y`` in it, the sum rounded
-    once to ``y``'s dtype: PEFT's rounding, as the plain path (:func:`pretrain.models.lora_ops.add_low_rank`)."""
-    r = b.shape[1]
-    if y.dtype == z.dtype:
-        for lo, hi, j in ranges:
-            y[:, lo:hi].addmm_(z[:, j * r : (j + 1) * r], b[lo:hi].t(), alpha=scaling)
-        return
-    update = z.new_empty(y.shape)  # [N, out] in the adapter's dtype
-    for lo, hi, j in ranges:  # ranges cover every row
-        update[:, lo:hi].addmm_(z[:, j * r : (j + 1) * r], b[lo:hi].t(), beta=0.0, alpha=scaling)
-    y.add_(update)  # computed in fp32 (the common dtype), rounded once into y
+def _low_rank_into(
+    out: torch.Tensor, z: torch.Tensor, b: torch.Tensor, ranges: Ranges, scaling: float, *, accumulate: bool
+) -> None:  # fmt: skip
+    """``out[:, rows of slice j] (+)= scaling z_j B[rows]^T`` in place, one ``addmm_`` per run of
+    rows (``out [N, out]`` in ``z``'s dtype, ``z [N, n r]``, ``B [out, r]``; the runs cover every
+    row): written over ``out`` (its content ignored) unless ``accumulate``."""
+    r, beta = b.shape[1], 1.0 if accumulate else 0.0
+    for lo, hi, j in ranges:
+        out[:, lo:hi].addmm_(z[:, j * r : (j + 1) * r], b[lo:hi].t(), beta=beta, alpha=scaling)
 
 
 def lora_linear(
