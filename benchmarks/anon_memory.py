@@ -9,8 +9,11 @@ live memory, not glibc's cache.
 
 from __future__ import annotations
 
+import ctypes
 import os
+import platform
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -38,18 +41,46 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+_KCMP_VM = 1  # <linux/kcmp.h>
+_SYS_KCMP = {"x86_64": 312, "aarch64": 272}.get(platform.machine())
+_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+
+
+def _same_memory(a: int, b: int) -> bool:
+    """Whether processes ``a`` and ``b`` share one address space (``kcmp(KCMP_VM)``): a ``vfork``
+    child before its ``exec``, or a ``clone(CLONE_VM)`` one. ``False`` where the kernel cannot
+    tell (no ``kcmp``, or a process gone)."""
+    if _SYS_KCMP is None or _LIBC is None:
+        return False
+    return bool(_LIBC.syscall(_SYS_KCMP, a, b, _KCMP_VM, 0, 0) == 0)
+
+
+def _one_per_address_space(tree: list[int]) -> list[int]:
+    """``tree`` without the processes that share an earlier one's memory: ``smaps_rollup`` of a
+    ``vfork`` child reports its parent's whole address space, unshared (``Pss`` = ``Rss``), so
+    counting both counts the parent twice (``subprocess`` starts children with ``vfork``, and
+    under load the child may wait for a CPU between ``vfork`` and ``exec`` for many samples)."""
+    kept: list[int] = []
+    for p in tree:
+        if not any(_same_memory(k, p) for k in kept):
+            kept.append(p)
+    return kept
+
+
 def tree_anon_bytes(pid: int) -> int:
     """Anonymous memory of ``pid`` and all its descendants, in bytes: ``RssAnon`` of a lone
     process; with children, each process's ``Pss_Anon`` (its share of anonymous pages), because a
-    forked child (``ctypes.util.find_library`` runs ``ldconfig`` so, torchrun's workers do not)
-    shares its parent's pages copy-on-write and ``RssAnon`` would count them twice."""
+    forked child (``tools/forked_job.py``) shares its parent's pages copy-on-write and ``RssAnon``
+    would count them twice (torchrun's workers are fresh interpreters). Processes sharing one
+    address space (a ``vfork`` child before its ``exec``) count once."""
     tree, todo = [], [pid]
     while todo:
         p = todo.pop()
         tree.append(p)
         todo.extend(_children(p))
+    tree = _one_per_address_space(tree)
     if len(tree) == 1:
-        return _field_kb(f"/proc/{pid}/status", "RssAnon:") * 1024
+        return _field_kb(f"/proc/{tree[0]}/status", "RssAnon:") * 1024
     return sum(_field_kb(f"/proc/{p}/smaps_rollup", "Pss_Anon:") for p in tree) * 1024
 
 

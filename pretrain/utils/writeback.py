@@ -21,10 +21,10 @@ system call per few KB would cost more than it saves).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
-import sys
 from collections.abc import Callable
+
+from pretrain.utils.libc import libc
 
 __all__ = ["MIN_BYTES", "start_writeback"]
 
@@ -33,12 +33,8 @@ _SYNC_FILE_RANGE_WRITE = 2  # <linux/fs.h>: start writeback of dirty pages in th
 
 
 def _libc_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        fn = libc.sync_file_range
-    except (OSError, AttributeError):
+    fn = getattr(libc(), "sync_file_range", None)  # (None off Linux, or a C library without it)
+    if fn is None:
         return None
     fn.argtypes = (ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint)
     fn.restype = ctypes.c_int

@@ -12,13 +12,14 @@ back in from the page cache. Anything else (anonymous memory, other platforms) i
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import mmap
 import sys
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+
+from pretrain.utils.libc import libc
 
 _MADV_DONTNEED = 4  # Linux
 
@@ -34,9 +35,9 @@ class PageReleaser:
         names = {str(Path(f).resolve()) for f in files}
         try:
             lines = Path("/proc/self/maps").read_text().splitlines()
-            self.libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
         except OSError:
             return
+        self.libc = libc()
         for line in lines:
             parts = line.split(maxsplit=5)
             if len(parts) == 6 and parts[5] in names:
