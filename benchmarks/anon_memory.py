@@ -10,6 +10,7 @@ live memory, not glibc's cache.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import platform
 import subprocess
@@ -46,24 +47,47 @@ _SYS_KCMP = {"x86_64": 312, "aarch64": 272}.get(platform.machine())
 _LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
-def _same_memory(a: int, b: int) -> bool:
+def _same_memory(a: int, b: int) -> bool | None:
     """Whether processes ``a`` and ``b`` share one address space (``kcmp(KCMP_VM)``): a ``vfork``
-    child before its ``exec``, or a ``clone(CLONE_VM)`` one. ``False`` where the kernel cannot
-    tell (no ``kcmp``, or a process gone)."""
+    child before its ``exec``, or a ``clone(CLONE_VM)`` one. ``None`` where the kernel will not
+    tell (no ``kcmp``; a container's seccomp filter refusing it), ``False`` for a process gone."""
     if _SYS_KCMP is None or _LIBC is None:
+        return None
+    if _LIBC.syscall(_SYS_KCMP, a, b, _KCMP_VM, 0, 0) == 0:
+        return True
+    return False if ctypes.get_errno() in (0, errno.ESRCH) else None
+
+
+_PF_FORKNOEXEC = 0x40  # <linux/sched.h>: forked, not yet exec'd
+
+
+def _looks_borrowed(pid: int) -> bool:
+    """Without ``kcmp``: a child not yet ``exec``'d none of whose anonymous pages is shared
+    (``Pss_Anon`` = ``Anonymous``). A ``fork`` child shares its parent's pages until either writes
+    them; a ``vfork`` child maps the parent's pages once, in the parent's own address space."""
+    try:
+        flags = int(Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[6])
+    except (OSError, ValueError, IndexError):
         return False
-    return bool(_LIBC.syscall(_SYS_KCMP, a, b, _KCMP_VM, 0, 0) == 0)
+    if not flags & _PF_FORKNOEXEC:
+        return False
+    rollup = f"/proc/{pid}/smaps_rollup"
+    rss = _field_kb(rollup, "Anonymous:")
+    return rss > 0 and _field_kb(rollup, "Pss_Anon:") == rss
 
 
 def _one_per_address_space(tree: list[int]) -> list[int]:
-    """``tree`` without the processes that share an earlier one's memory: ``smaps_rollup`` of a
-    ``vfork`` child reports its parent's whole address space, unshared (``Pss`` = ``Rss``), so
-    counting both counts the parent twice (``subprocess`` starts children with ``vfork``, and
-    under load the child may wait for a CPU between ``vfork`` and ``exec`` for many samples)."""
-    kept: list[int] = []
-    for p in tree:
-        if not any(_same_memory(k, p) for k in kept):
-            kept.append(p)
+    """``tree`` (its root first) without the processes that share an earlier one's memory:
+    ``smaps_rollup`` of a ``vfork`` child reports its parent's whole address space, unshared
+    (``Pss`` = ``Rss``), so counting both counts the parent twice (``subprocess`` starts children
+    with ``vfork``, and under load the child may wait for a CPU between ``vfork`` and ``exec`` for
+    many samples)."""
+    kept = tree[:1]
+    for p in tree[1:]:
+        same = [_same_memory(k, p) for k in kept]
+        if True in same or (None in same and _looks_borrowed(p)):
+            continue
+        kept.append(p)
     return kept
 
 
