@@ -76,7 +76,15 @@ def _batches(steps: int, batch: int, seq: int, vocab: int, device: str) -> list[
     return [torch.randint(0, vocab, (batch, seq + 1), generator=gen).to(device) for _ in range(steps)]
 
 
-def _ours(workdir: Path, dtype: str, device: str, fused: bool) -> Callable[[torch.Tensor], float]:
+def _prompt_tokens(seq: int, loss_fraction: float) -> int:
+    """The leading label positions of each row that carry no loss (an SFT prompt): all but the last
+    ``loss_fraction`` of the ``seq`` positions."""
+    return seq - max(1, round(seq * loss_fraction))
+
+
+def _ours(
+    workdir: Path, dtype: str, device: str, fused: bool, loss_fraction: float = 1.0
+) -> Callable[[torch.Tensor], float]:
     import dataclasses
 
     from finetune.init_from import TrunkTensors
@@ -106,7 +114,13 @@ def _ours(workdir: Path, dtype: str, device: str, fused: bool) -> Callable[[torc
 
     def step(ids: torch.Tensor) -> float:
         opt.zero_grad()
-        loss = model(ids[:, :-1], labels=ids[:, 1:]).float().mean()
+        if loss_fraction == 1.0:
+            loss = model(ids[:, :-1], labels=ids[:, 1:]).float().mean()
+        else:  # as mlm-finetune sft: the loss mask's tokens, their mean (finetune/sft/task.py)
+            mask = torch.ones(ids.shape[0], ids.shape[1] - 1, device=ids.device)
+            mask[:, : _prompt_tokens(mask.shape[1], loss_fraction)] = 0
+            per_token = model(ids[:, :-1], labels=ids[:, 1:], loss_mask=mask).float()
+            loss = (per_token * mask).sum() / mask.sum()
         opt.scale_loss(loss).backward()
         finalize_model_grads([ddp])
         opt.step()
@@ -115,7 +129,9 @@ def _ours(workdir: Path, dtype: str, device: str, fused: bool) -> Callable[[torc
     return step
 
 
-def _theirs(workdir: Path, dtype: str, device: str, fused: bool) -> Callable[[torch.Tensor], float]:
+def _theirs(
+    workdir: Path, dtype: str, device: str, fused: bool, loss_fraction: float = 1.0
+) -> Callable[[torch.Tensor], float]:
     del fused  # transformers' Llama has no such switch: the plain loop
     import torch.nn.functional as F
     from peft import PeftModel
@@ -129,7 +145,11 @@ def _theirs(workdir: Path, dtype: str, device: str, fused: bool) -> Callable[[to
     def step(ids: torch.Tensor) -> float:
         opt.zero_grad()
         logits = model(ids[:, :-1]).logits
-        loss = F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+        labels = ids[:, 1:].clone()
+        labels[:, : _prompt_tokens(labels.shape[1], loss_fraction)] = -100  # transformers' ignore index
+        loss = F.cross_entropy(
+            logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100
+        )
         loss.backward()
         opt.step()
         return float(loss)
@@ -157,7 +177,7 @@ def _side(args: argparse.Namespace) -> None:
     batches = _batches(args.steps, args.batch, args.seq, SIZES[args.size][5], args.device)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     step = (_ours if args.side == "ours" else _theirs)(
-        args.workdir, args.dtype, args.device, args.fused_kernels == "on"
+        args.workdir, args.dtype, args.device, args.fused_kernels == "on", args.loss_fraction
     )
     phases["built"] = _rss_mb()
     losses = [step(b) for b in batches[: args.warmup]]
@@ -206,7 +226,7 @@ def _side_argv(side: str, work: Path, args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "benchmarks.bench_lora", "--side", side, "--workdir", str(work),
             "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
             "--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads),
-            "--fused-kernels", args.fused_kernels]  # fmt: skip
+            "--fused-kernels", args.fused_kernels, "--loss-fraction", str(args.loss_fraction)]  # fmt: skip
 
 
 def _run_side(side: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -288,10 +308,15 @@ def main() -> None:
     p.add_argument("--schedule", choices=("interleaved", "sequential"), default="interleaved",
                    help="interleaved: both sides' processes at once, their timed steps in turn (default); "
                    "sequential: one side's whole run, then the other's")  # fmt: skip
+    p.add_argument("--loss-fraction", type=float, default=1.0,
+                   help="the trailing fraction of each row's tokens that carry loss (an SFT completion after "
+                   "its prompt; 1: every token)")  # fmt: skip
     p.add_argument("--side", choices=("ours", "theirs"), help=argparse.SUPPRESS)
     p.add_argument("--lockstep", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if not 0.0 < args.loss_fraction <= 1.0:
+        p.error(f"--loss-fraction must be in (0, 1], got {args.loss_fraction}")
     if not 1 <= args.warmup < args.steps:
         p.error(f"--warmup must be at least 1 and below --steps ({args.steps}), got {args.warmup}")
     if args.side is not None:
@@ -338,7 +363,8 @@ def _summary(pairs: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -
         "cpu_ratios": [round(p["theirs"]["cpu_s"] / p["ours"]["cpu_s"], 3) for p in pairs],
         "size": args.size, "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
         "device": args.device, "fused_kernels": args.fused_kernels == "on", "rank": RANK, "repeats": args.repeats, "threads": args.threads or torch.get_num_threads(),
-        "schedule": args.schedule,
+        "schedule": args.schedule, "loss_fraction": args.loss_fraction,
+        "loss_tokens_per_row": args.seq - _prompt_tokens(args.seq, args.loss_fraction),
     }  # fmt: skip
 
 

@@ -152,6 +152,37 @@ def test_model_step_equals_the_plain_path(case: str, monkeypatch: pytest.MonkeyP
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
+def test_model_step_with_a_loss_mask_equals_the_plain_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """An SFT batch whose prompts carry no loss: with ``loss_mask`` the frozen output layer sees
+    only the loss tokens' rows, and the masked mean and the adapter gradients equal the plain
+    path's (which computes every token's loss and masks it after)."""
+    model = ours_from_hf(tiny_hf("llama3")).train()
+    randomise_adapters(model)
+    ids = torch.randint(0, 301, (2, 25), generator=torch.Generator().manual_seed(1))
+    mask = torch.zeros(2, 24)
+    mask[0, 10:], mask[1, 3:7], mask[1, 15:] = 1, 1, 1  # two samples' completions
+
+    def masked(monkeypatch_plain: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if monkeypatch_plain:
+            monkeypatch.setattr(gpt, "fused_loss_ok", lambda *_: False)
+        model.zero_grad(set_to_none=True)
+        loss = (model(ids[:, :-1], labels=ids[:, 1:], loss_mask=mask) * mask).sum() / mask.sum()
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if is_lora_name(n)}
+
+    rows: list[int] = []
+    apply = lm_loss._LMHeadCrossEntropy.apply
+    monkeypatch.setattr(lm_loss._LMHeadCrossEntropy, "apply", lambda h, *a: rows.append(h.shape[0]) or apply(h, *a))
+    loss, grads = masked(False)
+    assert rows == [int(mask.sum())] == [14 + 4 + 9]
+    ref_loss, ref_grads = masked(True)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 4 * 2
+    for name, g in ref_grads.items():
+        assert g.abs().sum() > 0, name
+        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
 def test_model_step_with_a_bf16_base_takes_the_fast_path_and_equals_the_plain_path(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -193,6 +224,29 @@ def test_lm_head_cross_entropy_equals_plain(block: int, monkeypatch: pytest.Monk
     torch.testing.assert_close(gx, ref, **TOL)
     with torch.no_grad():
         torch.testing.assert_close(lm_head_cross_entropy(x, w, t), want, **TOL)
+
+
+@pytest.mark.parametrize("kept", ["some", "all", "none"])
+def test_lm_head_cross_entropy_skips_the_rows_without_loss(kept: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``keep``: the kept tokens' losses and the gradient of the masked sum equal the plain path's;
+    the others get loss 0, and only the kept rows reach the output layer's GEMMs."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(3, 9, 16, generator=gen, requires_grad=True)
+    w = torch.randn(50, 16, generator=gen)
+    t = torch.randint(0, 50, (3, 9), generator=gen)
+    mask = {"some": torch.rand(3, 9, generator=gen) < 0.4, "all": torch.ones(3, 9, dtype=torch.bool),
+            "none": torch.zeros(3, 9, dtype=torch.bool)}[kept]  # fmt: skip
+    rows: list[int] = []
+    apply = lm_loss._LMHeadCrossEntropy.apply
+    monkeypatch.setattr(lm_loss._LMHeadCrossEntropy, "apply", lambda h, *a: rows.append(h.shape[0]) or apply(h, *a))
+    got = lm_head_cross_entropy(x, w, t, mask)
+    assert rows == [int(mask.sum())]
+    want = F.cross_entropy(F.linear(x, w).flatten(0, 1), t.flatten(), reduction="none").view(3, 9)
+    torch.testing.assert_close(got, torch.where(mask, want, 0.0), **TOL)
+    (gx,) = torch.autograd.grad((got * mask).sum(), x)
+    (ref,) = torch.autograd.grad((want * mask).sum(), x)
+    torch.testing.assert_close(gx, ref, **TOL)
+    assert (gx[~mask] == 0).all()
 
 
 def test_lm_head_cross_entropy_second_backward_is_refused() -> None:

@@ -90,12 +90,15 @@ class GPTModel(ShardedModule):
         hidden_states: torch.Tensor | None = None,
         ctx: ForwardContext | None = None,
         labels: torch.Tensor | None = None,
+        loss_mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """:meth:`trunk`, then on the last stage the output layer.
 
         Returns hidden states ``[b, s, h]`` (not last stage), per-token losses ``[b, s]`` (last
         stage with ``labels``; ``[b, n]`` with ``ctx.query_index``), or vocab-parallel logits
-        ``[b, s, V/t]`` (last stage). Collectives: those of :meth:`trunk`; f on the output layer's
+        ``[b, s, V/t]`` (last stage). ``loss_mask [b, s]`` (with ``labels``): where it is 0 the
+        loss is not used, so may be anything (0 with a frozen output layer at one TP rank, whose
+        rows there are skipped). Collectives: those of :meth:`trunk`; f on the output layer's
         input; with ``labels`` the vocab-parallel cross entropy's all-reduces over the TP group.
         """
         x = self.trunk(input_ids, hidden_states=hidden_states, ctx=ctx)
@@ -106,7 +109,8 @@ class GPTModel(ShardedModule):
             valid = min(weight.shape[0], self.cfg.vocab_size)  # no padded rows, as parallel_lm_logits
             # out-of-range targets (masked out by the caller) get the loss of class 0, as below
             safe = labels.masked_fill((labels < 0) | (labels >= valid), 0)
-            return lm_head_cross_entropy(x, weight[:valid], safe)
+            keep = None if loss_mask is None else loss_mask != 0
+            return lm_head_cross_entropy(x, weight[:valid], safe, keep)
         logits = parallel_lm_logits(
             x,
             weight,
