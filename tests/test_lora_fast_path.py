@@ -123,6 +123,16 @@ def test_fast_path_only_where_it_applies() -> None:
     assert not fast_path_ok(x, w.detach().bfloat16(), None, a, 0.0, True)  # input and base differ
 
 
+def _head_rows(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The rows each call of the fused output layer gets, recorded as it is called."""
+    rows: list[int] = []
+    apply = lm_loss._LMHeadCrossEntropy.apply
+    monkeypatch.setattr(
+        lm_loss._LMHeadCrossEntropy, "apply", lambda h, *a: rows.append(h.shape[0]) or apply(h, *a)
+    )
+    return rows
+
+
 def _loss_and_grads(model, ids):
     model.zero_grad(set_to_none=True)
     loss = model(ids[:, :-1], labels=ids[:, 1:]).mean()
@@ -170,9 +180,7 @@ def test_model_step_with_a_loss_mask_equals_the_plain_path(monkeypatch: pytest.M
         loss.backward()
         return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if is_lora_name(n)}
 
-    rows: list[int] = []
-    apply = lm_loss._LMHeadCrossEntropy.apply
-    monkeypatch.setattr(lm_loss._LMHeadCrossEntropy, "apply", lambda h, *a: rows.append(h.shape[0]) or apply(h, *a))
+    rows = _head_rows(monkeypatch)
     loss, grads = masked(False)
     assert rows == [int(mask.sum())] == [14 + 4 + 9]
     ref_loss, ref_grads = masked(True)
@@ -227,7 +235,9 @@ def test_lm_head_cross_entropy_equals_plain(block: int, monkeypatch: pytest.Monk
 
 
 @pytest.mark.parametrize("kept", ["some", "all", "none"])
-def test_lm_head_cross_entropy_skips_the_rows_without_loss(kept: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_lm_head_cross_entropy_skips_the_rows_without_loss(
+    kept: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``keep``: the kept tokens' losses and the gradient of the masked sum equal the plain path's;
     the others get loss 0, and only the kept rows reach the output layer's GEMMs."""
     gen = torch.Generator().manual_seed(4)
@@ -236,9 +246,7 @@ def test_lm_head_cross_entropy_skips_the_rows_without_loss(kept: str, monkeypatc
     t = torch.randint(0, 50, (3, 9), generator=gen)
     mask = {"some": torch.rand(3, 9, generator=gen) < 0.4, "all": torch.ones(3, 9, dtype=torch.bool),
             "none": torch.zeros(3, 9, dtype=torch.bool)}[kept]  # fmt: skip
-    rows: list[int] = []
-    apply = lm_loss._LMHeadCrossEntropy.apply
-    monkeypatch.setattr(lm_loss._LMHeadCrossEntropy, "apply", lambda h, *a: rows.append(h.shape[0]) or apply(h, *a))
+    rows = _head_rows(monkeypatch)
     got = lm_head_cross_entropy(x, w, t, mask)
     assert rows == [int(mask.sum())]
     want = F.cross_entropy(F.linear(x, w).flatten(0, 1), t.flatten(), reduction="none").view(3, 9)

@@ -68,7 +68,9 @@ def lm_head_cross_entropy(
         loss = _LMHeadCrossEntropy.apply(flat_hidden, weight, flat_target)
         return loss.view(target.shape)  # type: ignore[no-any-return]
     rows = keep.reshape(-1).nonzero().squeeze(-1)
-    kept = _LMHeadCrossEntropy.apply(flat_hidden.index_select(0, rows), weight, flat_target.index_select(0, rows))
+    kept = _LMHeadCrossEntropy.apply(
+        flat_hidden.index_select(0, rows), weight, flat_target.index_select(0, rows)
+    )
     # autograd: the kept rows' gradients are scattered back into zeros [tokens, h]
     return flat_hidden.new_zeros(flat_target.shape).index_put((rows,), kept).view(target.shape)
 
