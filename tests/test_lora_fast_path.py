@@ -162,33 +162,45 @@ def test_model_step_equals_the_plain_path(case: str, monkeypatch: pytest.MonkeyP
         torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_model_step_with_a_loss_mask_equals_the_plain_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """An SFT batch whose prompts carry no loss: with ``loss_mask`` the frozen output layer sees
-    only the loss tokens' rows, and the masked mean and the adapter gradients equal the plain
-    path's (which computes every token's loss and masks it after)."""
+@pytest.mark.parametrize("kept", ["some", "none"])
+@pytest.mark.parametrize("path", ["fused", "plain"])  # the frozen head's one pass; logits + cross entropy
+def test_model_step_with_a_loss_mask_equals_every_tokens_loss_masked_after(
+    path: str, kept: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An SFT batch whose prompts carry no loss: with ``loss_mask`` the output layer sees only the
+    loss tokens' rows, and the masked sum and the adapter gradients equal those of every token's
+    loss masked after (the same path, without ``loss_mask``)."""
     model = ours_from_hf(tiny_hf("llama3")).train()
     randomise_adapters(model)
     ids = torch.randint(0, 301, (2, 25), generator=torch.Generator().manual_seed(1))
     mask = torch.zeros(2, 24)
-    mask[0, 10:], mask[1, 3:7], mask[1, 15:] = 1, 1, 1  # two samples' completions
+    if kept == "some":
+        mask[0, 10:], mask[1, 3:7], mask[1, 15:] = 1, 1, 1  # two samples' completions
+    rows: list[int] = []
+    if path == "plain":
+        monkeypatch.setattr(gpt, "fused_loss_ok", lambda *_: False)
+        logits = gpt.parallel_lm_logits
+        monkeypatch.setattr(gpt, "parallel_lm_logits", lambda h, *a, **k: rows.append(h.shape[:-1].numel()) or logits(h, *a, **k))  # fmt: skip
+    else:
+        rows = _head_rows(monkeypatch)
 
-    def masked(monkeypatch_plain: bool) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        if monkeypatch_plain:
-            monkeypatch.setattr(gpt, "fused_loss_ok", lambda *_: False)
+    def masked(loss_mask: torch.Tensor | None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         model.zero_grad(set_to_none=True)
-        loss = (model(ids[:, :-1], labels=ids[:, 1:], loss_mask=mask) * mask).sum() / mask.sum()
-        loss.backward()
-        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if is_lora_name(n)}
+        (model(ids[:, :-1], labels=ids[:, 1:], loss_mask=loss_mask) * mask).sum().backward()
+        grads = {
+            n: p.grad.clone() for n, p in model.named_parameters() if is_lora_name(n) and p.grad is not None
+        }
+        return (model(ids[:, :-1], labels=ids[:, 1:], loss_mask=loss_mask) * mask).sum().detach(), grads
 
-    rows = _head_rows(monkeypatch)
-    loss, grads = masked(False)
-    assert rows == [int(mask.sum())] == [14 + 4 + 9]
-    ref_loss, ref_grads = masked(True)
+    loss, grads = masked(mask)
+    assert rows == [int(mask.sum())] * 2 == [14 + 4 + 9 if kept == "some" else 0] * 2
+    ref_loss, ref_grads = masked(None)
+    assert rows[2:] == [2 * 24] * 2
     torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
-    assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 4 * 2
+    assert len(ref_grads) == 2 * 4 * 2
     for name, g in ref_grads.items():
-        assert g.abs().sum() > 0, name
-        torch.testing.assert_close(grads[name], g, rtol=1e-4, atol=1e-6, msg=name)
+        assert (g.abs().sum() > 0) == (kept == "some"), name
+        torch.testing.assert_close(grads.get(name, torch.zeros_like(g)), g, rtol=1e-4, atol=1e-6, msg=name)
 
 
 def test_model_step_with_a_bf16_base_takes_the_fast_path_and_equals_the_plain_path(
@@ -232,29 +244,6 @@ def test_lm_head_cross_entropy_equals_plain(block: int, monkeypatch: pytest.Monk
     torch.testing.assert_close(gx, ref, **TOL)
     with torch.no_grad():
         torch.testing.assert_close(lm_head_cross_entropy(x, w, t), want, **TOL)
-
-
-@pytest.mark.parametrize("kept", ["some", "all", "none"])
-def test_lm_head_cross_entropy_skips_the_rows_without_loss(
-    kept: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """``keep``: the kept tokens' losses and the gradient of the masked sum equal the plain path's;
-    the others get loss 0, and only the kept rows reach the output layer's GEMMs."""
-    gen = torch.Generator().manual_seed(4)
-    x = torch.randn(3, 9, 16, generator=gen, requires_grad=True)
-    w = torch.randn(50, 16, generator=gen)
-    t = torch.randint(0, 50, (3, 9), generator=gen)
-    mask = {"some": torch.rand(3, 9, generator=gen) < 0.4, "all": torch.ones(3, 9, dtype=torch.bool),
-            "none": torch.zeros(3, 9, dtype=torch.bool)}[kept]  # fmt: skip
-    rows = _head_rows(monkeypatch)
-    got = lm_head_cross_entropy(x, w, t, mask)
-    assert rows == [int(mask.sum())]
-    want = F.cross_entropy(F.linear(x, w).flatten(0, 1), t.flatten(), reduction="none").view(3, 9)
-    torch.testing.assert_close(got, torch.where(mask, want, 0.0), **TOL)
-    (gx,) = torch.autograd.grad((got * mask).sum(), x)
-    (ref,) = torch.autograd.grad((want * mask).sum(), x)
-    torch.testing.assert_close(gx, ref, **TOL)
-    assert (gx[~mask] == 0).all()
 
 
 def test_lm_head_cross_entropy_second_backward_is_refused() -> None:

@@ -96,21 +96,38 @@ class GPTModel(ShardedModule):
 
         Returns hidden states ``[b, s, h]`` (not last stage), per-token losses ``[b, s]`` (last
         stage with ``labels``; ``[b, n]`` with ``ctx.query_index``), or vocab-parallel logits
-        ``[b, s, V/t]`` (last stage). ``loss_mask [b, s]`` (with ``labels``): where it is 0 the
-        loss is not used, so may be anything (0 with a frozen output layer at one TP rank, whose
-        rows there are skipped). Collectives: those of :meth:`trunk`; f on the output layer's
-        input; with ``labels`` the vocab-parallel cross entropy's all-reduces over the TP group.
+        ``[b, s, V/t]`` (last stage). ``loss_mask [b, s]`` (with ``labels``): only the tokens where
+        it is not 0 reach the output layer (an SFT prompt's and padding's rows are never
+        multiplied); the others get loss 0 and no gradient. Collectives: those of :meth:`trunk`;
+        f on the output layer's input; with ``labels`` the vocab-parallel cross entropy's
+        all-reduces over the TP group (every TP rank holds the same mask, so the same rows).
         """
         x = self.trunk(input_ids, hidden_states=hidden_states, ctx=ctx)
         if not self.post_process:
             return x
+        if labels is not None and loss_mask is not None:
+            keep = loss_mask != 0
+            if not bool(keep.all()):
+                return self._loss_of_rows(x, labels, keep.reshape(-1).nonzero().squeeze(-1))
+        return self._output(x, labels)
+
+    def _loss_of_rows(self, x: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Per-token losses ``[b, s]``: the output layer and loss on the flattened token ``rows``
+        ``[n]`` of ``x [b, s, h]`` only (as one ``[1, n]`` sequence: both are row-wise), 0 elsewhere."""
+        kept_x = x.reshape(-1, x.shape[-1]).index_select(0, rows).unsqueeze(0)
+        kept = self._output(kept_x, labels.reshape(-1).index_select(0, rows).unsqueeze(0))
+        # autograd: the kept rows' input gradients are scattered back into zeros [b * s, h]
+        return kept.new_zeros(labels.numel()).index_put((rows,), kept.reshape(-1)).view(labels.shape)
+
+    def _output(self, x: torch.Tensor, labels: torch.Tensor | None) -> torch.Tensor:
+        """The output layer on ``x [b, s, h]``: per-token losses ``[b, s]`` with ``labels``, else
+        vocab-parallel logits ``[b, s, V/t]``."""
         weight = self.output_weight()
         if labels is not None and fused_loss_ok(x, weight, self.ps.tp_size):  # a frozen head (LoRA)
             valid = min(weight.shape[0], self.cfg.vocab_size)  # no padded rows, as parallel_lm_logits
             # out-of-range targets (masked out by the caller) get the loss of class 0, as below
             safe = labels.masked_fill((labels < 0) | (labels >= valid), 0)
-            keep = None if loss_mask is None else loss_mask != 0
-            return lm_head_cross_entropy(x, weight[:valid], safe, keep)
+            return lm_head_cross_entropy(x, weight[:valid], safe)
         logits = parallel_lm_logits(
             x,
             weight,

@@ -52,27 +52,13 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
         return grad_x.mul_(grad_loss.unsqueeze(-1)), None, None
 
 
-def lm_head_cross_entropy(
-    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, keep: torch.Tensor | None = None
-) -> torch.Tensor:
+def lm_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     """Per-token loss ``[...]`` of ``hidden [..., h]`` under the output weight ``weight [V, h]``
     (every row a real vocabulary entry) for targets ``target [...]`` in ``[0, V)``: float32, as
     the plain path. Only the hidden states get a gradient (the caller keeps this to a frozen
-    ``weight``, fp32 tensors and one tensor-parallel rank).
-
-    ``keep [...]`` (bool): the tokens whose loss counts. The others get loss 0 and no gradient,
-    and their rows never reach the output layer: an SFT batch whose prompts carry no loss pays
-    the ``[tokens, V]`` GEMMs of its loss tokens only."""
-    flat_hidden, flat_target = hidden.reshape(-1, hidden.shape[-1]), target.reshape(-1)
-    if keep is None or bool(keep.all()):
-        loss = _LMHeadCrossEntropy.apply(flat_hidden, weight, flat_target)
-        return loss.view(target.shape)  # type: ignore[no-any-return]
-    rows = keep.reshape(-1).nonzero().squeeze(-1)
-    kept = _LMHeadCrossEntropy.apply(
-        flat_hidden.index_select(0, rows), weight, flat_target.index_select(0, rows)
-    )
-    # autograd: the kept rows' gradients are scattered back into zeros [tokens, h]
-    return flat_hidden.new_zeros(flat_target.shape).index_put((rows,), kept).view(target.shape)
+    ``weight``, fp32 tensors and one tensor-parallel rank)."""
+    loss = _LMHeadCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1))
+    return loss.view(target.shape)  # type: ignore[no-any-return]
 
 
 def fused_loss_ok(hidden: torch.Tensor, weight: torch.Tensor, tp_size: int) -> bool:
