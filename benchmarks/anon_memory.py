@@ -14,11 +14,12 @@ import errno
 import os
 import platform
 import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+from pretrain.utils.libc import libc
 
 
 def _field_kb(path: str, field: str) -> int:
@@ -44,18 +45,19 @@ def _children(pid: int) -> list[int]:
 
 _KCMP_VM = 1  # <linux/kcmp.h>
 _SYS_KCMP = {"x86_64": 312, "aarch64": 272}.get(platform.machine())
-_LIBC = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
 
 
 def _same_memory(a: int, b: int) -> bool | None:
     """Whether processes ``a`` and ``b`` share one address space (``kcmp(KCMP_VM)``): a ``vfork``
     child before its ``exec``, or a ``clone(CLONE_VM)`` one. ``None`` where the kernel will not
     tell (no ``kcmp``; a container's seccomp filter refusing it), ``False`` for a process gone."""
-    if _SYS_KCMP is None or _LIBC is None:
+    lib = libc()
+    if _SYS_KCMP is None or lib is None:
         return None
-    if _LIBC.syscall(_SYS_KCMP, a, b, _KCMP_VM, 0, 0) == 0:
-        return True
-    return False if ctypes.get_errno() in (0, errno.ESRCH) else None
+    order = lib.syscall(_SYS_KCMP, a, b, _KCMP_VM, 0, 0)  # 0 the same, 1 or 2 an ordering, -1 an error
+    if order >= 0:
+        return order == 0
+    return False if ctypes.get_errno() == errno.ESRCH else None
 
 
 _PF_FORKNOEXEC = 0x40  # <linux/sched.h>: forked, not yet exec'd

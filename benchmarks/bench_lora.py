@@ -114,13 +114,11 @@ def _ours(
 
     def step(ids: torch.Tensor) -> float:
         opt.zero_grad()
-        if loss_fraction == 1.0:
-            loss = model(ids[:, :-1], labels=ids[:, 1:]).float().mean()
-        else:  # as mlm-finetune sft: the loss mask's tokens, their mean (finetune/sft/task.py)
-            mask = torch.ones(ids.shape[0], ids.shape[1] - 1, device=ids.device)
-            mask[:, : _prompt_tokens(mask.shape[1], loss_fraction)] = 0
-            per_token = model(ids[:, :-1], labels=ids[:, 1:], loss_mask=mask).float()
-            loss = (per_token * mask).sum() / mask.sum()
+        # as mlm-finetune sft: the loss mask's tokens, their mean (finetune/sft/task.py)
+        mask = torch.ones(ids.shape[0], ids.shape[1] - 1, device=ids.device)
+        mask[:, : _prompt_tokens(mask.shape[1], loss_fraction)] = 0
+        per_token = model(ids[:, :-1], labels=ids[:, 1:], loss_mask=mask).float()
+        loss = (per_token * mask).sum() / mask.sum()
         opt.scale_loss(loss).backward()
         finalize_model_grads([ddp])
         opt.step()

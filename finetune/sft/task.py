@@ -47,7 +47,7 @@ def sft_forward_step(
     ctx = ForwardContext(attn_mask=None if segments is None else block_causal_mask(segments),
                          position_ids=mb.get("position_ids"))  # fmt: skip
     kwargs: dict[str, Any] = {"hidden_states": hidden} if hidden is not None else {"input_ids": mb["tokens"]}
-    if is_last:  # the loss mask lets a frozen output layer skip the rows that carry no loss
+    if is_last:  # with the loss mask the output layer skips the rows that carry no loss
         kwargs.update(labels=mb["labels"], loss_mask=mb["loss_mask"])
     return model(ctx=ctx, **kwargs)
 

@@ -106,9 +106,9 @@ class GPTModel(ShardedModule):
         if not self.post_process:
             return x
         if labels is not None and loss_mask is not None:
-            keep = loss_mask != 0
-            if not bool(keep.all()):
-                return self._loss_of_rows(x, labels, keep.reshape(-1).nonzero().squeeze(-1))
+            rows = loss_mask.reshape(-1).nonzero().squeeze(-1)  # (one host sync on an accelerator)
+            if rows.numel() < loss_mask.numel():
+                return self._loss_of_rows(x, labels, rows)
         return self._output(x, labels)
 
     def _loss_of_rows(self, x: torch.Tensor, labels: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
