@@ -208,9 +208,16 @@ def test_model_step_with_a_bf16_base_takes_the_fast_path_and_equals_the_plain_pa
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A bf16 base with fp32 adapters: every adapted linear takes the fused node (the output layer
-    stays on the plain path in bf16), and the loss and adapter gradients equal the plain path's: the
-    same bf16 roundings, so the loss is equal and the gradients within fp32 rounding (1e-7 relative
-    here; the plain bf16 path is 0.3 relative from the fp32 model's, so a changed rounding shows)."""
+    stays on the plain path in bf16), and the loss and adapter gradients equal the plain path's up
+    to the bf16 roundings that fp32 sums in another order flip.
+
+    Both paths round alike (the update added in fp32, the sum rounded once), but their fp32 GEMM
+    sums differ in the last bit (the fused node sums each slice's ``r`` products, the plain path
+    the block-diagonal ``n r``), and where that straddles a bf16 rounding boundary one output is
+    one bf16 ulp off; later layers carry it. Measured: 1e-7 relative on an AVX-512 Xeon, 1.5e-3
+    on an AVX2 EPYC (one flip in layer 1's QKV output). Rounding the update to bf16 before the
+    add (PEFT does not) moves the gradients 0.05-0.23 relative and the loss 5e-5: the bounds
+    below sit between the two."""
     model = ours_from_hf(tiny_hf("llama3"), params_dtype="bfloat16").train()
     randomise_adapters(model)
     assert {p.dtype for n, p in model.named_parameters() if is_lora_name(n)} == {torch.float32}
@@ -221,12 +228,12 @@ def test_model_step_with_a_bf16_base_takes_the_fast_path_and_equals_the_plain_pa
     assert calls == [1] * 2 * 4
     monkeypatch.setattr(lora_linear, "fast_path_ok", lambda *_: False)
     ref_loss, ref_grads = _loss_and_grads(model, ids)
-    torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=1e-6, atol=0.0)
+    torch.testing.assert_close(loss.float(), ref_loss.float(), rtol=1e-5, atol=0.0)
     assert grads.keys() == ref_grads.keys() and len(grads) == 2 * 4 * 2
     for name, g in ref_grads.items():
         assert g.dtype == torch.float32 and g.abs().sum() > 0, name
         rel = (grads[name] - g).norm() / g.norm()
-        assert rel < 1e-5, (name, float(rel))
+        assert rel < 1e-2, (name, float(rel))
 
 
 @pytest.mark.parametrize("block", [1 << 23, 3 * 50])  # one block; blocks of 3 rows (the last short)
