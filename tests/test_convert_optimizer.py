@@ -21,7 +21,7 @@ import torch
 from pretrain.checkpoint.legacy.layout import DISTRIB_OPTIM_FILE, MODEL_FILE
 from pretrain.checkpoint.opener import load_canonical
 from pretrain.training.cli import main as pretrain_main
-from tests.distributed import torchrun
+from tests.distributed import launch
 from tests.train_fixtures import gpt_args
 from tools.convert_cli import main as convert_main
 
@@ -39,7 +39,7 @@ def _losses(path: Path) -> list[float]:
 
 
 def _torchrun(nproc: int, flags: list[str]) -> None:
-    proc = torchrun(nproc, "pretrain.training.cli", flags)
+    proc = launch(nproc, "pretrain.training.cli", flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -19,7 +19,7 @@ import torch
 
 from pretrain.checkpoint.opener import open_checkpoint
 from pretrain.checkpoint.work_split import split_by_bytes
-from tests.distributed import REPO, torchrun
+from tests.distributed import REPO, launch, torchrun
 from tools.convert_cli import main
 from tools.hf_plan import Planned, stream_hf_tensors
 from tools.hf_shards import ShardWriter, split_shards, write_planned_shards
@@ -161,7 +161,7 @@ def test_n_processes_write_the_one_process_output(
     source, argv = CONVERSIONS[case]
     one, many = tmp_path / "one", tmp_path / "many"
     assert main([*argv, "--load", str(sources[source]), "--save", str(one)]) == 0
-    proc = torchrun(nproc, "tools.convert_cli", [*argv, "--load", str(sources[source]), "--save", str(many)])
+    proc = launch(nproc, "tools.convert_cli", [*argv, "--load", str(sources[source]), "--save", str(many)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("wrote ") == 1, proc.stdout  # rank 0 alone reports
     _same_output(one, many)

@@ -19,7 +19,7 @@ from mlm_eval.builtin import builtin_path
 from mlm_eval.cli import main as eval_main
 from mlm_eval.scoring.megatron import load_megatron_gpt
 from pretrain.tokenizer.factory import TokenizerConfig
-from tests.distributed import torchrun_command, torchrun_env
+from tests.distributed import launch_command, torchrun_env
 
 WIKI = ["wikitext103", "--data", "builtin:wikitext_sample.tokens", "--seq-length", "32", "--overlap", "8"]
 LAYOUTS = {  # name -> (task, processes, parallel flags, the layout the result records)
@@ -68,7 +68,7 @@ def _task_args(trained: dict[str, str], task: str) -> list[str]:
 def _launch(trained: dict[str, str], name: str) -> subprocess.Popen[str]:
     task, nproc, flags, _ = LAYOUTS[name]
     out = Path(trained["root"]) / f"{name}.json"
-    cmd = torchrun_command(nproc, "mlm_eval.cli", [*_task_args(trained, task), *flags, "--out", str(out)])
+    cmd = launch_command(nproc, "mlm_eval.cli", [*_task_args(trained, task), *flags, "--out", str(out)])
     return subprocess.Popen(
         cmd, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )

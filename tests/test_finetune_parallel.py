@@ -10,7 +10,7 @@ import torch
 
 from finetune.builtin import builtin_task_dir
 from finetune.cli import main
-from tests.distributed import torchrun
+from tests.distributed import launch
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,7 +36,7 @@ def _losses(path: Path) -> list[float]:
 def test_two_ranks_equal_one_process(bert: Path, tmp_path: Path, layout: list[str]) -> None:
     torch.set_num_threads(1)
     assert main(_flags(bert, tmp_path, "one")) == 0
-    proc = torchrun(2, "finetune.cli", [*_flags(bert, tmp_path, "two"), *layout], timeout=300)
+    proc = launch(2, "finetune.cli", [*_flags(bert, tmp_path, "two"), *layout], timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = _losses(tmp_path / "one.jsonl"), _losses(tmp_path / "two.jsonl")
     assert len(one) == len(two) == 4

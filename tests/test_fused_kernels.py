@@ -237,7 +237,7 @@ def test_no_compiler_is_refused_before_any_work(
 def test_sft_fused_kernels_at_tp2_equals_one_eager_process(tmp_path: Path) -> None:
     from finetune.cli import main
     from finetune.sft.tiny_tokenizer import SFT_CHAT_FILE
-    from tests.distributed import torchrun
+    from tests.distributed import launch
     from tests.sft_fixtures import make_chat_llama
 
     model = make_chat_llama(tmp_path / "chat_llama")
@@ -245,7 +245,7 @@ def test_sft_fused_kernels_at_tp2_equals_one_eager_process(tmp_path: Path) -> No
             "--seq-length", "128", "--pack", "--global-batch-size", "4", "--micro-batch-size", "2", "--lr", "1e-2",
             "--no-progress", "--lora-rank", "4", "--lora-alpha", "8"]  # fmt: skip
     assert main([*argv, "--results-dir", str(tmp_path / "eager")]) == 0
-    proc = torchrun(
+    proc = launch(
         2, "finetune.cli", [*argv, "--tp", "2", "--fused-kernels", "--results-dir", str(tmp_path / "fused")]
     )
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from tests.distributed import torchrun
+from tests.distributed import launch
 from tests.harness_fixtures import TASK_NAMES, export_hf, write_tasks
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -100,7 +100,7 @@ def test_mlm_backend_under_torchrun_equals_one_process(
     argv = ["--model", "mlm", "--model_args", f"ckpt={setup['ckpt']},{layout}", "--tasks", ",".join(TASK_NAMES),
             "--include_path", str(setup["tasks"]), "--batch_size", "4", "--output_path", str(out),
             "--log_samples"]  # fmt: skip
-    proc = torchrun(nproc, "mlm_eval.harness", argv, env={"HF_DATASETS_OFFLINE": "1"})
+    proc = launch(nproc, "mlm_eval.harness", argv, env={"HF_DATASETS_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     (results_file,) = out.rglob("results_*.json")
     results = json.loads(results_file.read_text())["results"]

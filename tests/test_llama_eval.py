@@ -18,7 +18,7 @@ import torch
 
 from mlm_eval.builtin import builtin_path
 from mlm_eval.cli import main as eval_main
-from tests.distributed import torchrun_command, torchrun_env
+from tests.distributed import launch_command, torchrun_env
 from tests.llama_fixtures import (
     qwen_style_bpe_tokenizer,
     save_llama_with_tokenizer,
@@ -136,7 +136,7 @@ def test_torchrun_tp2_equals_one_process(models: dict[str, Any]) -> None:
     for task in ("wiki-paper", "lambada"):
         argv = [*TASKS[task], "--ckpt", str(root / "tp1"), "--tensor-model-parallel-size", "2", "--no-progress",
                 "--out", str(root / f"{task}-torchrun.json")]  # fmt: skip
-        procs[task] = subprocess.Popen(torchrun_command(2, "mlm_eval.cli", argv), env=torchrun_env(),
+        procs[task] = subprocess.Popen(launch_command(2, "mlm_eval.cli", argv), env=torchrun_env(),
                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     for task, proc in procs.items():
         log, _ = proc.communicate(timeout=300)

@@ -12,7 +12,7 @@ import torch
 
 from pretrain.checkpoint.opener import load_canonical
 from pretrain.training.cli import main as pretrain_main
-from tests.distributed import torchrun
+from tests.distributed import launch
 from tests.train_fixtures import gpt_args
 from tools.convert_cli import main as convert_main
 
@@ -67,7 +67,7 @@ def test_tp2_optimizer_state_resharded_to_tp1_pp2_resumes(data: dict[str, str], 
     flags = {"adam-eps": 1e-5, "train-iters": 5, "micro-batch-size": 2, "global-batch-size": 4}
     ref = _args(data, **flags, **{"tp": 2, "save": tmp_path / "a", "save-interval": 3,
                                   "log-json": tmp_path / "a.jsonl"})  # fmt: skip
-    proc = torchrun(2, "pretrain.training.cli", ref)
+    proc = launch(2, "pretrain.training.cli", ref)
     assert proc.returncode == 0, proc.stderr[-3000:]
     argv = ["reshard", "--load", str(tmp_path / "a"), "--save", str(tmp_path / "b"), "--target-tp", "1",
             "--target-pp", "2", "--iteration", "3", "--with-optimizer"]  # fmt: skip
@@ -75,7 +75,7 @@ def test_tp2_optimizer_state_resharded_to_tp1_pp2_resumes(data: dict[str, str], 
     # Step 4's loss checks the resharded weights (SwiGLU/GQA rows); step 5's the optimizer state.
     resumed = _args(data, **flags, **{"pp": 2, "use-distributed-optimizer": True, "load": tmp_path / "b",
                                       "save": tmp_path / "c", "log-json": tmp_path / "c.jsonl"})  # fmt: skip
-    proc = torchrun(2, "pretrain.training.cli", resumed)
+    proc = launch(2, "pretrain.training.cli", resumed)
     assert proc.returncode == 0, proc.stderr[-3000:]
     a, c = _losses(tmp_path / "a.jsonl"), _losses(tmp_path / "c.jsonl")
     assert (len(a), len(c)) == (5, 2)

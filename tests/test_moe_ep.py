@@ -342,13 +342,13 @@ def test_mlm_pretrain_with_expert_parallelism_resumes_bitwise(
 ) -> None:
     import json
 
-    from tests.distributed import torchrun
+    from tests.distributed import launch
     from tests.train_fixtures import gpt_args
 
     def run(iters: int, name: str, **kw: object) -> list[float]:
         log = tmp_path / f"{name}.jsonl"
         argv = gpt_args(gpt_data, **MOE_FLAGS, **{"train-iters": iters, "log-json": log, **kw})  # type: ignore[arg-type]
-        proc = torchrun(2, "pretrain.training.cli", argv)
+        proc = launch(2, "pretrain.training.cli", argv)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "loss" in r]
 
@@ -390,7 +390,7 @@ def test_mlm_pretrain_at_etp_below_tp_resumes_bitwise(gpt_data: dict[str, str], 
     import json
 
     from pretrain.checkpoint.opener import load_canonical
-    from tests.distributed import torchrun
+    from tests.distributed import launch, torchrun
     from tests.train_fixtures import gpt_args
 
     flags = {**MOE_FLAGS, "expert-model-parallel-size": 1, "tensor-model-parallel-size": 2,
@@ -399,7 +399,7 @@ def test_mlm_pretrain_at_etp_below_tp_resumes_bitwise(gpt_data: dict[str, str], 
     def run(iters: int, name: str, **kw: object) -> list[float]:
         log = tmp_path / f"{name}.jsonl"
         argv = gpt_args(gpt_data, **flags, **{"train-iters": iters, "log-json": log, **kw})  # type: ignore[arg-type]
-        proc = torchrun(2, "pretrain.training.cli", argv)
+        proc = launch(2, "pretrain.training.cli", argv)
         assert proc.returncode == 0, proc.stderr[-3000:]
         return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "loss" in r]
 

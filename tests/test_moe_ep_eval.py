@@ -25,7 +25,7 @@ import pytest
 
 from mlm_eval.builtin import builtin_path
 from mlm_eval.cli import main as eval_main
-from tests.distributed import torchrun, torchrun_command, torchrun_env
+from tests.distributed import launch, launch_command, torchrun_env
 from tests.llama_fixtures import qwen_style_bpe_tokenizer
 from tests.moe_hf_fixtures import hf_model
 from tools.convert_cli import main as convert_main
@@ -66,7 +66,7 @@ def _eval(args: list[str], out: Path) -> dict[str, Any]:
 
 
 def _launch(args: list[str], out: Path, nproc: int, flags: list[str]) -> subprocess.Popen[str]:
-    cmd = torchrun_command(nproc, "mlm_eval.cli", [*args, *flags, "--out", str(out), "--no-progress"])
+    cmd = launch_command(nproc, "mlm_eval.cli", [*args, *flags, "--out", str(out), "--no-progress"])
     return subprocess.Popen(
         cmd, env=torchrun_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
@@ -134,7 +134,7 @@ def test_harness_ep2_equals_one_process(moe: dict[str, Path]) -> None:
     out = moe["root"] / "harness-ep2"
     argv = ["--model", "mlm", "--model_args", f"ckpt={moe['ck']},ep=2", "--tasks", ",".join(LOGLIKELIHOOD_TASKS),
             "--include_path", str(tasks), "--batch_size", "4", "--output_path", str(out), "--log_samples"]  # fmt: skip
-    proc = torchrun(2, "mlm_eval.harness", argv, env={"HF_DATASETS_OFFLINE": "1"})
+    proc = launch(2, "mlm_eval.harness", argv, env={"HF_DATASETS_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     (results_file,) = out.rglob("results_*.json")
     results = json.loads(results_file.read_text())["results"]
@@ -172,7 +172,7 @@ def _harness_torchrun(nproc: int, model_args: str, tasks: Path, out: Path) -> di
 
     argv = ["--model", "mlm", "--model_args", model_args, "--tasks", ",".join(TASK_NAMES), "--include_path",
             str(tasks), "--batch_size", "4", "--output_path", str(out), "--log_samples"]  # fmt: skip
-    proc = torchrun(nproc, "mlm_eval.harness", argv, env={"HF_DATASETS_OFFLINE": "1"})
+    proc = launch(nproc, "mlm_eval.harness", argv, env={"HF_DATASETS_OFFLINE": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     (results_file,) = out.rglob("results_*.json")
     resps = {}
@@ -212,7 +212,7 @@ def test_mlm_generate_ep2_equals_hf_model_and_one_process(
     texts = ["the quick brown fox", "It was", "Once upon a time, in a land far away, there lived"]
     prompts.write_text("".join(json.dumps({"prompt": t}) + "\n" for t in texts))
     flags = ["--prompts", str(prompts), "--max-new-tokens", "8", "--json"]
-    proc = subprocess.run(torchrun_command(2, "mlm_eval.generation.cli", ["--ckpt", str(moe["ck-ep2"]), "--ep", "2",
+    proc = subprocess.run(launch_command(2, "mlm_eval.generation.cli", ["--ckpt", str(moe["ck-ep2"]), "--ep", "2",
                                                                           *flags]),
                           env=torchrun_env(), capture_output=True, text=True, timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -252,7 +252,7 @@ def test_world_not_divisible_by_ep(
 
 
 def _refusal(ckpt: Path) -> str:
-    proc = subprocess.run(torchrun_command(2, "mlm_eval.cli", [*WIKI, "--ckpt", str(ckpt), "--ep", "2", "--no-progress"]),
+    proc = subprocess.run(launch_command(2, "mlm_eval.cli", [*WIKI, "--ckpt", str(ckpt), "--ep", "2", "--no-progress"]),
                           env=torchrun_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert proc.returncode != 0
     assert "/mlm_eval/" not in proc.stderr  # no frame of ours: one line (torchrun adds its own report)

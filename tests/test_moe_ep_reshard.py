@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.distributed import torchrun
+from tests.distributed import launch
 from tests.test_moe_ep import MOE_FLAGS
 from tests.train_fixtures import gpt_args
 from tools.convert_cli import main as convert_main
@@ -22,7 +22,7 @@ ROUND = {"save-interval": 2}
 def _train(gpt_data: dict[str, str], tmp_path: Path, name: str, iters: int, **kw: object) -> list[float]:
     log = tmp_path / f"{name}.jsonl"
     argv = gpt_args(gpt_data, **{**MOE_FLAGS, "train-iters": iters, "log-json": log, **kw})  # type: ignore[arg-type]
-    proc = torchrun(2, "pretrain.training.cli", argv)
+    proc = launch(2, "pretrain.training.cli", argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return [r["loss"] for r in map(json.loads, log.read_text().splitlines()) if "loss" in r]
 

@@ -329,11 +329,11 @@ def test_our_ep_training_checkpoint_reads_with_global_experts(
     """mlm-pretrain with EP 2 (torchrun) writes mp_rank_00_000/_001 with local expert indices; the
     reader gives EP rank 1's local expert i as global expert 2 + i, and reshard to EP 1 keeps the logits."""
     from pretrain.checkpoint.legacy.layout import flatten
-    from tests.distributed import torchrun
+    from tests.distributed import launch
     from tests.test_moe_ep import MOE_FLAGS
     from tests.train_fixtures import gpt_args
 
-    proc = torchrun(
+    proc = launch(
         2,
         "pretrain.training.cli",
         gpt_args(gpt_data, **MOE_FLAGS, **{"train-iters": 2, "save": tmp_path / "ck"}),

@@ -145,13 +145,13 @@ def test_cli_tp2_pp2_sequence_parallel_selective_losses_equal_single_process(
     """``mlm-pretrain --sequence-parallel --recompute-granularity selective`` under torchrun: the
     training loop's finalize sums the sequence-parallel gradients (else iteration 2 drifts)."""
     from pretrain.training.cli import main as pretrain_main
-    from tests.distributed import torchrun
+    from tests.distributed import launch
     from tests.train_fixtures import gpt_args
 
     assert pretrain_main(gpt_args(gpt_data, **{"log-json": tmp_path / "one.jsonl"})) == 0
     flags = gpt_args(gpt_data, **{"log-json": tmp_path / "four.jsonl", "tp": 2, "pp": 2, "micro-batch-size": 1,
                                   "sequence-parallel": True, "recompute-granularity": "selective"})  # fmt: skip
-    proc = torchrun(4, "pretrain.training.cli", flags)
+    proc = launch(4, "pretrain.training.cli", flags)
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, four = (
         [json.loads(line)["loss"] for line in (tmp_path / n).read_text().splitlines() if "loss" in line]

@@ -105,10 +105,10 @@ def test_packed_losses_equal_unpacked_and_no_attention_crosses(chat_llama: Path)
 def test_valid_loss_at_tp2_pp2_equals_transformers(
     chat_llama: Path, reference: tuple[float, int], tmp_path: Path
 ) -> None:
-    from tests.distributed import torchrun
+    from tests.distributed import launch
 
     out = tmp_path / "tp2pp2"
-    proc = torchrun(4, "finetune.cli", ["sft", "--hf-model", str(chat_llama), "--data", str(SFT_CHAT_FILE), "--eval-only",
+    proc = launch(4, "finetune.cli", ["sft", "--hf-model", str(chat_llama), "--data", str(SFT_CHAT_FILE), "--eval-only",
                                         "--seq-length", "128", "--tp", "2", "--pp", "2", "--results-dir", str(out)])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     rec = json.loads((out / "results.json").read_text())

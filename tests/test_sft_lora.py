@@ -166,11 +166,11 @@ def test_lora_in_parallel_equals_one_process(
     """Losses, valid_loss and the adapter weights after LoRA SFT: pp2 x dp2 with ZeRO-1, and tp2 x dp2,
     equal one process."""
     from pretrain.checkpoint.lora_adapter import read_adapter
-    from tests.distributed import torchrun
+    from tests.distributed import launch
 
     argv = ["sft", "--hf-model", str(chat_llama), *TRAIN, *LORA]
     assert main([*argv, "--save", str(tmp_path / "ck1"), "--results-dir", str(tmp_path / "one")]) == 0
-    proc = torchrun(4, "finetune.cli", [*argv, *flags, "--save",
+    proc = launch(4, "finetune.cli", [*argv, *flags, "--save",
                                         str(tmp_path / "ck4"), "--results-dir", str(tmp_path / "four")])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, four = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "four"))

@@ -71,12 +71,12 @@ def test_lora_sft_on_moe_trains_the_experts_and_exports_to_peft(chat_mixtral: Pa
 def test_lora_sft_at_ep2_equals_one_process(chat_mixtral: Path, tmp_path: Path) -> None:
     """Losses, valid_loss and every adapter (each EP rank's experts in the saved checkpoint)."""
     from pretrain.checkpoint.lora_adapter import read_adapter
-    from tests.distributed import torchrun
+    from tests.distributed import launch
 
     one = _train(chat_mixtral, tmp_path, "one")
     argv = ["sft", "--hf-model", str(chat_mixtral), *TRAIN, *LORA, "--expert-model-parallel-size", "2",
             "--save", str(tmp_path / "ck_ep"), "--results-dir", str(tmp_path / "ep")]  # fmt: skip
-    proc = torchrun(2, "finetune.cli", argv)
+    proc = launch(2, "finetune.cli", argv)
     assert proc.returncode == 0, proc.stderr[-3000:]
     ep = json.loads((tmp_path / "ep" / "results.json").read_text())
     torch.testing.assert_close(torch.tensor(ep["details"]["train_losses"]), torch.tensor(one["details"]["train_losses"]),  # type: ignore[index]

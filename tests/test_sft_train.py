@@ -156,13 +156,13 @@ def test_packed_training_in_parallel_equals_one_process(
     chat_llama: Path, tmp_path: Path, layout: str, flags: list[str]
 ) -> None:
     """Losses and valid_loss of 2 packed SFT steps: pp2 x dp2 with ZeRO-1, and tp2 x dp2 = 1 process."""
-    from tests.distributed import torchrun
+    from tests.distributed import launch
 
     argv = ["sft", "--hf-model", str(chat_llama), "--data", str(SFT_CHAT_FILE), "--valid-data", str(SFT_CHAT_FILE),
             "--pack", "--seq-length", "128", "--global-batch-size", "4", "--micro-batch-size", "1", "--epochs", "1",
             "--lr", "1e-3", "--no-progress"]  # fmt: skip
     assert main([*argv, "--results-dir", str(tmp_path / "one")]) == 0
-    proc = torchrun(4, "finetune.cli", [*argv, *flags, "--results-dir",
+    proc = launch(4, "finetune.cli", [*argv, *flags, "--results-dir",
                                         str(tmp_path / "four")])  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, four = (json.loads((tmp_path / d / "results.json").read_text()) for d in ("one", "four"))

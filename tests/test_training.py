@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pretrain.training.cli import main as pretrain_main
-from tests.distributed import torchrun
+from tests.distributed import launch
 from tests.train_fixtures import gpt_args
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ def _losses(path: Path) -> list[float]:
 
 
 def _torchrun(nproc: int, flags: list[str]) -> subprocess.CompletedProcess[str]:
-    return torchrun(nproc, "pretrain.training.cli", flags)
+    return launch(nproc, "pretrain.training.cli", flags)
 
 
 @pytest.mark.slow
