@@ -48,7 +48,7 @@ def _become_rank(rank: int, world: int, port: int, run_id: str) -> None:
         os._exit(1)
     for key, value in {
         "RANK": rank, "LOCAL_RANK": rank, "GROUP_RANK": 0, "ROLE_RANK": rank, "WORLD_SIZE": world,
-        "LOCAL_WORLD_SIZE": world, "ROLE_WORLD_SIZE": world, "ROLE_NAME": "default", "MASTER_ADDR": "127.0.0.1",
+        "LOCAL_WORLD_SIZE": world, "ROLE_WORLD_SIZE": world, "ROLE_NAME": "default", "MASTER_ADDR": "localhost",
         "MASTER_PORT": port, "TORCHELASTIC_RUN_ID": run_id, "TORCHELASTIC_RESTART_COUNT": 0,
         "TORCHELASTIC_MAX_RESTARTS": 0, "TORCHELASTIC_USE_AGENT_STORE": True,
     }.items():  # fmt: skip
