@@ -112,14 +112,7 @@ def torchrun(
     ``--standalone`` lets the launcher pick a free port, so any number of launches may run side by
     side. One thread per process (``OMP_NUM_THREADS=1``), no hub access; output captured as text.
     """
-    return subprocess.run(
-        torchrun_command(nproc, module, argv),
-        cwd=REPO,
-        env=torchrun_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    return _run(torchrun_command(nproc, module, argv), timeout, env)
 
 
 def launch(
@@ -127,13 +120,12 @@ def launch(
 ) -> subprocess.CompletedProcess[str]:
     """:func:`torchrun`'s run on forked ranks (:mod:`tests.forked_launch`); a failed rank makes the
     launch exit 1 after the line ``forked_launch: rank R exited with code C``."""
+    return _run(launch_command(nproc, module, argv), timeout, env)
+
+
+def _run(cmd: list[str], timeout: float, env: dict[str, str] | None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        launch_command(nproc, module, argv),
-        cwd=REPO,
-        env=torchrun_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
+        cmd, cwd=REPO, env=torchrun_env(env), capture_output=True, text=True, timeout=timeout
     )
 
 
