@@ -15,7 +15,7 @@ after ``import torch`` (no torch op has run, so no thread pool exists to break),
 * ``OMP_NUM_THREADS`` defaults to 1 (torchrun's default with several ranks per host), before torch
   is imported, since OpenMP reads it when its library loads;
 * the ranks write to this process's stdout and stderr, unprefixed (torchrun without ``--tee``);
-* when a rank fails the others are stopped and this process exits 1 (torchrun's code) after one
+* when a rank fails the others get SIGTERM (SIGKILL 30 s later) and this process exits 1 (torchrun's code) after one
   line ``forked_launch: rank R exited with code C`` on stderr; a rank dies with this process
   (``PR_SET_PDEATHSIG``), so a test's timeout leaves none behind.
 
@@ -25,7 +25,6 @@ Tests of torchrun's own behaviour (its messages, its exit codes) run the real la
 
 from __future__ import annotations
 
-import ctypes
 import os
 import runpy
 import signal
@@ -37,13 +36,17 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import torch.distributed as dist  # noqa: E402  (after OMP_NUM_THREADS: the ranks inherit the import)
 
+from pretrain.utils.libc import libc  # noqa: E402
+
 _PR_SET_PDEATHSIG = 1
+_GRACE_S = 30  # torchrun's default before SIGKILL
 
 
 def _become_rank(rank: int, world: int, port: int, run_id: str) -> None:
     """This forked process becomes rank ``rank``: torchrun's environment, and it dies with the launcher."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    c_library = libc()
+    if c_library is not None:  # Linux: the kernel kills this rank when the launcher dies
+        c_library.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() == 1:  # the launcher died before the line above took effect
         os._exit(1)
     for key, value in {
@@ -83,6 +86,9 @@ def launch(world: int) -> int | None:
             failed = (rank, code)
             for other in pids:  # torchrun stops the other workers when one fails
                 os.kill(other, signal.SIGTERM)
+            # and kills those still there after its grace period (one that ignores SIGTERM)
+            signal.signal(signal.SIGALRM, lambda *_: [os.kill(other, signal.SIGKILL) for other in pids])
+            signal.alarm(_GRACE_S)
     del store
     if failed is not None:
         print(f"forked_launch: rank {failed[0]} exited with code {failed[1]}", file=sys.stderr)

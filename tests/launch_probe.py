@@ -1,12 +1,14 @@
 """A rank that reports what its launcher gave it (``python -m tests.launch_probe [FAIL_RANK]``):
 one JSON line with its rank, the world, the sum of every rank's rank over gloo, the launcher's
-variables it sees, ``sys.argv[0]`` and ``__name__``; rank ``FAIL_RANK`` exits 2 after the sum."""
+variables it sees, ``sys.argv[0]`` and its torch threads. With ``FAIL_RANK`` that rank exits 2
+after the line and every other rank then waits (up to 300 s) to be stopped by its launcher."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 
 import torch
 import torch.distributed as dist
@@ -26,7 +28,12 @@ def main() -> int:
                        "argv0": os.path.basename(sys.argv[0]), "threads": torch.get_num_threads()})  # fmt: skip
     os.write(1, (line + "\n").encode())  # one write: the ranks share the launcher's stdout
     dist.destroy_process_group()
-    return 2 if sys.argv[1:] == [os.environ["RANK"]] else 0
+    if not sys.argv[1:]:
+        return 0
+    if sys.argv[1] == os.environ["RANK"]:
+        return 2
+    time.sleep(300)  # the launcher must stop this rank once the failing one has exited
+    return 0
 
 
 if __name__ == "__main__":
