@@ -16,9 +16,6 @@
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -40,6 +37,7 @@ from pretrain.utils.errors import UserError
 from tests.convert_fixtures import rewrite_upstream, upstream_args, write_ours
 from tests.megatron_core_bert_peer import MASK, PROBE, TOKENTYPES, VOCAB
 from tests.ports import free_port
+from tests.preimported import run_python
 from tools.convert_cli import main as convert
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -240,18 +238,9 @@ def _peer(*argv: str, tp: int) -> None:
         "megatron.core", reason="megatron-core is a test-only extra: pip install -e '.[megatron]'"
     )
     port = free_port()  # other sessions run peers too
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [
-        sys.executable,
-        "-m",
-        "tests.megatron_core_bert_peer",
-        *argv,
-        "--tp",
-        str(tp),
-        "--port",
-        str(port),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_python(
+        "tests.megatron_core_bert_peer", [*argv, "--tp", str(tp), "--port", str(port)], timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -28,6 +28,7 @@ from pretrain.parallel.config import ParallelConfig
 from pretrain.utils.errors import UserError
 from tests.convert_fixtures import write_ours
 from tests.gpt_fixtures import full_weights, tiny_config
+from tests.preimported import run_python
 
 CFG = tiny_config(num_layers=3, gelu="tanh")
 ROOT = Path(__file__).resolve().parents[1]
@@ -230,10 +231,8 @@ def test_megatron_core_gpt_loads_our_file_strictly(tmp_path: Path, full, gelu: s
     weights = full_weights(cfg)
     src = write_ours(tmp_path / "a", cfg, weights, tp=1, pp=1, module_names="mcore")
     script = ROOT / "tests" / "megatron_strict_load.py"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     out = tmp_path / "logits.pt"
-    proc = subprocess.run([sys.executable, str(script), str(src / "iter_0000003/mp_rank_00" / MODEL_FILE),
-                           str(out)], env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = run_python(str(script), [str(src / "iter_0000003/mp_rank_00" / MODEL_FILE), str(out)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     from pretrain.models.gpt import GPTModel
     from pretrain.models.sharding import load_full_state_dict
@@ -381,10 +380,8 @@ def test_checkpoint_written_by_megatron_core_converts_and_evaluates(tmp_path: Pa
     tok = train_tiny_gpt2_bpe(tmp_path / "tok", vocab_size=300)
     vocab = len(json.loads((tok / "vocab.json").read_text()))
     ck = tmp_path / "mcore"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "megatron_core_writer.py"), str(ck),
-                           str(tok / "vocab.json"), str(tok / "merges.txt"), str(vocab)],
-                          env=env, capture_output=True, text=True, timeout=600)  # fmt: skip
+    proc = run_python(str(ROOT / "tests" / "megatron_core_writer.py"),
+                      [str(ck), str(tok / "vocab.json"), str(tok / "merges.txt"), str(vocab)], timeout=600)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     reader = open_checkpoint(ck)
     assert reader.metadata is None and reader.spec.cfg.vocab_size == vocab

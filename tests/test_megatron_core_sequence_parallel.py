@@ -7,9 +7,6 @@ row-parallel biases: the gradients both sum over TP at finalize)."""
 from __future__ import annotations
 
 import dataclasses
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -27,6 +24,7 @@ from pretrain.parallel.state import ParallelState  # noqa: E402
 from pretrain.tensor_parallel.sequence_parallel import allreduce_sequence_parallel_grads  # noqa: E402
 from tests.distributed import run_distributed  # noqa: E402
 from tests.megatron_core_peer import PROBE  # noqa: E402
+from tests.preimported import run_python
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,9 +53,9 @@ def _our_name(megatron_name: str) -> str:
 # Unpadded vocabularies: megatron-core's softmax spans padded rows, ours never lets them take mass.
 @pytest.mark.parametrize("case", ["llama_v256", "gpt2_v256"])
 def test_tp2_sequence_parallel_step_equals_megatron_core(tmp_path: Path, case: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "tests.megatron_core_sp_peer", str(tmp_path), "--case", case, "--tp", "2"]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_python(
+        "tests.megatron_core_sp_peer", [str(tmp_path), "--case", case, "--tp", "2"], timeout=600
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     step = torch.load(tmp_path / "step.pt")
     full, spec, _ = load_canonical(tmp_path / "dist")

@@ -28,6 +28,7 @@ from pretrain import model_options as sem
 from pretrain.checkpoint.upstream.args import VocabOptions, true_vocab_size, upstream_model_config
 from pretrain.config import ModelConfig
 from pretrain.utils.errors import UserError
+from tests.preimported import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 ARGS_V019 = Path(__file__).with_name("megatron_lm_args_v019.json")
@@ -97,9 +98,7 @@ def test_v019_unpadded_vocabulary_is_accepted() -> None:
 
 
 def _write(out: Path, *changes: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", "tests.megatron_core_v019_writer", str(out), *changes],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = run_python("tests.megatron_core_v019_writer", [str(out), *changes])
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -9,9 +9,6 @@ with its own logits. Our reader of each must give those logits; megatron-core mu
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +21,7 @@ pytest.importorskip(
 from pretrain.checkpoint.opener import load_canonical  # noqa: E402
 from pretrain.checkpoint.verify import ours_probe  # noqa: E402
 from tests.megatron_core_peer import PROBE  # noqa: E402
+from tests.preimported import run_python
 from tools.convert_cli import main as convert  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -32,9 +30,7 @@ TOL = 1e-5
 
 
 def _peer(*argv: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "tests.megatron_core_moe_peer", *argv]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+    proc = run_python("tests.megatron_core_moe_peer", list(argv))
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

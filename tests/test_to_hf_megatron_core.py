@@ -4,9 +4,6 @@ exported so that transformers gives megatron-core's own logits."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,6 +15,7 @@ pytest.importorskip(
 
 from tests.cli_helpers import one_line_error  # noqa: E402
 from tests.megatron_core_peer import PROBE  # noqa: E402
+from tests.preimported import run_python
 from tools.convert_cli import main  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -35,9 +33,7 @@ EXACT = ("gpt2_untied", "gpt2_no_bias")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Every case saved by megatron-core (torch_dist and legacy) in one peer process."""
     out = tmp_path_factory.mktemp("mcore")
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "tests.megatron_core_peer", "save-cases", str(out), *REFUSED, *EXACT]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_python("tests.megatron_core_peer", ["save-cases", str(out), *REFUSED, *EXACT], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
 

@@ -9,9 +9,6 @@ as from its own checkpoint, and we read what it writes.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 from unittest.mock import ANY
@@ -28,6 +25,7 @@ from pretrain.checkpoint.types import DictSource, Provenance
 from pretrain.parallel.config import ParallelConfig
 from pretrain.utils.errors import UserError
 from tests.cli_helpers import one_line_error
+from tests.preimported import run_python
 from tests.test_torch_dist_reshard import _source
 from tools.convert_cli import main as convert
 
@@ -154,8 +152,7 @@ def test_checkpoint_without_optimizer_state_is_refused(
 
 
 def _peer(*argv: str, tp: int) -> None:
-    cmd = [sys.executable, "-m", "tests.megatron_core_optim_peer", *argv, "--tp", str(tp)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = run_python("tests.megatron_core_optim_peer", [*argv, "--tp", str(tp)])
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -11,9 +11,6 @@ checkpoint's rows is still refused.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +18,7 @@ import torch
 
 from pretrain.checkpoint.upstream.args import VocabOptions, true_vocab_size
 from pretrain.utils.errors import UserError
+from tests.preimported import run_python
 
 ROOT = Path(__file__).resolve().parents[1]
 TOL = 1e-5
@@ -53,9 +51,7 @@ def test_a_mismatched_tokenizer_is_still_refused() -> None:
 
 
 def _run(module: str, *argv: str) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    proc = subprocess.run([sys.executable, "-m", module, *argv], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=900)  # fmt: skip
+    proc = run_python(module, list(argv))
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

@@ -17,6 +17,7 @@ from pretrain.checkpoint.opener import find_iteration_dir, open_checkpoint
 from pretrain.checkpoint.torch_dist import dcp_meta
 from pretrain.checkpoint.torch_dist.storage_dcp import read_real_dcp_metadata
 from tests.convert_fixtures import write_bf16_llama_torch_dist
+from tests.preimported import run_python
 
 ROOT = Path(__file__).parents[1]
 
@@ -120,12 +121,8 @@ def test_megatron_cores_metadata_reads_the_same(tmp_path: Path) -> None:
     from pretrain.tokenizer.train_tiny import train_tiny_gpt2_bpe
 
     tok = train_tiny_gpt2_bpe(tmp_path / "tok", vocab_size=500)
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.megatron_core_vocab_peer", str(tmp_path / "mc"), str(tok / "vocab.json"),
-         str(tok / "merges.txt"), "--case", "llama", "--tp", "2", "--pp", "1"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=900,
-    )  # fmt: skip
+    done = run_python("tests.megatron_core_vocab_peer", [str(tmp_path / "mc"), str(tok / "vocab.json"),
+                      str(tok / "merges.txt"), "--case", "llama", "--tp", "2", "--pp", "1"])  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     it_dir = find_iteration_dir(tmp_path / "mc" / "dist", None)[0]
     _same_metadata(it_dir)

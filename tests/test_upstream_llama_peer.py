@@ -9,9 +9,6 @@ must accept our ``torch_dist`` output (from ``reshard`` and from ``from-hf``) an
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -24,6 +21,7 @@ pytest.importorskip(
 from pretrain.checkpoint.opener import load_canonical  # noqa: E402
 from pretrain.checkpoint.verify import ours_probe  # noqa: E402
 from tests.megatron_core_peer import PROBE  # noqa: E402
+from tests.preimported import run_python
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,9 +29,7 @@ TOL = 1e-5
 
 
 def _run(*argv: str, tp: int) -> None:
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "tests.megatron_core_peer", *argv, "--tp", str(tp)]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_python("tests.megatron_core_peer", [*argv, "--tp", str(tp)], timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
