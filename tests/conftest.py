@@ -13,8 +13,10 @@ from pathlib import Path
 import pytest
 
 from tests.fresh_demo import FreshDemo, shared_demo
+from tests.lm_eval_index import cache_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+cache_dir()  # the run's directory for lm-eval's task index, made once (the xdist workers inherit it)
 
 
 @pytest.fixture(scope="session")

@@ -116,11 +116,13 @@ def torchrun(
 
 
 def launch(
-    nproc: int, module: str, argv: list[str], *, timeout: float = 600.0, env: dict[str, str] | None = None
-) -> subprocess.CompletedProcess[str]:
+    nproc: int, module: str, argv: list[str], *, timeout: float = 600.0, env: dict[str, str] | None = None,
+    preload: tuple[str, ...] = (),
+) -> subprocess.CompletedProcess[str]:  # fmt: skip
     """:func:`torchrun`'s run on forked ranks (:mod:`tests.forked_launch`); a failed rank makes the
-    launch exit 1 after the line ``forked_launch: rank R exited with code C``."""
-    return _run(launch_command(nproc, module, argv), timeout, env)
+    launch exit 1 after the line ``forked_launch: rank R exited with code C``. ``preload``:
+    ``MODULE:FUNCTION``s the launcher runs before forking (e.g. :data:`tests.lm_eval_index.LM_EVAL_INDEX`)."""
+    return _run(launch_command(nproc, module, argv, preload=preload), timeout, env)
 
 
 def _run(cmd: list[str], timeout: float, env: dict[str, str] | None) -> subprocess.CompletedProcess[str]:
@@ -129,9 +131,10 @@ def _run(cmd: list[str], timeout: float, env: dict[str, str] | None) -> subproce
     )
 
 
-def launch_command(nproc: int, module: str, argv: list[str]) -> list[str]:
+def launch_command(nproc: int, module: str, argv: list[str], *, preload: tuple[str, ...] = ()) -> list[str]:
     """The command line :func:`launch` runs (for tests that start launches with ``Popen``)."""
-    return [sys.executable, "-m", "tests.forked_launch", str(nproc), module, *argv]
+    return [sys.executable, "-m", "tests.forked_launch", *(f"--preload={p}" for p in preload), str(nproc), module,
+            *argv]  # fmt: skip
 
 
 def torchrun_command(nproc: int, module: str, argv: list[str]) -> list[str]:

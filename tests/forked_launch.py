@@ -1,5 +1,6 @@
 """A torchrun stand-in for tests: ``python -m tests.forked_launch N MODULE [ARG ...]`` runs ``python -m
-MODULE ARG ...`` on ``N`` ranks forked from one process that has imported torch once.
+MODULE ARG ...`` on ``N`` ranks forked from one process that has imported torch once
+(``--preload=MODULE:FUNCTION`` options before ``N``: functions run here before the forks).
 
 Under ``torch.distributed.run`` every launch costs the agent's interpreter and torch import and then
 one more interpreter and torch import per rank: about 6.6 s for two ranks that do nothing on a
@@ -25,6 +26,7 @@ Tests of torchrun's own behaviour (its messages, its exit codes) run the real la
 
 from __future__ import annotations
 
+import importlib
 import os
 import runpy
 import signal
@@ -96,10 +98,24 @@ def launch(world: int) -> int | None:
     return 0
 
 
+def preload(specs: list[str]) -> None:
+    """Run each ``MODULE:FUNCTION`` here, before the forks, so that every rank inherits its work
+    (e.g. :func:`tests.lm_eval_index.warm`: the harness's task index, built once)."""
+    for spec in specs:
+        module, _, function = spec.partition(":")
+        getattr(importlib.import_module(module), function)()
+
+
 if __name__ == "__main__":
-    if len(sys.argv) < 3 or not sys.argv[1].isdigit():
-        sys.exit("usage: python -m tests.forked_launch NPROC MODULE [ARG ...]")
-    world, module, argv = int(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    args = sys.argv[1:]
+    specs = [a.removeprefix("--preload=") for a in args if a.startswith("--preload=")]
+    args = args[len(specs) :]
+    if len(args) < 2 or not args[0].isdigit():
+        sys.exit(
+            "usage: python -m tests.forked_launch [--preload=MODULE:FUNCTION ...] NPROC MODULE [ARG ...]"
+        )
+    world, module, argv = int(args[0]), args[1], args[2:]
+    preload(specs)
     code = launch(world)
     if code is not None:
         sys.exit(code)

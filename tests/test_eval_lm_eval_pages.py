@@ -19,6 +19,7 @@ from mlm_eval.builtin import builtin_path
 from mlm_eval.cli import main
 from mlm_eval.tasks.wikitext import split_wikitext_documents
 from tests.harness_fixtures import WIKI_YAML
+from tests.lm_eval_index import task_manager
 
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
@@ -36,7 +37,6 @@ def _pages() -> list[str]:
 @pytest.mark.slow
 def test_page_rows_equal_the_harness(tiny_gpt2_dir: Path, tmp_path: Path) -> None:
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     pages = _pages()
     assert split_wikitext_documents("\n".join(pages)) != pages  # re-splitting would score other documents
@@ -48,7 +48,7 @@ def test_page_rows_equal_the_harness(tiny_gpt2_dir: Path, tmp_path: Path) -> Non
     (tasks / "wiki_local.yaml").write_text(WIKI_YAML.format(data=data))
     peer = simple_evaluate(
         model="hf", model_args=f"pretrained={tiny_gpt2_dir},dtype=float32,max_length=64", tasks=["wiki_local"],
-        task_manager=TaskManager(include_path=str(tasks)), device="cpu", batch_size=4,
+        task_manager=task_manager(tasks), device="cpu", batch_size=4,
     )["results"]["wiki_local"]  # fmt: skip
     out = tmp_path / "ours.json"
     argv = ["wikitext103", "--hf-model", str(tiny_gpt2_dir), "--data", str(data), "--method", "lm-eval",

@@ -24,6 +24,7 @@ from mlm_eval.cli import main
 from mlm_eval.tasks.wikitext import split_wikitext_documents
 from tests.eval_helpers import build_tiny_hf, load_tiny
 from tests.harness_fixtures import LAMBADA_YAML, WIKI_YAML
+from tests.lm_eval_index import task_manager
 
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
@@ -67,7 +68,6 @@ def _ours(model_dir: Path, root: Path, argv: list[str]) -> dict[str, Any]:
 @pytest.mark.slow  # > 10 s
 def test_lm_eval_harness_equals_mlm_eval(tmp_path: Path) -> None:
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     model_dir = build_tiny_hf(tmp_path / "model")
     tasks = _write_tasks(tmp_path, model_dir)
@@ -75,7 +75,7 @@ def test_lm_eval_harness_equals_mlm_eval(tmp_path: Path) -> None:
         model="hf",
         model_args=f"pretrained={model_dir},dtype=float32,max_length=64",
         tasks=["wiki_local", "lambada_local"],
-        task_manager=TaskManager(include_path=str(tasks)),
+        task_manager=task_manager(tasks),
         device="cpu",
         batch_size=4,
     )["results"]

@@ -17,6 +17,7 @@ import pytest
 
 from tests.distributed import launch
 from tests.harness_fixtures import TASK_NAMES, export_hf, write_tasks
+from tests.lm_eval_index import LM_EVAL_INDEX, task_manager
 
 lm_eval = pytest.importorskip("lm_eval")
 pytest.importorskip("accelerate")
@@ -42,12 +43,11 @@ def setup(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def _evaluate(model: str, model_args: str, tasks: Path) -> dict[str, Any]:
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     import mlm_eval.harness.backend  # noqa: F401
 
     out = simple_evaluate(model=model, model_args=model_args, tasks=list(TASK_NAMES),
-                          task_manager=TaskManager(include_path=str(tasks)), device="cpu", batch_size=4,
+                          task_manager=task_manager(tasks), device="cpu", batch_size=4,
                           log_samples=True)  # fmt: skip
     assert out is not None
     return {
@@ -100,7 +100,7 @@ def test_mlm_backend_under_torchrun_equals_one_process(
     argv = ["--model", "mlm", "--model_args", f"ckpt={setup['ckpt']},{layout}", "--tasks", ",".join(TASK_NAMES),
             "--include_path", str(setup["tasks"]), "--batch_size", "4", "--output_path", str(out),
             "--log_samples"]  # fmt: skip
-    proc = launch(nproc, "mlm_eval.harness", argv, env={"HF_DATASETS_OFFLINE": "1"})
+    proc = launch(nproc, "mlm_eval.harness", argv, env={"HF_DATASETS_OFFLINE": "1"}, preload=LM_EVAL_INDEX)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (results_file,) = out.rglob("results_*.json")
     results = json.loads(results_file.read_text())["results"]

@@ -25,7 +25,9 @@ def _run(model: str, model_args: str, out: Path, *extra: str) -> dict[str, Any]:
     """``mlm-lm-eval --include_path TASKS_DIR --tasks mlm_sample`` (the tag: all four), offline; the
     results file and every sample's responses, by task."""
     from mlm_eval.harness.cli import main
+    from tests.lm_eval_index import install
 
+    install()  # the harness's own task index built once per test process
     argv = ["--model", model, "--model_args", model_args, "--include_path", str(TASKS_DIR), "--tasks", TAG,
             "--device", "cpu", "--output_path", str(out), "--log_samples", *extra]  # fmt: skip
     assert main(argv) == 0

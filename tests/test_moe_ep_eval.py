@@ -27,6 +27,7 @@ from mlm_eval.builtin import builtin_path
 from mlm_eval.cli import main as eval_main
 from tests.distributed import launch, launch_command, torchrun_env
 from tests.llama_fixtures import qwen_style_bpe_tokenizer
+from tests.lm_eval_index import LM_EVAL_INDEX, task_manager
 from tests.moe_hf_fixtures import hf_model
 from tools.convert_cli import main as convert_main
 
@@ -117,7 +118,6 @@ def test_ep_eval_equals_hf_model(moe: dict[str, Path]) -> None:
 @pytest.mark.slow
 def test_harness_ep2_equals_one_process(moe: dict[str, Path]) -> None:
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     import mlm_eval.harness.backend  # noqa: F401  registers --model mlm
     from tests.harness_fixtures import write_tasks
@@ -125,7 +125,7 @@ def test_harness_ep2_equals_one_process(moe: dict[str, Path]) -> None:
 
     tasks = write_tasks(moe["root"] / "tasks")
     one = simple_evaluate(model="mlm", model_args=f"ckpt={moe['ck']}", tasks=list(LOGLIKELIHOOD_TASKS),
-                          task_manager=TaskManager(include_path=str(tasks)), device="cpu", batch_size=4,
+                          task_manager=task_manager(tasks), device="cpu", batch_size=4,
                           log_samples=True)  # fmt: skip
     assert one is not None
     mine = {"results": one["results"],
@@ -134,7 +134,7 @@ def test_harness_ep2_equals_one_process(moe: dict[str, Path]) -> None:
     out = moe["root"] / "harness-ep2"
     argv = ["--model", "mlm", "--model_args", f"ckpt={moe['ck']},ep=2", "--tasks", ",".join(LOGLIKELIHOOD_TASKS),
             "--include_path", str(tasks), "--batch_size", "4", "--output_path", str(out), "--log_samples"]  # fmt: skip
-    proc = launch(2, "mlm_eval.harness", argv, env={"HF_DATASETS_OFFLINE": "1"})
+    proc = launch(2, "mlm_eval.harness", argv, env={"HF_DATASETS_OFFLINE": "1"}, preload=LM_EVAL_INDEX)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (results_file,) = out.rglob("results_*.json")
     results = json.loads(results_file.read_text())["results"]
@@ -151,13 +151,12 @@ def test_harness_ep2_equals_one_process(moe: dict[str, Path]) -> None:
 def _harness_one(model: str, model_args: str, tasks: Path) -> dict[str, Any]:
     """All four local tasks in this process: results and each task's responses by doc_id."""
     from lm_eval import simple_evaluate
-    from lm_eval.tasks import TaskManager
 
     import mlm_eval.harness.backend  # noqa: F401  registers --model mlm
     from tests.harness_fixtures import TASK_NAMES
 
     out = simple_evaluate(model=model, model_args=model_args, tasks=list(TASK_NAMES),
-                          task_manager=TaskManager(include_path=str(tasks)), device="cpu", batch_size=4,
+                          task_manager=task_manager(tasks), device="cpu", batch_size=4,
                           log_samples=True)  # fmt: skip
     assert out is not None
     resps = {
@@ -172,7 +171,7 @@ def _harness_torchrun(nproc: int, model_args: str, tasks: Path, out: Path) -> di
 
     argv = ["--model", "mlm", "--model_args", model_args, "--tasks", ",".join(TASK_NAMES), "--include_path",
             str(tasks), "--batch_size", "4", "--output_path", str(out), "--log_samples"]  # fmt: skip
-    proc = launch(nproc, "mlm_eval.harness", argv, env={"HF_DATASETS_OFFLINE": "1"})
+    proc = launch(nproc, "mlm_eval.harness", argv, env={"HF_DATASETS_OFFLINE": "1"}, preload=LM_EVAL_INDEX)
     assert proc.returncode == 0, proc.stderr[-3000:]
     (results_file,) = out.rglob("results_*.json")
     resps = {}

@@ -127,7 +127,9 @@ def test_lm_eval_with_apply_chat_template_runs_on_the_sft_checkpoint(
     pytest.importorskip("lm_eval")
     from mlm_eval.harness.cli import main
     from mlm_eval.harness.tasks import TASKS_DIR
+    from tests.lm_eval_index import install
 
+    install()  # the harness's own task index built once per test process
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.chdir(tmp_path)
