@@ -59,6 +59,7 @@ def install() -> None:
         return index
 
     build._tests_memo = True  # type: ignore[attr-defined]
+    build._tests_plain = own_build  # type: ignore[attr-defined]  # the harness's own (for the test of this one)
     _index.TaskIndex.build = staticmethod(build)  # type: ignore[method-assign,assignment]
 
 
