@@ -5,7 +5,8 @@ MODULE ARG ...`` on ``N`` ranks forked from one process that has imported torch 
 Under ``torch.distributed.run`` every launch costs the agent's interpreter and torch import and then
 one more interpreter and torch import per rank: about 6.6 s for two ranks that do nothing on a
 2-core host, most of a short test run. Here the ranks are ``fork``s of this process taken right
-after ``import torch`` (no torch op has run, so no thread pool exists to break), each then a fresh
+after ``import torch`` and ``torch._dynamo`` (which the first ``torch.optim`` optimizer of a
+process imports: 2.6 s; no torch op has run, so no thread pool exists to break), each then a fresh
 ``python -m MODULE`` as far as the command can tell:
 
 * the rendezvous is torchrun's: this process holds the TCP store (port chosen by the kernel, so no
@@ -36,6 +37,7 @@ import uuid
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
+import torch._dynamo  # noqa: E402, F401  (torch.optim's first optimizer imports it: 2.6 s a rank otherwise)
 import torch.distributed as dist  # noqa: E402  (after OMP_NUM_THREADS: the ranks inherit the import)
 
 from pretrain.utils.libc import libc  # noqa: E402

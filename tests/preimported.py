@@ -43,6 +43,7 @@ from typing import IO, Any
 
 ROOT = Path(__file__).resolve().parents[1]
 PRELOAD = (
+    "torch._dynamo",
     "torch.distributed.checkpoint",
     "megatron.core.models.gpt",
     "megatron.core.models.bert.bert_model",
