@@ -84,6 +84,7 @@ def test_a_child_sharing_the_parents_pages_is_not_counted_twice(
     assert abs(counted - lone) < 16 * MB, (counted, lone)
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 def test_the_converters_start_no_process_to_find_the_c_library(tmp_path: Path) -> None:
     """``madvise`` and ``sync_file_range`` come from the running interpreter (``CDLL(None)``), not
     from a library path found by running ``ldconfig`` (``ctypes.util.find_library``)."""

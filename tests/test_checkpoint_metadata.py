@@ -344,6 +344,7 @@ def test_a_pickled_callable_in_args_is_refused_and_never_runs(tmp_path: Path) ->
     assert not marker.exists()
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 def test_engine_core_imports_without_transformers() -> None:
     """pretrain/ (training, checkpoints, tokenizers) imports with transformers unavailable: HF file
     I/O lives at the edge (tools/hf_io.py)."""

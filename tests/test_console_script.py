@@ -70,6 +70,7 @@ def test_a_bug_keeps_its_traceback(tmp_path: Path) -> None:
     assert "Traceback" in done.stderr and "RuntimeError: a bug" in done.stderr
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 def test_mlm_convert_console_script_reports_user_errors(tmp_path: Path) -> None:
     """The installed entry goes through ``console_main``: a bad --load is one line and exit 2."""
     missing = tmp_path / "no_such_checkpoint"
@@ -107,6 +108,7 @@ def test_mlm_convert_lets_openmp_threads_sleep_unless_the_user_chose(given: str 
     assert (done.returncode, done.stdout.split()) == (0, [seen, "False"]), done.stderr
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 def test_torch_is_imported_with_the_collector_paused_then_frozen(tmp_path: Path) -> None:
     """``import_torch_frozen``: torch imported, no collection ran during the import, every object
     alive then in the permanent generation, and the collector on again for what comes after."""

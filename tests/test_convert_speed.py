@@ -44,6 +44,7 @@ def _to_hf(ck: Path, save: Path, vocab: int) -> Path:
 
 
 # (a mixture-of-experts export is planned too: its router check skips the dry run's shape probes)
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 @pytest.mark.parametrize("overrides", [{}, LLAMA, QWEN2_MOE], ids=["gpt2", "llama", "qwen2-moe"])
 def test_to_hf_runs_the_whole_model_mapping_a_fixed_number_of_times(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, overrides: dict[str, object]

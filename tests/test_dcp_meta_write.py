@@ -109,6 +109,7 @@ def test_two_files_per_rank_are_dcps_and_so_is_the_metadata_up_to_dcps_thread_or
     assert pickle.dumps(theirs) == (ours / ".metadata").read_bytes()
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 def test_writing_imports_no_dcp(tmp_path: Path) -> None:
     script = f"""
 import sys, torch

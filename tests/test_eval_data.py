@@ -58,6 +58,7 @@ def test_wikitext_from_datasets_equals_raw_file(tiny: Path, tmp_path: Path) -> N
         assert got["details"]["data_sha256"] == raw["details"]["data_sha256"], kind
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 def test_lambada_from_datasets_equals_jsonl(tiny: Path, tmp_path: Path) -> None:
     raw = _run(tiny, tmp_path, "raw", ["lambada", "--data", "builtin:lambada_sample.jsonl", "--no-progress"])
     files = _datasets_files(tmp_path, "sentence", _lambada_texts())

@@ -29,6 +29,7 @@ def test_launch_gives_the_ranks_what_torchrun_gives(nproc: int) -> None:
     assert all(r["sum"] == nproc * (nproc - 1) // 2 and r["has_run_id"] and r["threads"] == 1 for r in got)
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 def test_a_failing_rank_ends_the_launch_with_code_1_and_stops_the_others() -> None:
     start = time.monotonic()
     proc = launch(2, "tests.launch_probe", ["1"])

@@ -78,6 +78,7 @@ def test_tasks_are_package_data() -> None:
     assert out.stdout.strip() == str(TASKS_DIR)
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 @pytest.mark.parametrize(
     ("model_args", "needle"),
     [

@@ -50,6 +50,7 @@ def _logits(directory: Path, ids: torch.Tensor) -> torch.Tensor:
         return model.eval()(ids).logits  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_hf_tp2pp2_ep4_dist_tp2pp2ep2_hf_is_exact(tmp_path: Path, family: str) -> None:
     _save_original(family, tmp_path / "hf")

@@ -20,6 +20,7 @@ def _bash_block_after(marker: str) -> str:
     return block[: block.index("```")]
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 def test_llama_command_runs_on_the_demos_outputs(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -45,6 +46,7 @@ def test_llama_command_runs_on_the_demos_outputs(
     assert abs(summary["final_loss"] - float(final)) < 0.02
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 def test_the_module_said_to_allow_list_namespace_does(tmp_path: Path) -> None:
     """README names the module whose import lets ``torch.load(weights_only=True)`` read our ``args``."""
     (module,) = re.findall(r"`argparse\.Namespace`\s+is allow-listed on import of `([\w.]+)`", README)

@@ -420,6 +420,7 @@ def test_metric_direction_and_scale_rules() -> None:
     assert not is_percent_metric("adjusted_ppl") and not is_percent_metric("bits_per_byte")
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 def test_md_csv_json_carry_the_same_rows_values_and_marks(
     realistic: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -455,6 +456,7 @@ def test_md_csv_json_carry_the_same_rows_values_and_marks(
         assert text in md and any(text in n for n in doc["notes"])
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 def test_cli_warns_per_bad_file_and_ignores_its_own_output(
     results_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -84,6 +84,7 @@ def page(tmp_path_factory: pytest.TempPathFactory) -> str:
     return (root / "out" / "leaderboard.html").read_text()
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 def test_page_is_self_contained(page: str) -> None:
     parser = _PageParser()
     parser.feed(page)

@@ -121,6 +121,7 @@ def test_chat_template_errors_are_one_line(
     assert "--chat-template" in err and str(missing) in err
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 def test_lm_eval_with_apply_chat_template_runs_on_the_sft_checkpoint(
     sft_ckpt: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

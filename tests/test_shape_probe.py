@@ -103,6 +103,7 @@ def test_tensor_meta_of_an_hf_import_equals_fake_tensor_modes(tmp_path: Path) ->
         assert source.meta_cache[name] is got  # asked again (every rank file): not run again
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 @pytest.mark.parametrize("family", ["llama3", "qwen2_moe"])
 def test_conversions_do_not_import_dynamo(tmp_path: Path, family: str) -> None:
     """from-hf (tensor_meta of the HF import) and to-hf (the plan) run without torch._dynamo."""

@@ -54,6 +54,7 @@ def test_our_metadata_classes_hold_what_dcps_hold(tmp_path: Path, tp: int, pp: i
     _same_metadata(find_iteration_dir(tmp_path / "ck", None)[0])
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 def test_reading_every_tensor_imports_no_dcp(tmp_path: Path) -> None:
     full = write_bf16_llama_torch_dist(tmp_path / "ck", tp=2, pp=2)
     torch.save(full, tmp_path / "full.pt")

@@ -95,6 +95,7 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+@pytest.mark.slow  # 2.4-15 s on a 2-core host: out of the fast lane (under 2 min)
 def test_kill_during_save_keeps_previous_checkpoint(data: dict[str, str], tmp_path: Path) -> None:
     script = tmp_path / "killer.py"
     script.write_text(KILLER)
