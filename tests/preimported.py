@@ -71,12 +71,16 @@ def run_python(
     with ``env`` (default :func:`server_env`), output captured as text, as ``subprocess.run``."""
     env = dict(server_env() if env is None else env)
     cmd = [sys.executable, target] if target.endswith(".py") else [sys.executable, "-m", target]
-    server = _server()
-    if any(env.get(k) != server.env.get(k) for k in IMPORT_TIME_VARS):
+    if _differs(env, server_env()) or _differs(env, _server().env):  # started only when it may serve
         return subprocess.run(
             [*cmd, *argv], cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout
         )
-    return server.run(cmd, target, argv, env, cwd, timeout)
+    return _server().run(cmd, target, argv, env, cwd, timeout)
+
+
+def _differs(env: Mapping[str, str], base: Mapping[str, str]) -> bool:
+    """Whether ``env`` and ``base`` differ in a variable read at import or library load."""
+    return any(env.get(k) != base.get(k) for k in IMPORT_TIME_VARS)
 
 
 class _Server:

@@ -23,6 +23,8 @@ if mode == "report":
                       "path0": sys.path[0], "stdin": sys.stdin.read()}))
     print("to stderr", file=sys.stderr)
     sys.exit(int(sys.argv[2]))
+if mode == "modules":
+    print("torch" in sys.modules)
 if mode == "raise":
     raise ValueError("boom")
 if mode == "sleep":  # a child in the same process group, as a peer's ranks are
@@ -54,6 +56,14 @@ def test_a_script_runs_as_in_a_fresh_interpreter(script: Path, tmp_path: Path) -
     report = json.loads(run_python(str(script), ["report", "0"], env=env, cwd=tmp_path).stdout)
     assert report == {"argv": ["report", "0"], "cwd": str(tmp_path), "probe": "seen", "path0": str(tmp_path),
                       "stdin": ""}  # fmt: skip
+
+
+@pytest.mark.slow
+def test_an_environment_read_at_import_gets_a_fresh_interpreter(script: Path, tmp_path: Path) -> None:
+    """The server's imports were made under its own ``OMP_NUM_THREADS``: another one runs afresh."""
+    served = run_python(str(script), ["modules"], cwd=tmp_path)
+    fresh = run_python(str(script), ["modules"], env=server_env({"OMP_NUM_THREADS": "3"}), cwd=tmp_path)
+    assert (served.stdout.strip(), fresh.stdout.strip()) == ("True", "False")
 
 
 @pytest.mark.slow
