@@ -39,7 +39,7 @@ def install() -> None:
     from lm_eval.tasks import _index
 
     cache_dir()  # now: in a launcher, before its forks, so that every rank shares it
-    if getattr(_index.TaskIndex.build, "_tests_memo", False):
+    if hasattr(_index.TaskIndex.build, "_tests_plain"):  # installed already
         return
     own_build = _index.TaskIndex.build
     own_root = Path(_index.__file__).resolve().parent
@@ -58,7 +58,6 @@ def install() -> None:
                 index[name] = entry
         return index
 
-    build._tests_memo = True  # type: ignore[attr-defined]
     build._tests_plain = own_build  # type: ignore[attr-defined]  # the harness's own (for the test of this one)
     _index.TaskIndex.build = staticmethod(build)  # type: ignore[method-assign,assignment]
 
