@@ -1,8 +1,8 @@
 """Fused elementwise kernels (``--fused-kernels``): RMSNorm (frozen or trained) and SwiGLU, each
-forward and gradient compiled into one loop with ``torch.compile``. (The RoPE split of the QKV
-output stays an eager node, :func:`pretrain.models.rotary.split_rotate_qkv`: compiled, forward and
-backward took 1.13 against 1.43 ms a layer at batch 4 x seq 256, h 512, GQA 8/2 on a 2-core Xeon,
-0.4% of a LoRA step, not worth another compiled region.)
+forward and gradient compiled into one loop with ``torch.compile``. The RoPE split of the QKV
+output stays an eager node (:func:`pretrain.models.rotary.split_rotate_qkv`): compiled, it saved
+too little of a step to be worth another compiled region (measured in the README's "LoRA training
+step against transformers + PEFT").
 
 Megatron fuses the same regions (``jit_fuser``: ``torch.compile``, or TorchScript on older
 PyTorch; ``--bias-swiglu-fusion``, ``--apply-rope-fusion``, Transformer Engine's fused norms). In
