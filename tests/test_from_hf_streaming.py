@@ -226,3 +226,24 @@ def test_padded_vocabulary_shards_equal_a_split_of_the_padded_tensor(dim: int | 
         want = padded if dim is None else padded.chunk(tp, dim=dim)[rank]
         got = shard_tensor(full, dim=dim, tp_rank=rank, tp=tp, pad_rows_to=512)
         assert got.dtype == want.dtype and got.is_contiguous() and torch.equal(got, want)
+
+
+def test_reading_a_directory_leaves_another_mapping_of_its_files_alone(tmp_path: Path) -> None:
+    """A transformers model of the same directory in this process maps the same file; its pages
+    written in place (PEFT's PiSSA/OLoRA rewrite the base weights so) survive our streamed read,
+    which gives back the pages of its own mappings only."""
+    from safetensors.torch import load_file
+
+    from pretrain.checkpoint.legacy.pages import mapped_ranges
+    from tools.hf_io import open_hf
+
+    src = write_hf(tmp_path / "hf", "llama_gqa")
+    weights = src / "model.safetensors"
+    other = load_file(str(weights))  # a private mapping of the file, as transformers 5 loads it
+    assert mapped_ranges([weights])
+    file_value = other["model.norm.weight"].clone()
+    other["model.norm.weight"].add_(1.0)  # written in place
+    source = open_hf(src)
+    for name in source.names():
+        source.tensor(name)  # each read ends by giving its mapping's pages back
+    assert torch.equal(other["model.norm.weight"], file_value + 1.0)

@@ -461,9 +461,15 @@ def open_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> LazySou
     and each canonical full tensor is built when asked for (then the pages read are given back),
     so writing a checkpoint holds one full tensor beside the file being written, not the model.
     The same tensors, in the same order, as :func:`import_hf`."""
-    from pretrain.checkpoint.legacy.pages import PageReleaser
+    from pretrain.checkpoint.legacy.pages import PageReleaser, mapped_ranges
 
+    # mappings of these files that exist already are someone else's (a transformers model of this
+    # directory in this process): their written pages must not be given back (PageReleaser)
+    try:
+        theirs = mapped_ranges(_weight_files(hf_dir)) or []
+    except UserError:  # no weight files: _hf_makers says so, after its earlier checks
+        theirs = []
     spec, imported = _hf_makers(hf_dir, make_vocab_size_divisible_by)
-    pages = PageReleaser(_weight_files(hf_dir))  # after the files are mapped (read_hf_state)
+    pages = PageReleaser(_weight_files(hf_dir), skip=theirs)  # after read_hf_state mapped them
     pages.release_all()  # the tie checks' reads
     return LazySource(spec, imported.makers, after=pages.release_all, row_parts=imported.row_parts)

@@ -39,12 +39,6 @@ LoraAs = Literal["merged", "adapter"]
 # the normal verified export of a (merged) source: (source, tokenizer, HF model_type) -> exit code
 Exporter = Callable[["TensorSource", "Tokenizer | None", "str | None"], int]
 PEFT_CONFIG, PEFT_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
-# adapter_config.json fields whose non-default values our LoRA cannot express (field -> allowed values)
-_PEFT_FIXED: dict[str, tuple[object, ...]] = {
-    "bias": ("none", None), "use_rslora": (False, None), "use_dora": (False, None),
-    "fan_in_fan_out": (False, None), "modules_to_save": (None, []), "rank_pattern": ({}, None),
-    "alpha_pattern": ({}, None), "layers_to_transform": (None, []), "layer_replication": (None,),
-}  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -207,6 +201,7 @@ def read_peft_adapter(adapter_dir: Path, cfg: ModelConfig) -> tuple[LoraConfig, 
     from pretrain.models.families.llama_lora import targets_of_peft_modules
     from pretrain.models.families.moe_lora import targets_of_peft
     from pretrain.models.lora import LoraConfig
+    from tools.convert.peft_config import check_plain_lora
 
     where = f"--adapter {adapter_dir}"
     conf_path, weights = adapter_dir / PEFT_CONFIG, adapter_dir / PEFT_WEIGHTS
@@ -217,11 +212,11 @@ def read_peft_adapter(adapter_dir: Path, cfg: ModelConfig) -> tuple[LoraConfig, 
         conf = json.loads(conf_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:
         raise UserError(f"{conf_path}: not JSON ({exc})") from None
+    if not isinstance(conf, dict):
+        raise UserError(f"{conf_path}: not a JSON object")
     if conf.get("peft_type") != "LORA":
         raise UserError(f"{conf_path}: peft_type {conf.get('peft_type')!r}, only LORA is read")
-    for key, allowed in _PEFT_FIXED.items():
-        if conf.get(key) not in allowed:
-            raise UserError(f"{conf_path}: {key}={conf[key]!r} is not supported (only {allowed[0]!r})")
+    check_plain_lora(conf, conf_path)
     modules = conf.get("target_modules")
     if not isinstance(modules, list):
         raise UserError(f"{conf_path}: target_modules must be a list of module names, got {modules!r}")

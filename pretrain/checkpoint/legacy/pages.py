@@ -7,6 +7,13 @@ whole model would count the model's size in RSS. :class:`PageReleaser` finds, in
 from them, calls ``madvise(MADV_DONTNEED)`` on the whole pages it covers *within those ranges
 only*. For an unmodified private file mapping this is transparent: a later access faults the page
 back in from the page cache. Anything else (anonymous memory, other platforms) is left alone.
+
+A private mapping whose pages were written is not unmodified: ``MADV_DONTNEED`` throws the
+written copies away, and the next read sees the file again. Another library in this process may
+map the same file and write to it (transformers maps ``model.safetensors``, and PEFT's PiSSA or
+OLoRA initialisation then rewrites the base weights in place), so a reader gives back pages of
+its own mappings only: ``skip`` names the ranges that were mapped before it opened the files
+(:func:`mapped_ranges`), and :meth:`PageReleaser.release_all` leaves them alone.
 """
 
 from __future__ import annotations
@@ -24,25 +31,38 @@ from pretrain.utils.libc import libc
 _MADV_DONTNEED = 4  # Linux
 
 
-class PageReleaser:
-    """``release(tensor)`` drops its pages from RSS if they lie in a mapping of ``files``."""
+Range = tuple[int, int]  # [start, end) addresses of one mapping
 
-    def __init__(self, files: Iterable[Path]) -> None:
-        self.ranges: list[tuple[int, int]] = []
-        self.libc = None
-        if not sys.platform.startswith("linux"):
-            return
-        names = {str(Path(f).resolve()) for f in files}
-        try:
-            lines = Path("/proc/self/maps").read_text().splitlines()
-        except OSError:
-            return
-        self.libc = libc()
-        for line in lines:
-            parts = line.split(maxsplit=5)
-            if len(parts) == 6 and parts[5] in names:
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                self.ranges.append((lo, hi))
+
+def mapped_ranges(files: Iterable[Path]) -> list[Range] | None:
+    """The address ranges of this process that map ``files`` now (``/proc/self/maps``); None off
+    Linux or where the table cannot be read."""
+    if not sys.platform.startswith("linux"):
+        return None
+    names = {str(Path(f).resolve()) for f in files}
+    try:
+        lines = Path("/proc/self/maps").read_text().splitlines()
+    except OSError:
+        return None
+    ranges: list[Range] = []
+    for line in lines:
+        parts = line.split(maxsplit=5)
+        if len(parts) == 6 and parts[5] in names:
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            ranges.append((lo, hi))
+    return ranges
+
+
+class PageReleaser:
+    """``release(tensor)`` drops its pages from RSS if they lie in a mapping of ``files``;
+    ``release_all()`` every page of those mappings, except the ranges in ``skip`` (mapped before
+    this reader opened the files: someone else's, which may hold written pages)."""
+
+    def __init__(self, files: Iterable[Path], *, skip: Iterable[Range] = ()) -> None:
+        ranges = mapped_ranges(files)
+        others = set(skip)
+        self.ranges: list[Range] = [] if ranges is None else [r for r in ranges if r not in others]
+        self.libc = None if ranges is None else libc()
 
     def release_all(self) -> None:
         """Drop every resident page of the mapped files (e.g. after building one tensor of many)."""
