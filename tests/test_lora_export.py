@@ -206,3 +206,36 @@ def test_an_adapter_recording_its_base_under_w1_still_loads(exported, tmp_path: 
     err = one_line_error(main, ["to-hf", "--load", str(tmp_path / "wrong"), "--save", str(tmp_path / "x"),
                                 "--weights-only"], capsys)  # fmt: skip
     assert "(fingerprint w1:" in err and "are not the ones this LoRA adapter was trained on" in err
+
+
+@pytest.mark.parametrize("case", ["llama3", "llama_linear_tied", "mistral", "qwen2", "qwen3"])
+def test_a_peft_adapter_of_every_llama_family_round_trips(case: str, tmp_path: Path) -> None:
+    """PEFT-trained adapter -> ``from-hf --adapter`` -> ``to-hf --lora-as adapter`` / ``merged``:
+    PEFT loads our adapter as the model it trained, and the merged export equals it (Qwen2's QKV
+    bias, Qwen3's head_dim != hidden / heads and QK-norm, a tied head)."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from tests.llama_fixtures import hf_model
+
+    hf_model(case).save_pretrained(tmp_path / "hf")
+    modules = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    pm = get_peft_model(AutoModelForCausalLM.from_pretrained(tmp_path / "hf"),
+                        LoraConfig(r=2, lora_alpha=4, target_modules=modules))  # fmt: skip
+    gen = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in pm.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    trained = _logits(pm)
+    pm.save_pretrained(str(tmp_path / "peft"))
+    assert main(["from-hf", "--load", str(tmp_path / "hf"), "--adapter", str(tmp_path / "peft"), "--save",
+                 str(tmp_path / "lora"), "--weights-only"]) == 0  # fmt: skip
+    for kind in ("adapter", "merged"):
+        assert main(["to-hf", "--load", str(tmp_path / "lora"), "--save", str(tmp_path / kind), "--lora-as", kind,
+                     "--weights-only"]) == 0  # fmt: skip
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "hf")
+    assert torch.equal(_logits(PeftModel.from_pretrained(base, str(tmp_path / "adapter"))), trained)
+    merged = _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "merged"))
+    assert (merged - trained).abs().max() <= 1e-5
+    assert (trained - _logits(AutoModelForCausalLM.from_pretrained(tmp_path / "hf"))).abs().max() > 1e-2
