@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 
+from pretrain.utils.errors import UserError
 from tests.cli_helpers import one_line_error
 from tests.lora_fixtures import tiny_hf
 from tools.convert.peft_config import MUST_BE_DEFAULT, NO_EFFECT, check_plain_lora
@@ -88,12 +89,18 @@ def test_a_plain_adapter_with_every_peft_field_imports_as_peft_loads_it(hf_dir: 
 @pytest.mark.parametrize(
     ("variant", "field"),
     [
-        ({"init_lora_weights": "pissa"}, "init_lora_weights='pissa' trains against a changed base"),
+        (
+            {"init_lora_weights": "pissa"},
+            "init_lora_weights='pissa' trains against a base its initialisation changed",
+        ),
         (
             {"init_lora_weights": "pissa_niter_2"},
-            "init_lora_weights='pissa_niter_2' trains against a changed base",
+            "init_lora_weights='pissa_niter_2' trains against a base its initialisation changed",
         ),
-        ({"init_lora_weights": "olora"}, "init_lora_weights='olora' trains against a changed base"),
+        (
+            {"init_lora_weights": "olora"},
+            "init_lora_weights='olora' trains against a base its initialisation changed",
+        ),
         ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens=[5, 6] is not supported"),
     ],
 )
@@ -184,3 +191,12 @@ def test_every_field_of_peft_lora_config_is_classified() -> None:
     assert not unclassified
     defaults = LoraConfig(target_modules=TARGETS).to_dict()
     check_plain_lora(json.loads(json.dumps(defaults, default=str)), Path("adapter_config.json"))
+
+
+@pytest.mark.parametrize("init", ["corda", "loftq", "lora_ga", "pissa_niter_16", "mystery"])
+def test_other_base_changing_or_unknown_inits_are_refused(init: str) -> None:
+    """Those that need data or quantization to build (CorDA, LoftQ, LoRA-GA), checked on the config."""
+    with pytest.raises(UserError, match=f"init_lora_weights='{init}'"):
+        check_plain_lora({"peft_type": "LORA", "init_lora_weights": init}, Path("adapter_config.json"))
+    for plain in (True, False, "gaussian", "eva", "orthogonal", "mica"):
+        check_plain_lora({"peft_type": "LORA", "init_lora_weights": plain}, Path("adapter_config.json"))

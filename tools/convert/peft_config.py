@@ -8,9 +8,10 @@ model and exit 0:
 * ``alora_invocation_tokens`` (activated LoRA: the update applies only from the invocation tokens
   on; PEFT cannot merge it either);
 * ``init_lora_weights`` of ``pissa``, ``olora``, ``corda``, ``loftq``, ``lora_ga``: these start
-  from a base with the initial ``B A`` subtracted (or quantized). ``PeftModel.from_pretrained``
-  redoes that decomposition on whatever base it is given, so the adapter is only a plain LoRA after
-  PEFT's conversion (``save_pretrained(..., path_initial_model_for_weight_conversion=...)``);
+  from a base with the initial ``B A`` subtracted (or quantized), so ``B A`` is an update of that
+  base, not of the one it is loaded onto (``PeftModel.from_pretrained`` redoes PiSSA's and OLoRA's
+  subtraction on whatever base it is given). Such an adapter is a plain LoRA only after PEFT's
+  conversion (``save_pretrained(..., path_initial_model_for_weight_conversion=...)``);
 * ``use_qalora``, ``use_bdlora``, ``kasa_config``, ``monteclora_config``, ``arrow_config``,
   ``use_dora``, ``use_rslora``, ``lora_bias``, ``trainable_token_indices``, per-module patterns and
   the rest of :data:`MUST_BE_DEFAULT`.
@@ -84,8 +85,8 @@ def _check_init(init: object, conf_path: Path) -> None:
         return
     if isinstance(init, str) and init.lower().startswith(_BASE_CHANGING_INITS):
         raise UserError(
-            f"{conf_path}: init_lora_weights={init!r} trains against a changed base (PEFT redoes that change "
-            "on load); convert it to a plain LoRA adapter first (PEFT: save_pretrained(..., "
+            f"{conf_path}: init_lora_weights={init!r} trains against a base its initialisation "
+            "changed, not the one given; convert it to a plain LoRA adapter first (PEFT: save_pretrained(..., "
             "path_initial_model_for_weight_conversion=DIR_OF_THE_INITIAL_ADAPTER))"
         )
     raise UserError(f"{conf_path}: init_lora_weights={init!r} is not an initialisation this reader knows")
