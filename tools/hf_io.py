@@ -466,10 +466,11 @@ def open_hf(hf_dir: Path, *, make_vocab_size_divisible_by: int = 128) -> LazySou
     # mappings of these files that exist already are someone else's (a transformers model of this
     # directory in this process): their written pages must not be given back (PageReleaser)
     try:
-        theirs = mapped_ranges(_weight_files(hf_dir)) or []
+        files = _weight_files(hf_dir)
     except UserError:  # no weight files: _hf_makers says so, after its earlier checks
-        theirs = []
+        files = []
+    theirs = (mapped_ranges(files) or []) if files else []
     spec, imported = _hf_makers(hf_dir, make_vocab_size_divisible_by)
-    pages = PageReleaser(_weight_files(hf_dir), skip=theirs)  # after read_hf_state mapped them
+    pages = PageReleaser(files, skip=theirs)  # after read_hf_state mapped them
     pages.release_all()  # the tie checks' reads
     return LazySource(spec, imported.makers, after=pages.release_all, row_parts=imported.row_parts)
