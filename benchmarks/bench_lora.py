@@ -83,7 +83,7 @@ def _prompt_tokens(seq: int, loss_fraction: float) -> int:
 
 
 def _ours(
-    workdir: Path, dtype: str, device: str, fused: bool, loss_fraction: float = 1.0
+    workdir: Path, dtype: str, device: str, fused: bool, loss_fraction: float = 1.0, cpu_gemm: str = "auto"
 ) -> Callable[[torch.Tensor], float]:
     import dataclasses
 
@@ -98,7 +98,8 @@ def _ours(
     from tools.hf_io import open_hf
 
     source = open_hf(workdir / "base")
-    cfg = dataclasses.replace(source.spec.cfg, params_dtype=dtype, fused_kernels=fused)  # --fused-kernels
+    cfg = dataclasses.replace(source.spec.cfg, params_dtype=dtype, fused_kernels=fused,
+                              cpu_gemm=cpu_gemm)  # --fused-kernels, --cpu-gemm  # fmt: skip
     ps = ParallelState.single(device=device, seed=0)
     model = GPTModel(cfg, ps)
     load_full_state_dict(model, TrunkTensors(source))  # streamed, one tensor at a time (as SFT loads)
@@ -128,9 +129,9 @@ def _ours(
 
 
 def _theirs(
-    workdir: Path, dtype: str, device: str, fused: bool, loss_fraction: float = 1.0
+    workdir: Path, dtype: str, device: str, fused: bool, loss_fraction: float = 1.0, cpu_gemm: str = "auto"
 ) -> Callable[[torch.Tensor], float]:
-    del fused  # transformers' Llama has no such switch: the plain loop
+    del fused, cpu_gemm  # transformers' Llama has no such switches: the plain loop (torch's own GEMMs)
     import torch.nn.functional as F
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -175,7 +176,7 @@ def _side(args: argparse.Namespace) -> None:
     batches = _batches(args.steps, args.batch, args.seq, SIZES[args.size][5], args.device)
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
     step = (_ours if args.side == "ours" else _theirs)(
-        args.workdir, args.dtype, args.device, args.fused_kernels == "on", args.loss_fraction
+        args.workdir, args.dtype, args.device, args.fused_kernels == "on", args.loss_fraction, args.cpu_gemm
     )
     phases["built"] = _rss_mb()
     losses = [step(b) for b in batches[: args.warmup]]
@@ -224,7 +225,8 @@ def _side_argv(side: str, work: Path, args: argparse.Namespace) -> list[str]:
     return [sys.executable, "-m", "benchmarks.bench_lora", "--side", side, "--workdir", str(work),
             "--size", args.size, "--steps", str(args.steps), "--warmup", str(args.warmup), "--batch", str(args.batch), "--seq", str(args.seq),
             "--dtype", args.dtype, "--device", args.device, "--threads", str(args.threads),
-            "--fused-kernels", args.fused_kernels, "--loss-fraction", str(args.loss_fraction)]  # fmt: skip
+            "--fused-kernels", args.fused_kernels, "--loss-fraction", str(args.loss_fraction),
+            "--cpu-gemm", args.cpu_gemm]  # fmt: skip
 
 
 def _run_side(side: str, work: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -303,6 +305,9 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads per side (0: torch's default)")
     p.add_argument("--fused-kernels", choices=("on", "off"), default="on",
                    help="our side as mlm-finetune sft --fused-kernels (default) or without it")  # fmt: skip
+    p.add_argument("--cpu-gemm", choices=("auto", "mkl", "onednn"), default="auto",
+                   help="our side's frozen fp32 GEMM library on the CPU, as mlm-finetune sft --cpu-gemm "
+                   "(auto: oneDNN on x86 CPUs not made by Intel, else MKL)")  # fmt: skip
     p.add_argument("--schedule", choices=("interleaved", "sequential"), default="interleaved",
                    help="interleaved: both sides' processes at once, their timed steps in turn (default); "
                    "sequential: one side's whole run, then the other's")  # fmt: skip
@@ -362,8 +367,22 @@ def _summary(pairs: list[dict[str, dict[str, Any]]], args: argparse.Namespace) -
         "size": args.size, "steps": args.steps, "warmup": args.warmup, "batch": args.batch, "seq": args.seq, "dtype": args.dtype,
         "device": args.device, "fused_kernels": args.fused_kernels == "on", "rank": RANK, "repeats": args.repeats, "threads": args.threads or torch.get_num_threads(),
         "schedule": args.schedule, "loss_fraction": args.loss_fraction,
+        "cpu_gemm": args.cpu_gemm, "cpu_gemm_library": _cpu_gemm_library(args), "cpu_vendor": _cpu_vendor(),
         "loss_tokens_per_row": args.seq - _prompt_tokens(args.seq, args.loss_fraction),
     }  # fmt: skip
+
+
+def _cpu_gemm_library(args: argparse.Namespace) -> str | None:
+    """What ``--cpu-gemm`` ran as on our side (None on a GPU)."""
+    from pretrain.models.cpu_gemm import resolve
+
+    return resolve(args.cpu_gemm) if args.device == "cpu" else None
+
+
+def _cpu_vendor() -> str | None:
+    from pretrain.models.cpu_gemm import cpu_vendor
+
+    return cpu_vendor()
 
 
 def _step_ratio_median(pairs: list[dict[str, dict[str, Any]]]) -> float | None:

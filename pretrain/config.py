@@ -21,6 +21,7 @@ RouterScore = Literal["softmax", "sigmoid"]
 LoadBalancing = Literal["aux_loss", "none"]
 DropPolicy = Literal["probs", "position"]
 RecomputeGranularity = Literal["full", "selective"]
+CpuGemm = Literal["auto", "mkl", "onednn"]  # ModelConfig.cpu_gemm (pretrain.models.cpu_gemm)
 RecomputeMethod = Literal["uniform", "block"]
 
 
@@ -65,6 +66,9 @@ class ModelConfig:
     fused_kernels: bool = (
         False  # frozen RMSNorm and SwiGLU as torch.compile'd loops (pretrain.models.fused_kernels)
     )
+    # The library of the frozen fp32 base GEMMs on the CPU (LoRA's adapted linears, the frozen
+    # output layer): "auto" is oneDNN on x86 CPUs not made by Intel, MKL elsewhere (pretrain.models.cpu_gemm).
+    cpu_gemm: CpuGemm = "auto"
     params_dtype: DTypeName = "float32"
     # BERT-specific switches (ignored by GPT).
     bidirectional: bool = False
@@ -131,6 +135,8 @@ class ModelConfig:
             raise UserError(f"model config: gelu must be 'tanh' or 'erf', got {self.gelu!r}")
         if self.params_dtype not in ("float32", "bfloat16", "float16"):
             raise UserError(f"model config: unknown params_dtype {self.params_dtype!r}")
+        if self.cpu_gemm not in ("auto", "mkl", "onednn"):
+            raise UserError(f"--cpu-gemm must be auto, mkl or onednn, got {self.cpu_gemm!r}")
         self._check_llama_options()
         self._check_recompute()
         if self.squared_relu and self.swiglu:
@@ -208,7 +214,7 @@ class ModelConfig:
         finetuning of the checkpoint start from plain TP and eager kernels)."""
         return dataclasses.replace(
             self, sequence_parallel=False, recompute_granularity=None, recompute_method=None,
-            recompute_num_layers=None, fused_kernels=False,
+            recompute_num_layers=None, fused_kernels=False, cpu_gemm="auto",
         )  # fmt: skip
 
     def _check_recompute(self) -> None:

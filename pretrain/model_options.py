@@ -158,6 +158,11 @@ OPTIONS: tuple[Option, ...] = (
            help="frozen RMSNorm and SwiGLU as torch.compile'd loops (Megatron's jit_fuser fusions; "
            "compiles on the first step)"),
            meaning="fused elementwise kernels"),
+    Option(field="cpu_gemm", status="numerics",
+           flag=_flag("--cpu-gemm", choices=("auto", "mkl", "onednn"),
+           help="library of the frozen fp32 base GEMMs on the CPU (LoRA's adapted linears, the frozen output "
+           "layer); auto: oneDNN on x86 CPUs not made by Intel, where MKL runs its AVX2 kernels, else MKL"),
+           meaning="CPU GEMM library of frozen weights"),
     Option(field="params_dtype", megatron="params_dtype", status="numerics", meaning="parameter dtype"),
     # the layer
     Option(field="layernorm_epsilon", megatron="norm_epsilon", aliases=("layernorm_epsilon",),

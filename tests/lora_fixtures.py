@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from pretrain.config import CpuGemm
 from pretrain.models.families import llama as hf_llama
 from pretrain.models.families.llama_lora import canonical_to_peft, peft_target_modules
 from pretrain.models.gpt import GPTModel
@@ -26,10 +27,12 @@ def ours_from_hf(
     ps: ParallelState | None = None,
     fused_kernels: bool = False,
     params_dtype: str | None = None,
+    cpu_gemm: CpuGemm = "auto",
 ) -> GPTModel:
     """Our model holding ``hf``'s weights (in ``params_dtype`` when given), with fp32 adapters added
-    (A from ``seed``, B zero)."""
-    mcfg = dataclasses.replace(hf_llama.model_config_from_hf(hf.config), fused_kernels=fused_kernels)
+    (A from ``seed``, B zero); ``cpu_gemm`` the frozen GEMMs' library (``--cpu-gemm``)."""
+    mcfg = dataclasses.replace(hf_llama.model_config_from_hf(hf.config), fused_kernels=fused_kernels,
+                               cpu_gemm=cpu_gemm)  # fmt: skip
     if params_dtype is not None:
         mcfg = dataclasses.replace(mcfg, params_dtype=params_dtype)
     model = GPTModel(mcfg, ps or ParallelState.single())

@@ -147,7 +147,9 @@ def test_model_step_equals_the_plain_path(case: str, monkeypatch: pytest.MonkeyP
     ids = torch.randint(0, 301, (2, 25), generator=torch.Generator().manual_seed(1))
     calls = []
     monkeypatch.setattr(lora_linear, "lora_linear", lambda *a, **k: calls.append(1) or fused(*a, **k))
-    monkeypatch.setattr(gpt, "lm_head_cross_entropy", lambda *a: calls.append(2) or lm_head_cross_entropy(*a))
+    monkeypatch.setattr(
+        gpt, "lm_head_cross_entropy", lambda *a, **k: calls.append(2) or lm_head_cross_entropy(*a, **k)
+    )
     loss, grads = _loss_and_grads(model, ids)
     assert calls == [1] * 2 * 4 + [
         2

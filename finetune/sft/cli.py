@@ -27,7 +27,7 @@ from finetune.sft.samples import LOSS_ON
 from finetune.sft.source import Decoder, load_decoder
 from pretrain.config import DTypeFlags, ModelConfig
 from pretrain.model_option_flags import add_model_override_flags, model_overrides_from_flags
-from pretrain.models import fused_kernels
+from pretrain.models import cpu_gemm, fused_kernels
 from pretrain.models.lora import LoraConfig, LoraFlags
 from pretrain.parallel.config import ParallelConfig
 from pretrain.tokenizer.flags import TokenizerFlags
@@ -38,7 +38,7 @@ from pretrain.utils.flag_groups import add_flag_group, flags_from_namespace
 from pretrain.utils.outputs import check_writable_output
 
 # model options a run may change, with the option table's flags (left out: the model's value)
-MODEL_OVERRIDES = ("hidden_dropout", "attention_dropout", "fused_kernels")
+MODEL_OVERRIDES = ("hidden_dropout", "attention_dropout", "fused_kernels", "cpu_gemm")
 
 
 def build_parser() -> OneLineParser:
@@ -114,6 +114,8 @@ def _check_flags(args: argparse.Namespace) -> None:
     flags_from_namespace(DTypeFlags, args).dtype_name()  # --bf16 with --fp16: refused
     if args.fused_kernels:
         fused_kernels.check_compiler()
+    if args.cpu_gemm is not None:
+        cpu_gemm.check_available(args.cpu_gemm)
     if args.eval_only and args.save is not None:
         raise UserError("--eval-only trains nothing to --save; drop --save")
     if args.chat_template is not None and not Path(args.chat_template).is_file():

@@ -102,14 +102,22 @@ def run_sft(args: argparse.Namespace, dec: Decoder, cfg: ModelConfig, parallel: 
     if data.valid_rows is not None:
         valid = valid_loss(task.chunks, ps, data.valid_rows, train_cfg.micro_batch_size)
     if ps.rank == 0:
-        _report(args, dec, ps, data, result, valid, params, lora)
+        _report(args, dec, ps, data, result, valid, params, lora, cpu_gemm=_cpu_gemm_ran(cfg, ps))
     if dist.is_initialized():
         dist.destroy_process_group()
     return 0
 
 
+def _cpu_gemm_ran(cfg: ModelConfig, ps: ParallelState) -> str | None:
+    """The library the frozen fp32 base GEMMs ran with (``--cpu-gemm`` resolved), None on a GPU."""
+    from pretrain.models.cpu_gemm import resolve
+
+    return resolve(cfg.cpu_gemm) if ps.device.type == "cpu" else None
+
+
 def _report(args: argparse.Namespace, dec: Decoder, ps: ParallelState, data: SFTData, result: dict[str, Any],
-            valid: tuple[float, int] | None, params: int, lora: LoraConfig | None) -> None:  # fmt: skip
+            valid: tuple[float, int] | None, params: int, lora: LoraConfig | None, *,
+            cpu_gemm: str | None) -> None:  # fmt: skip
     from pretrain.utils.results import make_result, write_result
 
     history = result["history"]
@@ -125,7 +133,7 @@ def _report(args: argparse.Namespace, dec: Decoder, ps: ParallelState, data: SFT
         "template_sha256": None if data.template is None else data.template.sha256,
         "template_source": None if data.template is None else data.template.source,
         "loss_on": data.loss_on, "pack": args.pack, "lora": None if lora is None else lora.to_dict(), "layout": layout, "dtype": dtype,
-        "fused_kernels": bool(args.fused_kernels), "eval_only": args.eval_only, "iterations": result["final_iteration"],
+        "fused_kernels": bool(args.fused_kernels), "cpu_gemm": cpu_gemm, "eval_only": args.eval_only, "iterations": result["final_iteration"],
         "final_loss": history[-1]["loss"] if history else None, "train_losses": [h["loss"] for h in history],
         "hyperparameters": {k: getattr(args, k) for k in ("epochs", "global_batch_size", "micro_batch_size", "lr",
                             "min_lr", "lr_decay_style", "lr_warmup_fraction", "weight_decay", "clip_grad", "seed")},

@@ -12,6 +12,7 @@ import torch
 
 from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
+from pretrain.models.cpu_gemm import resolve as resolve_cpu_gemm
 from pretrain.models.forward_context import ForwardContext
 from pretrain.models.language_model import LanguageModel, gather_vocab_logits, parallel_lm_logits
 from pretrain.models.lm_loss import fused_loss_ok, lm_head_cross_entropy
@@ -127,7 +128,7 @@ class GPTModel(ShardedModule):
             valid = min(weight.shape[0], self.cfg.vocab_size)  # no padded rows, as parallel_lm_logits
             # out-of-range targets (masked out by the caller) get the loss of class 0, as below
             safe = labels.masked_fill((labels < 0) | (labels >= valid), 0)
-            return lm_head_cross_entropy(x, weight[:valid], safe)
+            return lm_head_cross_entropy(x, weight[:valid], safe, gemm=resolve_cpu_gemm(self.cfg.cpu_gemm))
         logits = parallel_lm_logits(
             x,
             weight,

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
+from pretrain.models.cpu_gemm import GemmLibrary, mm_weight, mm_weight_t
 from pretrain.tensor_parallel.cross_entropy import block_elements
 
 _CPU_BLOCK_ELEMENTS = 1 << 23  # elements of the reused logits block on the CPU (32 MiB in fp32)
@@ -25,39 +26,51 @@ _CPU_BLOCK_ELEMENTS = 1 << 23  # elements of the reused logits block on the CPU 
 
 class _LMHeadCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(  # type: ignore[override]
+        ctx: Any, x: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, gemm: GemmLibrary
+    ) -> torch.Tensor:
         n, v = x.shape[0], weight.shape[0]
         rows = max(1, min(n, block_elements(x.device, cpu=_CPU_BLOCK_ELEMENTS) // max(v, 1)))
-        buf = x.new_empty(rows, v)
+        buf = x.new_empty(rows, v) if gemm == "mkl" else None  # oneDNN writes a new block instead
         loss = x.new_empty(n)
         grad_x = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
         for start in range(0, n, rows):
             stop = min(n, start + rows)
-            block, t = buf[: stop - start], target[start:stop].unsqueeze(-1)
-            torch.mm(x[start:stop], weight.t(), out=block)  # the logits of these rows
+            t = target[start:stop].unsqueeze(-1)
+            if buf is None:
+                block = mm_weight_t(x[start:stop], weight, gemm)  # the logits of these rows
+            else:
+                block = torch.mm(x[start:stop], weight.t(), out=buf[: stop - start])
             # row-wise kernel: each row is read whole before it is written, so out= may alias it
             torch.ops.aten._log_softmax.out(block, -1, False, out=block)
             torch.neg(block.gather(-1, t).squeeze(-1), out=loss[start:stop])
             if grad_x is not None:  # d loss_i / d logits_i = softmax - onehot, times W
                 block.exp_().scatter_add_(-1, t, block.new_full(t.shape, -1.0))
-                torch.mm(block, weight, out=grad_x[start:stop])
+                if buf is None:
+                    grad_x[start:stop] = mm_weight(block, weight, gemm)
+                else:
+                    torch.mm(block, weight, out=grad_x[start:stop])
+            del block  # freed before the next block is made
         ctx.save_for_backward(grad_x)
         return loss
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+    def backward(ctx: Any, grad_loss: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:  # type: ignore[override]
         (grad_x,) = ctx.saved_tensors
         # in place: kept only for this (a second backward is refused: the saved tensor changed)
-        return grad_x.mul_(grad_loss.unsqueeze(-1)), None, None
+        return grad_x.mul_(grad_loss.unsqueeze(-1)), None, None, None
 
 
-def lm_head_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+def lm_head_cross_entropy(
+    hidden: torch.Tensor, weight: torch.Tensor, target: torch.Tensor, *, gemm: GemmLibrary = "mkl"
+) -> torch.Tensor:
     """Per-token loss ``[...]`` of ``hidden [..., h]`` under the output weight ``weight [V, h]``
     (every row a real vocabulary entry) for targets ``target [...]`` in ``[0, V)``: float32, as
     the plain path. Only the hidden states get a gradient (the caller keeps this to a frozen
-    ``weight``, fp32 tensors and one tensor-parallel rank)."""
-    loss = _LMHeadCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1))
+    ``weight``, fp32 tensors and one tensor-parallel rank). ``gemm``: the library of its two GEMMs
+    on the CPU (:mod:`pretrain.models.cpu_gemm`)."""
+    loss = _LMHeadCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, target.reshape(-1), gemm)
     return loss.view(target.shape)  # type: ignore[no-any-return]
 
 

@@ -40,6 +40,7 @@ from torch import nn
 
 from pretrain.config import ModelConfig
 from pretrain.models.base import ShardedModule
+from pretrain.models.cpu_gemm import resolve as resolve_cpu_gemm
 from pretrain.models.lora_experts import attach_expert_adapters
 from pretrain.models.lora_linear import LoraColumnParallelLinear, LoraRowParallelLinear, slice_ranges
 from pretrain.models.lora_ops import LORA_A, LORA_B, LoraWeight, adapter_names, init_adapter_a, slice_mask
@@ -302,12 +303,14 @@ def _attach(
         col.register_buffer("lora_slice_mask", mask, persistent=False)  # follows .to()
         col.lora_A, col.lora_B, col.lora_scaling, col.lora_dropout = lora_a, lora_b, cfg.scaling, cfg.dropout
         col.lora_ranges = slice_ranges(mask)
+        col.lora_gemm = resolve_cpu_gemm(mcfg.cpu_gemm)
     else:
         lin.__class__ = LoraRowParallelLinear
         row = cast(LoraRowParallelLinear, lin)
         row.lora_rng = ps.rng
         row.lora_A, row.lora_B, row.lora_scaling, row.lora_dropout = lora_a, lora_b, cfg.scaling, cfg.dropout
         row.lora_ranges = ((0, weight.shape[0], 0),)
+        row.lora_gemm = resolve_cpu_gemm(mcfg.cpu_gemm)
 
 
 def lora_parameters(model: nn.Module) -> list[nn.Parameter]:

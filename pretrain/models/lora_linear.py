@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from pretrain.models.cpu_gemm import GemmLibrary, mm_weight, mm_weight_t
 from pretrain.models.lora_ops import LoraWeight, add_low_rank, block_diagonal_b, dropped
 from pretrain.parallel.rng import RNGStatesTracker
 from pretrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -73,15 +74,17 @@ class _LoraLinear(torch.autograd.Function):
     def forward(  # type: ignore[override]
         ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor,
         b: torch.Tensor, ranges: Ranges, scaling: float, group: ProcessGroup | None, column: bool,
+        gemm: GemmLibrary,
     ) -> torch.Tensor:  # fmt: skip
         xa = x if x.dtype == a.dtype else x.to(a.dtype)  # the adapter runs in its own dtype (PEFT casts too)
         z = torch.mm(xa, a.t())  # [N, n r]: every slice's A in one GEMM
-        if x.dtype == a.dtype and bias is None and group_size(group) == 1:  # the low-rank part first,
-            y = x.new_empty(x.shape[0], weight.shape[0])  # the base GEMM adds onto it (no second pass over y)
+        if x.dtype == a.dtype and bias is None and group_size(group) == 1 and gemm == "mkl":
+            # the low-rank part first, MKL's base GEMM adds onto it (no second pass over y)
+            y = x.new_empty(x.shape[0], weight.shape[0])
             _low_rank_into(y, z, b, ranges, scaling, accumulate=False)
             y.addmm_(x, weight.t())
-        else:
-            y = torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
+        else:  # oneDNN's linear writes a new y (it cannot accumulate into one)
+            y = mm_weight_t(x, weight, gemm, bias)
             if not column:  # g: the split input's partial products summed over the group
                 all_reduce(y, group)
                 all_reduce(z, group)
@@ -92,7 +95,7 @@ class _LoraLinear(torch.autograd.Function):
                 _low_rank_into(update, z, b, ranges, scaling, accumulate=False)
                 y.add_(update)  # computed in the common dtype (fp32), rounded once into y
         ctx.save_for_backward(xa, weight, a, b, z)
-        ctx.ranges, ctx.scaling, ctx.group, ctx.column = ranges, scaling, group, column
+        ctx.ranges, ctx.scaling, ctx.group, ctx.column, ctx.gemm = ranges, scaling, group, column, gemm
         return y
 
     @staticmethod
@@ -114,7 +117,7 @@ class _LoraLinear(torch.autograd.Function):
                 gz[:, j * r : (j + 1) * r].zero_()
         gx = None
         if ctx.needs_input_grad[0]:
-            gx = torch.mm(g, weight)
+            gx = mm_weight(g, weight, ctx.gemm)
             if ctx.column:  # f on the input: the base rows of every rank
                 all_reduce(gx, ctx.group)
         if ctx.column:  # f on z: the replicated A sees the gradient of every rank's B rows
@@ -124,7 +127,7 @@ class _LoraLinear(torch.autograd.Function):
             gx.addmm_(gz, a)
         elif gx is not None:  # the adapter's input gradient rounded to the base dtype, then summed
             gx.add_(torch.mm(gz, a).to(gx.dtype))
-        return gx, None, None, ga, gb_t.t().contiguous(), None, None, None, None
+        return gx, None, None, ga, gb_t.t().contiguous(), None, None, None, None, None
 
 
 def _low_rank_into(
@@ -140,12 +143,15 @@ def _low_rank_into(
 
 def lora_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, a: torch.Tensor, b: torch.Tensor, *,
-    ranges: Ranges, scaling: float, group: ProcessGroup | None, column: bool,
+    ranges: Ranges, scaling: float, group: ProcessGroup | None, column: bool, gemm: GemmLibrary = "mkl",
 ) -> torch.Tensor:  # fmt: skip
     """``x [..., in]`` -> ``[..., out]`` (see the module docstring): ``weight [out, in]``, ``bias
     [out]`` or None (column-parallel only), ``a [n r, in]``, ``b [out, r]``, ``ranges`` the output
-    rows of each slice (:func:`slice_ranges`). Only for a frozen base and fp32 adapters (:func:`fast_path_ok`)."""
-    y = _LoraLinear.apply(x.reshape(-1, x.shape[-1]), weight, bias, a, b, ranges, scaling, group, column)
+    rows of each slice (:func:`slice_ranges`), ``gemm`` the library of the fp32 base GEMMs on the
+    CPU (:mod:`pretrain.models.cpu_gemm`). Only for a frozen base and fp32 adapters (:func:`fast_path_ok`)."""
+    y = _LoraLinear.apply(
+        x.reshape(-1, x.shape[-1]), weight, bias, a, b, ranges, scaling, group, column, gemm
+    )
     return y.view(*x.shape[:-1], y.shape[-1])  # type: ignore[no-any-return]
 
 
@@ -170,13 +176,14 @@ class LoraColumnParallelLinear(ColumnParallelLinear):
     lora_ranges: Ranges  # the same, as runs of rows
     lora_scaling: float
     lora_dropout: float
+    lora_gemm: GemmLibrary  # the base GEMMs' library on the CPU (ModelConfig.cpu_gemm, resolved)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         a, b = self.lora_A.weight, self.lora_B.weight
         if not self.sequence_parallel and fast_path_ok(x, self.weight, self.bias, a, self.lora_dropout,
                                                        self.training):  # fmt: skip
             y = lora_linear(x, self.weight, self.bias, a, b, ranges=self.lora_ranges, scaling=self.lora_scaling,
-                            group=self.group, column=True)  # fmt: skip
+                            group=self.group, column=True, gemm=self.lora_gemm)  # fmt: skip
             return gather_from_tp_region(y, self.group) if self.gather_output else y
         y = super().forward(x)
         n = self.lora_slice_mask.shape[1]
@@ -201,6 +208,7 @@ class LoraRowParallelLinear(RowParallelLinear):
     lora_scaling: float
     lora_dropout: float
     lora_rng: RNGStatesTracker
+    lora_gemm: GemmLibrary  # as LoraColumnParallelLinear's
 
     def forward_no_bias(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -210,7 +218,7 @@ class LoraRowParallelLinear(RowParallelLinear):
             x, self.weight, None, a, self.lora_dropout, self.training
         ):
             return lora_linear(x, self.weight, None, a, b, ranges=self.lora_ranges, scaling=self.lora_scaling,
-                               group=self.group, column=False)  # fmt: skip
+                               group=self.group, column=False, gemm=self.lora_gemm)  # fmt: skip
         y = super().forward_no_bias(x)
         xj = dropped(x.to(a.dtype), self.lora_dropout, self.training, self.lora_rng)
         z = reduce_from_tp_region(F.linear(xj, a), self.group)

@@ -28,7 +28,7 @@ from pretrain.checkpoint.args import training_metadata
 from pretrain.config import DTypeFlags, DTypeName, ModelConfig
 from pretrain.data.gpt_dataset import GPTDatasetConfig, data_hash
 from pretrain.model_option_flags import add_model_flags, config_kwargs_from_flags
-from pretrain.models import fused_kernels
+from pretrain.models import cpu_gemm, fused_kernels
 from pretrain.models.kinds import KINDS, kind_of
 from pretrain.models.moe.dispatch import check_expert_parallel
 from pretrain.optim.config import LRScheduleConfig, OptimizerConfig
@@ -154,6 +154,7 @@ def _check_layout(model: ModelConfig, parallel: ParallelConfig, *, seq_length: i
     model.check_training_tensor_parallel(parallel.tp)
     if model.fused_kernels:
         fused_kernels.check_compiler()
+    cpu_gemm.check_available(model.cpu_gemm)
     check_expert_parallel(model, parallel.ep, etp=parallel.expert_tp, tp=parallel.tp)
     if model.sequence_parallel and seq_length % parallel.tp:
         raise UserError(
