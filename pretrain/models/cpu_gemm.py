@@ -2,8 +2,8 @@
 
 PyTorch sends an fp32 ``torch.mm`` on the CPU to MKL. On CPUs other than Intel's, MKL dispatches
 its AVX2 kernels (AVX-512 only on Intel), and on an AVX-512 AMD EPYC those run fp32 GEMMs of our
-shapes at 105-170 GFLOP/s where oneDNN (``mkldnn::_linear_pointwise``, the kernel Inductor's CPU
-freezing uses) runs them at 240-370; on an AVX2 EPYC oneDNN is 20-40% faster on the wide ones and
+shapes at 104-172 GFLOP/s where oneDNN (``mkldnn::_linear_pointwise``, the kernel Inductor's CPU
+freezing uses) runs them at 237-366; on an AVX2 EPYC oneDNN is 20-40% faster on the wide ones and
 no slower on the others; on Intel the two are equally fast. Both are exact fp32 (oneDNN's default
 ``strict`` math mode: no bf16 or tf32 downconversion), summing the same products in their own
 order, so results agree to fp32 rounding.

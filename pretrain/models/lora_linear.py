@@ -10,7 +10,8 @@ frozen base does not need, and this node does not:
 * the low-rank update is added in place into the base GEMM's output (``addmm_`` with
   ``alpha=scaling``): no copy of ``y``, no scaled copy of ``B``; on one rank without a bias it
   is written first and the base GEMM accumulates onto it (one read-modify-write pass of ``y``
-  less; the sum in another order, equal up to fp32 rounding);
+  less; the sum in another order, equal up to fp32 rounding) where MKL runs the base GEMMs;
+  oneDNN (``--cpu-gemm``, :mod:`pretrain.models.cpu_gemm`) writes a new ``y`` and the update is added after;
 * backward adds the adapter's input gradient into the base one in place (``gx.addmm_(gz, A)``)
   instead of summing two ``[N, in]`` tensors, and skips the input gradient where the input needs
   none (the first layer's QKV reads the frozen embedding);
