@@ -37,9 +37,11 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, get_args
 
 import torch
+
+from pretrain.config import CpuGemm
 
 SIZES = {  # layers, hidden, heads, kv heads, ffn, vocab
     "tiny": (2, 64, 8, 2, 160, 1000),
@@ -305,7 +307,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=0, help="torch threads per side (0: torch's default)")
     p.add_argument("--fused-kernels", choices=("on", "off"), default="on",
                    help="our side as mlm-finetune sft --fused-kernels (default) or without it")  # fmt: skip
-    p.add_argument("--cpu-gemm", choices=("auto", "mkl", "onednn"), default="auto",
+    p.add_argument("--cpu-gemm", choices=get_args(CpuGemm), default="auto",
                    help="our side's frozen fp32 GEMM library on the CPU, as mlm-finetune sft --cpu-gemm "
                    "(auto: oneDNN on x86 CPUs not made by Intel, else MKL)")  # fmt: skip
     p.add_argument("--schedule", choices=("interleaved", "sequential"), default="interleaved",

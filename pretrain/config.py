@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, get_args
 
 from pretrain.utils.errors import UserError
 from pretrain.utils.flag_groups import flag_meta
@@ -135,8 +135,8 @@ class ModelConfig:
             raise UserError(f"model config: gelu must be 'tanh' or 'erf', got {self.gelu!r}")
         if self.params_dtype not in ("float32", "bfloat16", "float16"):
             raise UserError(f"model config: unknown params_dtype {self.params_dtype!r}")
-        if self.cpu_gemm not in ("auto", "mkl", "onednn"):
-            raise UserError(f"--cpu-gemm must be auto, mkl or onednn, got {self.cpu_gemm!r}")
+        if self.cpu_gemm not in get_args(CpuGemm):
+            raise UserError(f"--cpu-gemm must be one of {', '.join(get_args(CpuGemm))}, got {self.cpu_gemm!r}")
         self._check_llama_options()
         self._check_recompute()
         if self.squared_relu and self.swiglu:

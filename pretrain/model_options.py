@@ -26,10 +26,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pretrain import model_option_codecs as codecs
-from pretrain.config import ModelConfig
+from pretrain.config import CpuGemm, ModelConfig
 from pretrain.model_option_codecs import Args, ArgsReader, ArgsWriter, gelu_kind, is_mcore, need_int
 from pretrain.utils.errors import UserError
 
@@ -159,7 +159,7 @@ OPTIONS: tuple[Option, ...] = (
            "compiles on the first step)"),
            meaning="fused elementwise kernels"),
     Option(field="cpu_gemm", status="numerics",
-           flag=_flag("--cpu-gemm", choices=("auto", "mkl", "onednn"),
+           flag=_flag("--cpu-gemm", choices=get_args(CpuGemm),
            help="library of the frozen fp32 base GEMMs on the CPU (LoRA's adapted linears, the frozen output "
            "layer); auto: oneDNN on x86 CPUs not made by Intel, where MKL runs its AVX2 kernels, else MKL"),
            meaning="CPU GEMM library of frozen weights"),

@@ -52,6 +52,15 @@ def test_auto_resolves_from_the_cpu_vendor_alone(
     assert cpu_gemm.resolve("auto") == "mkl"
 
 
+def test_onednn_runs_only_for_fp32_tensors_on_the_cpu() -> None:
+    """Elsewhere (a GPU, here the meta device; a bf16 or fp16 base) torch's own matmul runs as
+    before, whatever ``auto`` resolved to on the host CPU."""
+    x, w = torch.ones(2, 3), torch.ones(4, 3)
+    assert cpu_gemm.runs_onednn("onednn", x, w) and not cpu_gemm.runs_onednn("mkl", x, w)
+    assert not cpu_gemm.runs_onednn("onednn", x.bfloat16(), w.bfloat16())
+    assert not cpu_gemm.runs_onednn("onednn", x.to("meta"), w.to("meta"))
+
+
 def test_onednn_on_a_build_without_it_is_refused_in_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(cpu_gemm, "onednn_available", lambda: False)
     with pytest.raises(UserError, match=r"^--cpu-gemm onednn: this PyTorch build has no oneDNN"):
@@ -64,7 +73,7 @@ def test_the_choice_is_checked_and_not_recorded_as_the_models() -> None:
     cfg = ModelConfig(num_layers=1, hidden_size=8, num_attention_heads=2, vocab_size=16, max_position_embeddings=8,
                       cpu_gemm="onednn")  # fmt: skip
     assert cfg.without_memory_options().cpu_gemm == "auto"  # a run's choice, as --fused-kernels
-    with pytest.raises(UserError, match="--cpu-gemm must be auto, mkl or onednn, got 'blas'"):
+    with pytest.raises(UserError, match="--cpu-gemm must be one of auto, mkl, onednn, got 'blas'"):
         dataclasses.replace(cfg, cpu_gemm="blas")  # type: ignore[arg-type]
 
 

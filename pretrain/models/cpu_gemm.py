@@ -26,8 +26,7 @@ import torch
 
 from pretrain.config import CpuGemm
 
-GemmLibrary = Literal["mkl", "onednn"]  # what "auto" resolves to
-CPU_GEMM_CHOICES: tuple[CpuGemm, ...] = ("auto", "mkl", "onednn")  # the choices of --cpu-gemm
+GemmLibrary = Literal["mkl", "onednn"]  # what "auto" resolves to ("mkl": torch's own matmul)
 _X86 = ("x86_64", "amd64", "i686", "i386")
 
 
@@ -77,7 +76,9 @@ def check_available(choice: CpuGemm) -> None:
                         "use --cpu-gemm mkl or auto")  # fmt: skip
 
 
-def _use_onednn(library: GemmLibrary, x: torch.Tensor, weight: torch.Tensor) -> bool:
+def runs_onednn(library: GemmLibrary, x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`mm_weight_t` / :func:`mm_weight` run oneDNN for these operands: ``library``
+    oneDNN, fp32 tensors on the CPU (on a GPU, or in bf16/fp16, torch's own matmul runs as before)."""
     return library == "onednn" and x.device.type == "cpu" and x.dtype == weight.dtype == torch.float32
 
 
@@ -85,13 +86,13 @@ def mm_weight_t(
     x: torch.Tensor, weight: torch.Tensor, library: GemmLibrary, bias: torch.Tensor | None = None
 ) -> torch.Tensor:
     """``x [N, in] @ weight [out, in]^T (+ bias [out])`` -> a new ``[N, out]`` (a linear's forward GEMM)."""
-    if _use_onednn(library, x, weight) and (bias is None or bias.dtype == torch.float32):
+    if runs_onednn(library, x, weight) and (bias is None or bias.dtype == torch.float32):
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # type: ignore[no-any-return]
     return torch.mm(x, weight.t()) if bias is None else torch.addmm(bias, x, weight.t())
 
 
 def mm_weight(g: torch.Tensor, weight: torch.Tensor, library: GemmLibrary) -> torch.Tensor:
     """``g [N, out] @ weight [out, in]`` -> a new ``[N, in]`` (the input gradient of a linear)."""
-    if _use_onednn(library, g, weight):
+    if runs_onednn(library, g, weight):
         return torch.ops.mkldnn._linear_pointwise(g, weight.t(), None, "none", [], "")  # type: ignore[no-any-return]
     return torch.mm(g, weight)

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch.autograd.function import once_differentiable
 
-from pretrain.models.cpu_gemm import GemmLibrary, mm_weight, mm_weight_t
+from pretrain.models.cpu_gemm import GemmLibrary, mm_weight, mm_weight_t, runs_onednn
 from pretrain.tensor_parallel.cross_entropy import block_elements
 
 _CPU_BLOCK_ELEMENTS = 1 << 23  # elements of the reused logits block on the CPU (32 MiB in fp32)
@@ -31,7 +31,8 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
     ) -> torch.Tensor:
         n, v = x.shape[0], weight.shape[0]
         rows = max(1, min(n, block_elements(x.device, cpu=_CPU_BLOCK_ELEMENTS) // max(v, 1)))
-        buf = x.new_empty(rows, v) if gemm == "mkl" else None  # oneDNN writes a new block instead
+        onednn = runs_onednn(gemm, x, weight)
+        buf = None if onednn else x.new_empty(rows, v)  # oneDNN writes a new block instead
         loss = x.new_empty(n)
         grad_x = x.new_empty(x.shape) if ctx.needs_input_grad[0] else None
         for start in range(0, n, rows):

@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
-from pretrain.models.cpu_gemm import GemmLibrary, mm_weight, mm_weight_t
+from pretrain.models.cpu_gemm import GemmLibrary, mm_weight, mm_weight_t, runs_onednn
 from pretrain.models.lora_ops import LoraWeight, add_low_rank, block_diagonal_b, dropped
 from pretrain.parallel.rng import RNGStatesTracker
 from pretrain.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
@@ -79,8 +79,13 @@ class _LoraLinear(torch.autograd.Function):
     ) -> torch.Tensor:  # fmt: skip
         xa = x if x.dtype == a.dtype else x.to(a.dtype)  # the adapter runs in its own dtype (PEFT casts too)
         z = torch.mm(xa, a.t())  # [N, n r]: every slice's A in one GEMM
-        if x.dtype == a.dtype and bias is None and group_size(group) == 1 and gemm == "mkl":
-            # the low-rank part first, MKL's base GEMM adds onto it (no second pass over y)
+        if (
+            x.dtype == a.dtype
+            and bias is None
+            and group_size(group) == 1
+            and not runs_onednn(gemm, x, weight)
+        ):
+            # the low-rank part first, torch's base GEMM adds onto it (no second pass over y)
             y = x.new_empty(x.shape[0], weight.shape[0])
             _low_rank_into(y, z, b, ranges, scaling, accumulate=False)
             y.addmm_(x, weight.t())
