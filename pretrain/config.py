@@ -136,7 +136,9 @@ class ModelConfig:
         if self.params_dtype not in ("float32", "bfloat16", "float16"):
             raise UserError(f"model config: unknown params_dtype {self.params_dtype!r}")
         if self.cpu_gemm not in get_args(CpuGemm):
-            raise UserError(f"--cpu-gemm must be one of {', '.join(get_args(CpuGemm))}, got {self.cpu_gemm!r}")
+            raise UserError(
+                f"--cpu-gemm must be one of {', '.join(get_args(CpuGemm))}, got {self.cpu_gemm!r}"
+            )
         self._check_llama_options()
         self._check_recompute()
         if self.squared_relu and self.swiglu:
