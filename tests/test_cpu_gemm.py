@@ -165,9 +165,12 @@ def test_a_lora_step_is_the_same_in_both_libraries_and_bitwise_in_each() -> None
 
 
 @pytest.mark.parametrize("library", LIBRARIES)
-def test_sft_records_the_library_and_its_valid_loss_equals_transformers(library: str, tmp_path: Path) -> None:
+def test_sft_records_the_library_and_its_valid_loss_equals_transformers(
+    library: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """LoRA ``--eval-only`` (frozen base: every adapted linear and the head on the fused path)
-    equals transformers' assistant-token NLL within 1e-6 relative in either library."""
+    equals transformers' assistant-token NLL within 1e-6 relative in either library; a training
+    run names the library on its start line."""
     from finetune.cli import main
     from finetune.sft.tiny_tokenizer import SFT_CHAT_FILE
     from tests.sft_fixtures import chat_messages, hf_reference_loss, make_chat_llama
@@ -181,3 +184,8 @@ def test_sft_records_the_library_and_its_valid_loss_equals_transformers(library:
     assert rec["details"]["cpu_gemm"] == library and rec["details"]["lora"]["rank"] == 4
     assert rec["metrics"]["valid_loss_tokens"] == tokens
     assert abs(rec["metrics"]["valid_loss"] - want) <= 1e-6 * want
+    capsys.readouterr()
+    assert main(["sft", "--hf-model", str(model), "--data", str(SFT_CHAT_FILE), "--seq-length", "128", "--lora-rank", "4",
+                 "--lora-alpha", "8", "--cpu-gemm", library, "--global-batch-size", "24", "--micro-batch-size", "24",
+                 "--no-progress"]) == 0  # fmt: skip
+    assert f"frozen GEMMs in {library} (--cpu-gemm)" in capsys.readouterr().out

@@ -23,6 +23,7 @@ from pretrain.checkpoint.legacy.layout import iteration_dir
 from pretrain.checkpoint.types import CheckpointMetadata
 from pretrain.distributed.ddp import DDPConfig, DistributedDataParallel, finalize_model_grads
 from pretrain.models.base import ShardedModule
+from pretrain.models.cpu_gemm import resolve as resolve_cpu_gemm
 from pretrain.models.init import init_model_parameters
 from pretrain.models.sharding import is_vocab_tensor
 from pretrain.optim import build_optimizer
@@ -302,5 +303,18 @@ def start_summary(trainer: Trainer, start: int) -> str:
     return (
         f"starting {trainer.task.model_type}: {params:,} parameters | tp={ps.tp_size} pp={ps.pp_size} "
         f"vp={ps.vp_size} dp={ps.dp_size} | global batch {cfg.global_batch_size} x seq {cfg.seq_length} = "
-        f"{tokens:,} tokens/iteration | {cfg.train_iters} iterations{resume}{where}"
+        f"{tokens:,} tokens/iteration | {cfg.train_iters} iterations{resume}{where}{_frozen_gemms(trainer)}"
     )
+
+
+def _frozen_gemms(trainer: Trainer) -> str:
+    """`` | frozen GEMMs in <library>`` on the CPU when the model has frozen fp32 weights (a LoRA
+    base: :mod:`pretrain.models.cpu_gemm`), else nothing."""
+    frozen = any(
+        not p.requires_grad and p.dtype == torch.float32
+        for chunk in trainer.chunks
+        for p in chunk.parameters()
+    )
+    if trainer.ps.device.type != "cpu" or not frozen:
+        return ""
+    return f" | frozen GEMMs in {resolve_cpu_gemm(trainer.task.model_cfg.cpu_gemm)} (--cpu-gemm)"
