@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pretrain.models import gpt, lm_loss, lora_linear
-from pretrain.models.lm_loss import lm_head_cross_entropy
+from pretrain.models.lm_loss import fused_loss_ok, lm_head_cross_entropy
 from pretrain.models.lora import is_lora_name
 from pretrain.models.lora_linear import fast_path_ok, slice_ranges
 from pretrain.models.lora_linear import lora_linear as fused
@@ -296,6 +296,19 @@ def test_lm_head_cross_entropy_in_low_precision_rounds_as_the_plain_path(
         gx.float(), ref.float(), rtol=0.0, atol=2 * ulp * float(ref.float().abs().max())
     )
     assert (gx.float() - ref.float()).norm() / ref.float().norm() < 4 * ulp
+
+
+def test_the_output_layers_one_pass_only_where_it_applies() -> None:
+    x, w = torch.ones(3, 4), torch.ones(5, 4)
+    assert fused_loss_ok(x, w, 1) and fused_loss_ok(x.bfloat16(), w.bfloat16(), 1)
+    assert fused_loss_ok(x.half(), w.half(), 1)
+    assert not fused_loss_ok(x, w, 2)  # tensor parallel: the vocab-parallel path
+    assert not fused_loss_ok(x, w.requires_grad_(), 1)  # a trained head
+    assert not fused_loss_ok(x.bfloat16(), w.detach(), 1)  # dtypes differ
+    assert fused_loss_ok(x.to("meta"), w.detach().to("meta"), 1)  # fp32 on any device
+    assert not fused_loss_ok(
+        x.bfloat16().to("meta"), w.detach().bfloat16().to("meta"), 1
+    )  # 16-bit: the CPU only
 
 
 def test_lm_head_cross_entropy_second_backward_is_refused() -> None:

@@ -100,6 +100,9 @@ def lm_head_cross_entropy(
 
 def fused_loss_ok(hidden: torch.Tensor, weight: torch.Tensor, tp_size: int) -> bool:
     """Whether :func:`lm_head_cross_entropy` computes the loss: one tensor-parallel rank, a frozen
-    output weight, and hidden states and weight of one floating dtype (fp32, bf16 or fp16)."""
-    dtypes = hidden.dtype == weight.dtype and hidden.dtype in (torch.float32, torch.bfloat16, torch.float16)
-    return tp_size == 1 and not weight.requires_grad and dtypes
+    output weight, and hidden states and weight both fp32, or both bf16/fp16 on the CPU (on a GPU a
+    16-bit head keeps the plain path, where this one is not yet measured)."""
+    if tp_size != 1 or weight.requires_grad or hidden.dtype != weight.dtype:
+        return False
+    low = hidden.dtype in (torch.bfloat16, torch.float16) and hidden.device.type == "cpu"
+    return hidden.dtype == torch.float32 or low
