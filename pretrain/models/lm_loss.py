@@ -75,12 +75,11 @@ class _LMHeadCrossEntropy(torch.autograd.Function):
 def _logits(
     x: torch.Tensor, weight: torch.Tensor, gemm: GemmLibrary, buf: torch.Tensor | None, low_buf: torch.Tensor | None
 ) -> torch.Tensor:  # fmt: skip
-    """The fp32 logits ``[rows, V]`` of ``x [rows, h]``: in ``buf`` (reused) or new (oneDNN); a
-    bf16/fp16 head's GEMM rounds them to its dtype first (in ``low_buf``), as the plain path's."""
+    """The fp32 logits ``[rows, V]`` of ``x [rows, h]``: in ``buf`` (reused) or new (oneDNN, fp32
+    only); a bf16/fp16 head's GEMM rounds them to its dtype first (in ``low_buf``), as the plain path's."""
     rows = x.shape[0]
-    if low_buf is not None:
-        low = torch.mm(x, weight.t(), out=low_buf[:rows])
-        return low.float() if buf is None else buf[:rows].copy_(low)
+    if low_buf is not None and buf is not None:
+        return buf[:rows].copy_(torch.mm(x, weight.t(), out=low_buf[:rows]))
     if buf is None:
         return mm_weight_t(x, weight, gemm)
     return torch.mm(x, weight.t(), out=buf[:rows])
